@@ -1,0 +1,49 @@
+"""Paged attention: the one function that decides how attention reads the pool.
+
+The reference path is pure MLX: the cache gathers a sequence's blocks into a
+contiguous tensor and `mx.fast.scaled_dot_product_attention` runs on it with
+a length mask. It is the oracle the Metal kernels are tested against; a
+kernel slots in here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import mlx.core as mx
+
+from mlxkv.paged_cache import PagedKVCache
+
+_ROUTED = "_mlxkv_routed"
+
+
+def paged_attention(queries, keys, values, cache: PagedKVCache, scale: float, mask):
+    """Attention of `queries [B, Hq, L, D]` over the pool, through the block table."""
+    return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+
+
+def route_model_attention(model) -> bool:
+    """Send the model's attention for paged caches through `paged_attention`.
+
+    mlx-lm model modules call `scaled_dot_product_attention` imported from
+    `mlx_lm.models.base` into their own namespace. Wrapping that name in the
+    model's module routes paged caches to us and leaves every other cache
+    (an mlx-lm run in the same process) on the original function. Returns
+    False when the module has no such name: the gathered K/V that
+    `update_and_fetch` returns still make such a model correct.
+    """
+    module = sys.modules[type(model).__module__]
+    original = getattr(module, "scaled_dot_product_attention", None)
+    if original is None:
+        return False
+    if getattr(original, _ROUTED, False):
+        return True
+
+    def routed(queries, keys, values, cache, scale, mask, sinks=None):
+        if isinstance(cache, PagedKVCache) and sinks is None:
+            return paged_attention(queries, keys, values, cache, scale, mask)
+        return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+
+    setattr(routed, _ROUTED, True)
+    module.scaled_dot_product_attention = routed
+    return True

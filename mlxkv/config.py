@@ -1,0 +1,45 @@
+"""Cache configuration, checked where the user hands it in."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from mlxkv.errors import MlxkvError
+
+# Share of physical memory the KV pool takes when nothing is said.
+DEFAULT_MEMORY_SHARE = 0.25
+
+
+@dataclass(slots=True)
+class CacheConfig:
+    """How the KV block pool is sized and used.
+
+    block_size: tokens per block, a power of two.
+    num_blocks: pool size in blocks; wins over memory_budget_bytes.
+    memory_budget_bytes: pool size as a byte budget for K and V of all layers.
+    prefix_cache: share blocks by content hash across requests.
+    connector: a KvCacheConnector (None means the no-op connector).
+    attention: "auto", "reference" or "kernel" (see attention.py).
+    """
+
+    block_size: int = 16
+    num_blocks: int | None = None
+    memory_budget_bytes: int | None = None
+    prefix_cache: bool = True
+    connector: Any = None
+    attention: str = "auto"
+
+    def __post_init__(self):
+        bs = self.block_size
+        if not isinstance(bs, int) or bs < 1 or bs & (bs - 1):
+            raise MlxkvError(f"block size must be a power of two, got {bs!r}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise MlxkvError(f"num_blocks must be at least 1, got {self.num_blocks}")
+        budget = self.memory_budget_bytes
+        if budget is not None and budget <= 0:
+            raise MlxkvError(f"memory budget must be positive, got {budget}")
+        if self.attention not in ("auto", "reference", "kernel"):
+            raise MlxkvError(
+                f"attention must be auto, reference or kernel, got {self.attention!r}"
+            )

@@ -1,0 +1,231 @@
+"""The Python API: load a model onto a paged KV pool and generate."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+from collections.abc import Iterator
+
+import mlx.core as mx
+from mlx_lm.sample_utils import make_sampler
+
+from mlxkv.block_pool import BlockPool
+from mlxkv.cache_manager import KVCacheManager, blocks_for
+from mlxkv.config import DEFAULT_MEMORY_SHARE, CacheConfig
+from mlxkv.errors import MlxkvError
+from mlxkv.fingerprint import model_fingerprint
+from mlxkv.hashing import root_hash
+from mlxkv.kv_pool import KVLayout, KVPool
+from mlxkv.model_loader import LoadedModel, load_model, probe_kv_layout
+from mlxkv.model_runner import ModelRunner
+from mlxkv.records import GenerationChunk, GenerationResult, RequestStats
+from mlxkv.sequence import Sequence
+
+# Same prefill chunk as mlx-lm's generate_step, so both compute the same
+# matmul shapes and greedy output matches token for token.
+PREFILL_STEP = 2048
+# Without a size from the user, never hold more than this many full contexts.
+MAX_DEFAULT_CONTEXTS = 16
+
+
+def _physical_memory() -> int:
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 8 << 30
+
+
+def size_pool(cfg: CacheConfig, layout: KVLayout, max_context: int | None) -> int:
+    """Number of blocks: asked for, from a byte budget, or a share of memory."""
+    if cfg.num_blocks is not None:
+        return cfg.num_blocks
+    if cfg.memory_budget_bytes is not None:
+        blocks = cfg.memory_budget_bytes // layout.bytes_per_block
+        if blocks < 1:
+            raise MlxkvError(
+                f"memory budget of {cfg.memory_budget_bytes} bytes holds no block "
+                f"({layout.bytes_per_block} bytes each)"
+            )
+        return blocks
+    share = int(_physical_memory() * DEFAULT_MEMORY_SHARE) // layout.bytes_per_block
+    contexts = MAX_DEFAULT_CONTEXTS * blocks_for(max_context or 8192, layout.block_size)
+    return max(1, min(share, contexts))
+
+
+class Engine:
+    def __init__(self, loaded: LoadedModel, cache: CacheConfig):
+        self.loaded = loaded
+        self.model = loaded.model
+        self.tokenizer = loaded.tokenizer
+        self.cache_config = cache
+        self.layout = probe_kv_layout(loaded, cache.block_size)
+        self.fingerprint = model_fingerprint(self.model, loaded.config, self.layout.dtype, cache.block_size)
+        self.kv_pool = KVPool(self.layout, size_pool(cache, self.layout, loaded.max_context))
+        self.block_pool = BlockPool(self.kv_pool.num_blocks)
+        self.manager = KVCacheManager(self.block_pool, cache.block_size)
+        self.runner = ModelRunner(self.model, self.kv_pool, "reference")
+        self._request_ids = itertools.count()
+        self.requests_served = 0
+
+    @classmethod
+    def load(cls, model: str, cache: CacheConfig | None = None, **cache_fields) -> Engine:
+        """Load `model` (a path, a Hugging Face id, or "demo") onto a new pool."""
+        cache = cache or CacheConfig(**cache_fields)
+        return cls(load_model(model), cache)
+
+    # -- prompts ----------------------------------------------------------
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        if not getattr(self.tokenizer, "has_chat_template", False):
+            raise MlxkvError(f"model {self.loaded.name!r} has no chat template; use raw prompts")
+        tokens = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        return list(tokens)
+
+    def _prompt_tokens(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            return self.encode(prompt) if prompt else []
+        return [int(t) for t in prompt]
+
+    # -- generation -------------------------------------------------------
+
+    def generate(self, prompt, **kwargs) -> GenerationResult:
+        """Generate a whole reply to `prompt` (text or token ids)."""
+        tokens, text, last = [], [], None
+        prompt_tokens = self._prompt_tokens(prompt)
+        for chunk in self.stream(prompt_tokens, **kwargs):
+            tokens.append(chunk.token)
+            text.append(chunk.text)
+            last = chunk
+        return GenerationResult("".join(text), tokens, prompt_tokens, last.finish_reason, last.stats)
+
+    def chat(self, messages: list[dict], **kwargs) -> GenerationResult:
+        return self.generate(self.apply_chat_template(messages), **kwargs)
+
+    def stream_chat(self, messages: list[dict], **kwargs) -> Iterator[GenerationChunk]:
+        return self.stream(self.apply_chat_template(messages), **kwargs)
+
+    def stream(
+        self,
+        prompt,
+        max_tokens: int = 256,
+        temperature: float = 0.0,
+        top_p: float = 0.0,
+        top_k: int = 0,
+        min_p: float = 0.0,
+        seed: int | None = None,
+        cache_salt: str | None = None,
+    ) -> Iterator[GenerationChunk]:
+        """Yield one `GenerationChunk` per generated token; the last carries stats."""
+        prompt_tokens = self._prompt_tokens(prompt)
+        self._check_request(prompt_tokens, max_tokens, temperature)
+        if seed is not None:
+            mx.random.seed(seed)
+        sampler = make_sampler(temp=temperature, top_p=top_p, min_p=min_p, top_k=top_k)
+        root = root_hash(self.fingerprint, cache_salt) if self.cache_config.prefix_cache else None
+        seq = Sequence(next(self._request_ids), prompt_tokens, root)
+        try:
+            yield from self._run(seq, max_tokens, sampler)
+        finally:
+            self.manager.cache_blocks(seq)
+            self.manager.free(seq)
+            self.requests_served += 1
+
+    def _check_request(self, prompt: list[int], max_tokens: int, temperature: float) -> None:
+        if not prompt:
+            raise MlxkvError("prompt is empty")
+        if max_tokens < 1:
+            raise MlxkvError(f"max_tokens must be at least 1, got {max_tokens}")
+        if temperature < 0:
+            raise MlxkvError(f"temperature must be >= 0, got {temperature}")
+        limit = self.loaded.max_context
+        if limit is not None and len(prompt) > limit:
+            raise MlxkvError(f"prompt has {len(prompt)} tokens but the model's context is {limit}")
+        bs = self.layout.block_size
+        need = blocks_for(len(prompt) + max_tokens, bs)
+        if need > self.kv_pool.num_blocks:
+            raise MlxkvError(
+                f"prompt ({len(prompt)} tokens) plus max_tokens ({max_tokens}) needs {need} "
+                f"blocks of {bs} tokens but the pool has {self.kv_pool.num_blocks}; "
+                "raise --num-blocks or lower --max-tokens"
+            )
+
+    def _step(self, seq: Sequence, tokens: mx.array, sampler):
+        self.manager.allocate_slots(seq, tokens.shape[1])
+        logits = self.runner.forward([seq], tokens)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        return sampler(logprobs)
+
+    def _prefill(self, seq: Sequence) -> None:
+        """Compute all uncached prompt tokens but the last, in chunks."""
+        while len(seq.prompt) - seq.num_computed > 1:
+            n = min(PREFILL_STEP, len(seq.prompt) - 1 - seq.num_computed)
+            chunk = seq.prompt[seq.num_computed : seq.num_computed + n]
+            self.manager.allocate_slots(seq, n)
+            self.runner.forward([seq], mx.array([chunk]))
+            mx.eval(self.kv_pool.keys, self.kv_pool.values)
+            self.manager.cache_blocks(seq)
+
+    def _run(self, seq: Sequence, max_tokens: int, sampler) -> Iterator[GenerationChunk]:
+        start = time.perf_counter()
+        mx.reset_peak_memory()
+        self.manager.admit(seq)
+        stats = RequestStats(
+            prompt_tokens=len(seq.prompt),
+            cached_tokens=seq.cached_tokens,
+            computed_tokens=len(seq.prompt) - seq.num_reused,
+        )
+        self._prefill(seq)
+        y = self._step(seq, mx.array([seq.prompt[-1:]]), sampler)
+        mx.async_eval(y)
+        detok = self.tokenizer.detokenizer
+        eos = self.tokenizer.eos_token_ids
+        first_token_at = None
+        for n in range(max_tokens):
+            # Queue the next step before reading this token, as mlx-lm
+            # does, so the model runs while Python handles the token.
+            if n + 1 < max_tokens:
+                next_y = self._step(seq, y[:, None], sampler)
+                mx.async_eval(next_y)
+            token = y.item()
+            seq.output.append(token)
+            self.manager.cache_blocks(seq)
+            if first_token_at is None:
+                first_token_at = time.perf_counter()
+                stats.ttft_s = first_token_at - start
+                stats.prompt_tokens_per_s = stats.computed_tokens / stats.ttft_s
+            finish = "stop" if token in eos else ("length" if n + 1 == max_tokens else None)
+            if finish != "stop":
+                detok.add_token(token)
+            if finish is not None:
+                detok.finalize()
+                self._finish_stats(stats, n + 1, first_token_at)
+                yield GenerationChunk(detok.last_segment, token, finish, stats)
+                return
+            yield GenerationChunk(detok.last_segment, token)
+            y = next_y
+
+    @staticmethod
+    def _finish_stats(stats: RequestStats, generated: int, first_token_at: float) -> None:
+        stats.generation_tokens = generated
+        elapsed = time.perf_counter() - first_token_at
+        if generated > 1 and elapsed > 0:
+            stats.decode_tokens_per_s = (generated - 1) / elapsed
+        stats.peak_memory_gb = mx.get_peak_memory() / 1e9
+
+    # -- state ------------------------------------------------------------
+
+    def stats(self) -> dict:
+        """Pool state and configuration, as plain data."""
+        return {
+            "model": self.loaded.name,
+            "block_size": self.layout.block_size,
+            "kv_bytes_per_block": self.layout.bytes_per_block,
+            "pool_bytes": self.kv_pool.nbytes,
+            "prefix_cache": self.cache_config.prefix_cache,
+            "requests": self.requests_served,
+            "pool": self.block_pool.usage(),
+        }

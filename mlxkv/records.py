@@ -1,0 +1,56 @@
+"""Typed records the engine yields; the CLI and the TUI only render these."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class RequestStats:
+    prompt_tokens: int
+    cached_tokens: dict[str, int]
+    computed_tokens: int
+    generation_tokens: int = 0
+    ttft_s: float = 0.0
+    prompt_tokens_per_s: float = 0.0
+    decode_tokens_per_s: float = 0.0
+    peak_memory_gb: float = 0.0
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class GenerationChunk:
+    """One step of a streamed reply: new text and the token that made it."""
+
+    text: str
+    token: int
+    finish_reason: str | None = None  # "stop", "length" or "cancelled" on the last chunk
+    stats: RequestStats | None = None  # set on the last chunk
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    tokens: list[int]
+    prompt_tokens: list[int]
+    finish_reason: str
+    stats: RequestStats
+    extra: dict = field(default_factory=dict)
+
+    def as_json(self) -> dict:
+        s = self.stats
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "tokens": self.tokens,
+            "text": self.text,
+            "finish_reason": self.finish_reason,
+            "cached_tokens": dict(s.cached_tokens),
+            "computed_tokens": s.computed_tokens,
+            "ttft_s": s.ttft_s,
+            "prompt_tokens_per_s": s.prompt_tokens_per_s,
+            "decode_tokens_per_s": s.decode_tokens_per_s,
+            "peak_memory_gb": s.peak_memory_gb,
+            **self.extra,
+        }

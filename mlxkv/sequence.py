@@ -1,0 +1,37 @@
+"""A sequence: one request's tokens and the blocks that hold their KV."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from mlxkv.block_pool import Block
+from mlxkv.hashing import BlockHash
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: int
+    prompt: list[int]
+    # Root of the hash chain; None when prefix caching is off.
+    hash_root: BlockHash | None
+    output: list[int] = field(default_factory=list)
+    blocks: list[Block] = field(default_factory=list)
+    block_hashes: list[BlockHash] = field(default_factory=list)
+    # Tokens whose KV has been written to the pool (or came from a hit).
+    num_computed: int = 0
+    # Leading blocks registered in the pool's hash map.
+    num_cached_blocks: int = 0
+    # Prompt tokens reused instead of computed, by where they came from.
+    cached_tokens: dict[str, int] = field(default_factory=lambda: {"pool": 0})
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+    @property
+    def block_table(self) -> list[int]:
+        return [b.block_id for b in self.blocks]
+
+    @property
+    def num_reused(self) -> int:
+        return sum(self.cached_tokens.values())
