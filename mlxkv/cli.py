@@ -1,0 +1,168 @@
+"""The `mlxkv` command line.
+
+Importing this module imports the `mlxkv` package first, which loads the
+real BLAS before anything imports mlx.core (see blas.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from mlxkv.errors import MlxkvError
+
+
+def _add_cache_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="demo", help='model path, Hugging Face id, or "demo" (default)')
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (power of two)")
+    p.add_argument("--num-blocks", type=int, default=None, help="KV pool size in blocks (default: a share of memory)")
+    p.add_argument("--no-prefix-cache", action="store_true", help="do not share blocks between prompts")
+
+
+def _add_generate(sub) -> None:
+    p = sub.add_parser("generate", help="generate replies to one or more prompts")
+    _add_cache_flags(p)
+    p.add_argument("--prompt", action="append", default=[], help="a prompt; repeat to run several in order")
+    p.add_argument("--prompt-file", action="append", default=[], help="read a prompt from a file (- for stdin)")
+    p.add_argument("--raw", action="store_true", help="send prompts as-is, without the chat template")
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0 = greedy)")
+    p.add_argument("--top-p", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    p.set_defaults(func=cmd_generate)
+
+
+def _add_tiny_model(sub) -> None:
+    from mlxkv.tiny_model import add_tiny_model_arguments
+
+    p = sub.add_parser("tiny-model", help="write a random-weight model (no download)")
+    add_tiny_model_arguments(p)
+    p.set_defaults(func=cmd_tiny_model)
+
+
+def _add_bench(sub) -> None:
+    p = sub.add_parser("bench", help="side-by-side benchmark ratios")
+    p.add_argument("suite", nargs="?", default="engine", choices=["engine", "blas", "all"])
+    p.add_argument("--context", type=int, default=2048, help="context length for the engine benchmark")
+    p.add_argument("--decode-tokens", type=int, default=64)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_bench)
+
+
+def _add_doctor(sub) -> None:
+    p = sub.add_parser("doctor", help="which BLAS MLX uses, and whether Metal is available")
+    p.set_defaults(func=cmd_doctor)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from mlxkv import __version__
+
+    parser = argparse.ArgumentParser(prog="mlxkv", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="store_true", help="print versions, BLAS and Metal, then exit")
+    sub = parser.add_subparsers(dest="command")
+    _add_generate(sub)
+    _add_tiny_model(sub)
+    _add_bench(sub)
+    _add_doctor(sub)
+    parser.set_defaults(version_string=__version__)
+    return parser
+
+
+def _read_prompts(args) -> list[str]:
+    prompts = list(args.prompt)
+    for path in args.prompt_file:
+        try:
+            prompts.append(sys.stdin.read() if path == "-" else open(path, encoding="utf-8").read())
+        except OSError as e:
+            raise MlxkvError(f"cannot read prompt file {path!r}: {e.strerror}") from None
+    if not prompts:
+        raise MlxkvError("no prompt given; use --prompt TEXT or --prompt-file PATH")
+    return prompts
+
+
+def _cache_config(args):
+    from mlxkv.config import CacheConfig
+
+    return CacheConfig(
+        block_size=args.block_size,
+        num_blocks=args.num_blocks,
+        prefix_cache=not args.no_prefix_cache,
+    )
+
+
+def cmd_generate(args) -> int:
+    from mlxkv.engine import Engine
+
+    prompts = _read_prompts(args)
+    config = _cache_config(args)
+    engine = Engine.load(args.model, config)
+    for text in prompts:
+        tokens = engine.encode(text) if args.raw else engine.apply_chat_template([{"role": "user", "content": text}])
+        if not text.strip():
+            tokens = []  # an empty message is an empty prompt, template or not
+        options = dict(max_tokens=args.max_tokens, temperature=args.temp, top_p=args.top_p, seed=args.seed)
+        if args.json:
+            print(json.dumps(engine.generate(tokens, **options).as_json()), flush=True)
+        else:
+            _print_stream(engine.stream(tokens, **options))
+    return 0
+
+
+def _print_stream(chunks) -> None:
+    stats = None
+    for chunk in chunks:
+        print(chunk.text, end="", flush=True)
+        stats = chunk.stats or stats
+    print()
+    if stats is not None:
+        print(
+            f"[{stats.prompt_tokens} prompt tokens, {stats.cached_tokens} reused, "
+            f"{stats.computed_tokens} computed; ttft {stats.ttft_s * 1000:.1f} ms, "
+            f"{stats.decode_tokens_per_s:.1f} tok/s]",
+            file=sys.stderr,
+        )
+
+
+def cmd_tiny_model(args) -> int:
+    from mlxkv.tiny_model import spec_from_args, write_tiny_model
+
+    path = write_tiny_model(args.dir, spec_from_args(args))
+    print(path)
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from mlxkv.benchmarks import run_suite
+
+    return run_suite(args)
+
+
+def cmd_doctor(args) -> int:
+    from mlxkv.blas import blas_report, format_doctor
+
+    print(format_doctor(blas_report()))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.version:
+        print(f"mlxkv {args.version_string}")
+        return cmd_doctor(args)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    try:
+        return args.func(args)
+    except MlxkvError as e:
+        print(f"mlxkv: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

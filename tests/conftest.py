@@ -1,0 +1,34 @@
+"""Shared fixtures: tiny random-weight models, written once per test session."""
+
+from __future__ import annotations
+
+import pytest
+
+from mlxkv.tiny_model import TinyModelSpec, write_tiny_model
+
+# GQA everywhere (4 query heads over 2 KV heads) unless a family needs otherwise.
+FAMILY_SPECS = {
+    "llama": TinyModelSpec(family="llama", seed=1),
+    "qwen3": TinyModelSpec(family="qwen3", num_heads=8, num_kv_heads=2, head_dim=16, seed=2),
+    "mistral": TinyModelSpec(family="mistral", seed=3),
+    "qwen2": TinyModelSpec(family="qwen2", seed=4),
+    "phi3": TinyModelSpec(family="phi3", num_kv_heads=4, seed=5),
+}
+
+
+@pytest.fixture(scope="session")
+def model_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    return {name: str(write_tiny_model(root / name, spec)) for name, spec in FAMILY_SPECS.items()}
+
+
+@pytest.fixture(scope="session")
+def llama_dir(model_dirs):
+    return model_dirs["llama"]
+
+
+@pytest.fixture(autouse=True)
+def _private_cache_dir(tmp_path_factory, monkeypatch):
+    # The demo model and any on-disk state go to a per-session directory,
+    # never the user's real cache.
+    monkeypatch.setenv("MLXKV_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "mlxkv-cache"))

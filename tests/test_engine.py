@@ -1,0 +1,161 @@
+"""Engine behaviour beyond equality: reuse, eviction, stats, bad input."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+import mlxkv.attention
+from mlxkv.config import CacheConfig
+from mlxkv.engine import Engine
+from mlxkv.errors import MlxkvError
+from mlxkv.tiny_model import UNSUPPORTED_CACHE_FAMILY, TinyModelSpec, write_tiny_model
+
+
+@pytest.fixture(scope="module")
+def engine(model_dirs):
+    return Engine.load(model_dirs["llama"], CacheConfig(block_size=8, num_blocks=32))
+
+
+def tokens(n, start=5):
+    return [(start + 13 * i) % 400 + 3 for i in range(n)]
+
+
+def test_stream_yields_typed_chunks_with_stats_last(engine):
+    chunks = list(engine.stream(tokens(10), max_tokens=5))
+    assert len(chunks) == 5
+    assert all(c.stats is None and c.finish_reason is None for c in chunks[:-1])
+    last = chunks[-1]
+    assert last.finish_reason == "length"
+    s = last.stats
+    assert s.prompt_tokens == 10 and s.generation_tokens == 5
+    assert s.computed_tokens + sum(s.cached_tokens.values()) == 10
+    assert s.ttft_s > 0 and s.decode_tokens_per_s > 0 and s.peak_memory_gb > 0
+
+
+def test_blocks_are_released_after_each_request(engine):
+    engine.generate(tokens(30), max_tokens=4)
+    usage = engine.stats()["pool"]
+    assert usage["in_use"] == 0
+    assert usage["free"] + usage["cached_free"] == usage["num_blocks"]
+
+
+def test_stopping_early_releases_blocks(engine):
+    stream = engine.stream(tokens(20, start=9), max_tokens=50)
+    next(stream)
+    stream.close()
+    assert engine.stats()["pool"]["in_use"] == 0
+
+
+def test_chat_second_turn_reuses_first_turn(engine):
+    messages = [{"role": "user", "content": "Tell me about the sea and the ships on it."}]
+    first = engine.chat(messages, max_tokens=6)
+    messages += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "And then?"}]
+    second = engine.chat(messages, max_tokens=6)
+    full_blocks = len(first.prompt_tokens) // 8 * 8
+    assert second.stats.cached_tokens["pool"] >= full_blocks > 0
+
+
+def test_no_prefix_cache_never_reuses(model_dirs):
+    engine = Engine.load(model_dirs["llama"], CacheConfig(block_size=8, num_blocks=32, prefix_cache=False))
+    a = engine.generate(tokens(20), max_tokens=3)
+    b = engine.generate(tokens(20), max_tokens=3)
+    assert b.stats.cached_tokens == {"pool": 0} and a.tokens == b.tokens
+
+
+def test_cache_salt_separates_prefixes(engine):
+    engine.generate(tokens(24, start=77), max_tokens=2, cache_salt="alice")
+    other = engine.generate(tokens(24, start=77), max_tokens=2, cache_salt="bob")
+    same = engine.generate(tokens(24, start=77), max_tokens=2, cache_salt="alice")
+    assert other.stats.cached_tokens["pool"] == 0
+    assert same.stats.cached_tokens["pool"] == 16
+
+
+def test_eviction_keeps_output_identical(model_dirs):
+    # 8 blocks of 4 tokens: the second prompt evicts the first one's blocks.
+    engine = Engine.load(model_dirs["llama"], CacheConfig(block_size=4, num_blocks=8))
+    a = engine.generate(tokens(20, start=1), max_tokens=4)
+    engine.generate(tokens(20, start=2), max_tokens=4)
+    assert engine.block_pool.evictions > 0
+    again = engine.generate(tokens(20, start=1), max_tokens=4)
+    assert again.tokens == a.tokens
+    assert again.stats.cached_tokens["pool"] < 16
+
+
+def test_attention_is_routed_through_paged_attention(engine, monkeypatch):
+    calls = []
+    original = mlxkv.attention.paged_attention
+
+    def spy(*args, **kwargs):
+        calls.append(args[0].shape)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(mlxkv.attention, "paged_attention", spy)
+    engine.generate(tokens(9), max_tokens=2)
+    assert len(calls) >= engine.layout.num_layers
+
+
+def test_decode_writes_do_not_copy_the_pool(model_dirs):
+    # A 64 MiB pool: a copy per write would show up as >= 64 MiB of peak.
+    engine = Engine.load(model_dirs["llama"], CacheConfig(block_size=16, memory_budget_bytes=64 << 20))
+    assert engine.kv_pool.nbytes >= 60 << 20
+    engine.generate(tokens(40), max_tokens=2)  # warm up
+    mx.synchronize()
+    active = mx.get_active_memory()
+    result = engine.generate(tokens(40, start=3), max_tokens=16)
+    extra = result.stats.peak_memory_gb * 1e9 - active
+    assert extra < engine.kv_pool.nbytes / 8
+
+
+def test_stats_describe_the_pool(engine):
+    s = engine.stats()
+    assert s["block_size"] == 8 and s["pool"]["num_blocks"] == 32
+    assert s["pool_bytes"] == 32 * s["kv_bytes_per_block"]
+
+
+@pytest.mark.parametrize(
+    "prompt, kwargs, message",
+    [
+        ([], {}, "prompt is empty"),
+        ("", {}, "prompt is empty"),
+        (tokens(5), {"max_tokens": 0}, "max_tokens"),
+        (tokens(5), {"temperature": -1.0}, "temperature"),
+        (tokens(300), {"max_tokens": 10}, "pool has 32"),
+    ],
+)
+def test_bad_requests_get_one_line_errors(engine, prompt, kwargs, message):
+    with pytest.raises(MlxkvError, match=message) as info:
+        engine.generate(prompt, **kwargs)
+    assert "\n" not in str(info.value)
+    # ...and the engine still works afterwards.
+    assert engine.generate(tokens(6), max_tokens=2).tokens
+    assert engine.stats()["pool"]["in_use"] == 0
+
+
+def test_prompt_longer_than_context(model_dirs, tmp_path):
+    spec = TinyModelSpec(max_position_embeddings=32)
+    engine = Engine.load(str(write_tiny_model(tmp_path / "short", spec)), CacheConfig(num_blocks=64))
+    with pytest.raises(MlxkvError, match="context is 32"):
+        engine.generate(tokens(40), max_tokens=2)
+
+
+def test_unsupported_family_names_the_model_type(tmp_path):
+    path = write_tiny_model(tmp_path / "g3", TinyModelSpec(family=UNSUPPORTED_CACHE_FAMILY))
+    with pytest.raises(MlxkvError, match=f"unsupported model family '{UNSUPPORTED_CACHE_FAMILY}'"):
+        Engine.load(str(path))
+
+
+def test_unknown_model_path():
+    with pytest.raises(MlxkvError, match="model not found"):
+        Engine.load("/definitely/not/here")
+
+
+def test_block_size_must_be_power_of_two():
+    with pytest.raises(MlxkvError, match="power of two"):
+        CacheConfig(block_size=12)
+
+
+def test_temperature_sampling_is_seeded(engine):
+    a = engine.generate(tokens(12), max_tokens=8, temperature=1.0, seed=3)
+    b = engine.generate(tokens(12), max_tokens=8, temperature=1.0, seed=3)
+    assert a.tokens == b.tokens
