@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from mlxkv.errors import MlxkvError
@@ -147,6 +148,9 @@ def cmd_doctor(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # transformers' tokenizer warnings (e.g. "sequence length is longer than
+    # the specified maximum") would add lines to our one-line errors.
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.version:

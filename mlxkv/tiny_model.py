@@ -14,7 +14,7 @@ import itertools
 import json
 import os
 import shutil
-import tempfile
+import uuid
 from pathlib import Path
 
 import mlx.core as mx
@@ -34,12 +34,16 @@ FAMILIES = {
     "phi3": {},
     "starcoder2": {"norm_epsilon": 1e-5},
     "olmo2": {},
-    # Sliding-window layers: make_cache() returns RotatingKVCache, so this
-    # family exists to exercise the "unsupported model family" path.
+    # Every other layer is sliding-window, so make_cache() returns some
+    # RotatingKVCache: this family exercises the "unsupported family" path.
     "gemma3_text": {"sliding_window": 64, "sliding_window_pattern": 2},
 }
 UNSUPPORTED_CACHE_FAMILY = "gemma3_text"
-GAINS = {"lm_head": 4.0}
+# Gains for the projections that write back into the residual stream. At
+# 1/sqrt(fan_in) the stream stays dominated by the input token's embedding, so
+# greedy decoding becomes a token -> token map stuck in short loops (tied-
+# embedding gemma just repeats the input). Louder layers make it use context.
+_RESIDUAL_GAINS = {"o_proj": 3.0, "down_proj": 3.0, "c_proj": 3.0}
 # These attention classes derive head_dim from hidden_size / num_heads.
 _DERIVED_HEAD_DIM = {"qwen2", "phi3", "starcoder2"}
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
@@ -68,14 +72,23 @@ class TinyModelSpec:
     max_position_embeddings: int = 4096
 
     def __post_init__(self):
-        _check_choice("model family", self.family, FAMILIES)
-        _check_choice("dtype", self.dtype, DTYPES)
-        for name in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "vocab_size",
-                     "max_position_embeddings", "head_dim", "intermediate_size", "seed"):
-            value, low = getattr(self, name), 0 if name == "seed" else 1
-            if not (value is None and name in ("head_dim", "intermediate_size")):
-                if type(value) is not int or value < low:
-                    raise MlxkvError(f"{name} must be an integer >= {low}, got {value!r}")
+        self._check_values()
+        self._check_shapes()
+
+    def _check_values(self) -> None:
+        for what, value, choices in (("model family", self.family, FAMILIES),
+                                     ("dtype", self.dtype, DTYPES)):
+            if value not in choices:
+                raise MlxkvError(f"unknown {what} {value!r}; choose one of: {', '.join(choices)}")
+        for field in dataclasses.fields(self):
+            value, low = getattr(self, field.name), 0 if field.name == "seed" else 1
+            optional = field.name in ("head_dim", "intermediate_size") and value is None
+            if field.type is not str and not optional and (type(value) is not int or value < low):
+                raise MlxkvError(f"{field.name} must be an integer >= {low}, got {value!r}")
+
+    def _check_shapes(self) -> None:
+        if self.family == "gemma3_text" and self.num_layers < 2:
+            raise MlxkvError("gemma3_text needs num_layers >= 2 (one sliding, one global)")
         if self.num_heads % self.num_kv_heads:
             raise MlxkvError(f"num_heads ({self.num_heads}) must be a multiple of "
                              f"num_kv_heads ({self.num_kv_heads})")
@@ -99,11 +112,6 @@ class TinyModelSpec:
         return self.head_dim or self.hidden_size // self.num_heads
 
 
-def _check_choice(what: str, value: str, choices) -> None:
-    if value not in choices:
-        raise MlxkvError(f"unknown {what} {value!r}; choose one of: {', '.join(choices)}")
-
-
 DEMO_SPEC = TinyModelSpec(hidden_size=128, vocab_size=1024)
 
 
@@ -123,9 +131,11 @@ def model_config(spec: TinyModelSpec) -> dict:
         "max_position_embeddings": spec.max_position_embeddings,
         "rms_norm_eps": 1e-6,
         "rope_theta": 10000.0,
-        # An untied head lets _random_weights set the logit scale on its own.
+        # Untied where the family allows: a tied head favours repeating the input.
         "tie_word_embeddings": False,
-        "eos_token_id": [SPECIAL_TOKENS.index("<|im_end|>"), SPECIAL_TOKENS.index("<|endoftext|>")],
+        "bos_token_id": SPECIAL_TOKENS.index("<|endoftext|>"),
+        "pad_token_id": SPECIAL_TOKENS.index("<|endoftext|>"),
+        "eos_token_id": [SPECIAL_TOKENS.index(t) for t in ("<|im_end|>", "<|endoftext|>")],
         "torch_dtype": spec.dtype,
         "mlxkv_tiny_model": dataclasses.asdict(spec),
         **FAMILIES[spec.family],
@@ -140,15 +150,15 @@ def _random_weights(config: dict, spec: TinyModelSpec) -> dict[str, mx.array]:
     """
     from mlx_lm.utils import MODEL_REMAPPING  # deferred: pulls in transformers
 
-    arch = importlib.import_module(f"mlx_lm.models.{MODEL_REMAPPING.get(spec.family, spec.family)}")
+    module = MODEL_REMAPPING.get(spec.family, spec.family)  # mistral -> llama
+    arch = importlib.import_module(f"mlx_lm.models.{module}")
     params = sorted(tree_flatten(arch.Model(arch.ModelArgs.from_dict(config)).parameters()))
     keys = mx.random.split(mx.random.key(spec.seed), len(params))
     weights = {}
     for key, (name, value) in zip(keys, params):
         if value.ndim >= 2:
-            # std 1/sqrt(fan_in) keeps activations O(1); the head is scaled
-            # up so greedy decoding depends on context instead of looping.
-            gain = GAINS.get(name.split(".")[-2], 1.0)
+            # std 1/sqrt(fan_in) keeps activations O(1).
+            gain = _RESIDUAL_GAINS.get(name.split(".")[-2], 1.0)
             value = gain * mx.random.normal(value.shape, key=key) / value.shape[-1] ** 0.5
         elif name.endswith(".bias"):
             value = 0.02 * mx.random.normal(value.shape, key=key)
@@ -195,7 +205,8 @@ def _tokenizer(vocab_size: int) -> Tokenizer:
 
 def _write_files(directory: Path, spec: TinyModelSpec) -> None:
     config = model_config(spec)
-    mx.save_safetensors(str(directory / "model.safetensors"), _random_weights(config, spec), {"format": "mlx"})
+    weights = _random_weights(config, spec)
+    mx.save_safetensors(str(directory / "model.safetensors"), weights, {"format": "mlx"})
     _tokenizer(spec.vocab_size).save(str(directory / "tokenizer.json"))
     tokenizer_config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
@@ -214,10 +225,20 @@ def _is_model(path: Path) -> bool:
     return (path / "config.json").is_file() and (path / "model.safetensors").is_file()
 
 
-def _build(path: Path, spec: TinyModelSpec) -> Path:
-    """Write the model into a fresh temp dir beside `path`; return the temp dir."""
+def _sibling(path: Path, tag: str) -> Path:
+    """A new hidden dir beside `path` (same filesystem, so rename is atomic).
+
+    Not tempfile.mkdtemp: its 0700 mode would stick to the published model.
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    sibling = path.parent / f".{path.name}.{tag}.{uuid.uuid4().hex}"
+    sibling.mkdir()
+    return sibling
+
+
+def _build(path: Path, spec: TinyModelSpec) -> Path:
+    """Write the model into a fresh staging dir beside `path` and return it."""
+    staging = _sibling(path, "staging")
     try:
         _write_files(staging, spec)
     except BaseException:
@@ -229,18 +250,20 @@ def _build(path: Path, spec: TinyModelSpec) -> Path:
 def write_tiny_model(path: str | os.PathLike, spec: TinyModelSpec = TinyModelSpec()) -> Path:
     """Write a random-weight model to `path`, replacing a model already there.
 
-    Readers see either the old complete model or the new one, never a mix.
+    Readers never see a half-written model: files are staged in a temp dir
+    beside `path` and renamed into place.
     """
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise MlxkvError(f"{path} exists and is not a directory")
     if path.is_dir() and any(path.iterdir()) and not _is_model(path):
-        raise MlxkvError(f"{path} is not empty and holds no model; pick an empty or new directory")
+        raise MlxkvError(f"{path} is not empty and holds no model; "
+                         "pick a new or empty directory")
     staging = _build(path, spec)
     old = None
     if _is_model(path):
         # rename() will not replace a non-empty directory, so move it aside.
-        old = Path(tempfile.mkdtemp(prefix=f".{path.name}.old.", dir=path.parent))
+        old = _sibling(path, "old")
         os.rename(path, old / "model")
     os.rename(staging, path)  # an empty directory is replaced atomically
     if old is not None:
@@ -285,31 +308,31 @@ def resolve_model(name: str) -> str:
     return str(demo_model_path()) if name == "demo" else name
 
 
+# CLI flag -> (TinyModelSpec field, help). Types and defaults come from the spec.
+_FLAGS = {
+    "--family": ("family", f"mlx-lm model family: {', '.join(FAMILIES)}"),
+    "--layers": ("num_layers", "transformer layers"),
+    "--hidden-size": ("hidden_size", "model width"),
+    "--heads": ("num_heads", "attention (query) heads"),
+    "--kv-heads": ("num_kv_heads", "key/value heads"),
+    "--head-dim": ("head_dim", "per-head width (default: hidden-size / heads)"),
+    "--vocab-size": ("vocab_size", "tokenizer and embedding rows"),
+    "--intermediate-size": ("intermediate_size", "MLP width (default: 3 * hidden-size)"),
+    "--dtype": ("dtype", f"weight dtype: {', '.join(DTYPES)}"),
+    "--seed": ("seed", "the weights are a pure function of the spec and this seed"),
+}
+
+
 def add_tiny_model_arguments(parser: argparse.ArgumentParser) -> None:
-    d = TinyModelSpec()
-    parser.add_argument("dir", help="directory to write the model into (new, empty, or an earlier tiny model)")
-    parser.add_argument("--family", default=d.family, choices=list(FAMILIES), help="mlx-lm model family")
-    parser.add_argument("--layers", type=int, default=d.num_layers, help="transformer layers")
-    parser.add_argument("--hidden-size", type=int, default=d.hidden_size, help="model width")
-    parser.add_argument("--heads", type=int, default=d.num_heads, help="attention (query) heads")
-    parser.add_argument("--kv-heads", type=int, default=d.num_kv_heads, help="key/value heads")
-    parser.add_argument("--head-dim", type=int, default=d.head_dim, help="per-head width (default: hidden-size / heads)")
-    parser.add_argument("--vocab-size", type=int, default=d.vocab_size, help="tokenizer and embedding size")
-    parser.add_argument("--intermediate-size", type=int, default=d.intermediate_size, help="MLP width (default: 3 * hidden-size)")
-    parser.add_argument("--dtype", default=d.dtype, choices=list(DTYPES), help="weight dtype")
-    parser.add_argument("--seed", type=int, default=d.seed, help="weights are a pure function of the spec and this seed")
+    parser.add_argument("dir", help="where to write the model: a new or empty directory, "
+                                    "or one holding an earlier model, which is replaced")
+    defaults = TinyModelSpec()
+    for flag, (field, help) in _FLAGS.items():
+        default = getattr(defaults, field)
+        # TinyModelSpec validates values, so a bad one is an MlxkvError, not a usage error.
+        kind = str if field in ("family", "dtype") else int
+        parser.add_argument(flag, dest=field, type=kind, default=default, help=help)
 
 
 def spec_from_args(args: argparse.Namespace) -> TinyModelSpec:
-    return TinyModelSpec(
-        family=args.family,
-        num_layers=args.layers,
-        hidden_size=args.hidden_size,
-        num_heads=args.heads,
-        num_kv_heads=args.kv_heads,
-        head_dim=args.head_dim,
-        vocab_size=args.vocab_size,
-        intermediate_size=args.intermediate_size,
-        dtype=args.dtype,
-        seed=args.seed,
-    )
+    return TinyModelSpec(**{field: getattr(args, field) for field, _ in _FLAGS.values()})

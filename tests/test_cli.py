@@ -1,0 +1,96 @@
+"""The `mlxkv` command line, run as a user runs it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def mlxkv(*args, input=None):
+    return subprocess.run(
+        [sys.executable, "-m", "mlxkv.cli", *args],
+        capture_output=True, text=True, input=input, timeout=300,
+    )
+
+
+def test_generate_json_reuses_earlier_prompt(llama_dir):
+    first = "the ships sail on the sea and the wind is strong"
+    second = first + " and then they come home again"
+    out = mlxkv("generate", "--model", llama_dir, "--raw", "--json", "--max-tokens", "5",
+                "--block-size", "4", "--prompt", first, "--prompt", second)
+    assert out.returncode == 0, out.stderr
+    rows = [json.loads(line) for line in out.stdout.splitlines()]
+    assert len(rows) == 2
+    for row in rows:
+        assert {"prompt_tokens", "tokens", "text", "cached_tokens", "computed_tokens",
+                "ttft_s", "decode_tokens_per_s"} <= row.keys()
+        assert len(row["tokens"]) == 5
+    p1, p2 = rows[0]["prompt_tokens"], rows[1]["prompt_tokens"]
+    assert p2[: len(p1)] == p1
+    assert rows[0]["cached_tokens"] == {"pool": 0}
+    assert rows[1]["cached_tokens"]["pool"] >= len(p1) // 4 * 4
+    assert rows[1]["computed_tokens"] == len(p2) - rows[1]["cached_tokens"]["pool"]
+
+
+def test_generate_streams_text_by_default(llama_dir):
+    out = mlxkv("generate", "--model", llama_dir, "--max-tokens", "4", "--prompt", "hello")
+    assert out.returncode == 0, out.stderr
+    assert "prompt tokens" in out.stderr
+
+
+def test_prompt_file_and_stdin(llama_dir, tmp_path):
+    f = tmp_path / "p.txt"
+    f.write_text("a prompt from a file")
+    out = mlxkv("generate", "--model", llama_dir, "--json", "--max-tokens", "2",
+                "--prompt-file", str(f), "--prompt-file", "-", input="one from stdin")
+    assert out.returncode == 0, out.stderr
+    assert len(out.stdout.splitlines()) == 2
+
+
+def test_no_prefix_cache_flag(llama_dir):
+    out = mlxkv("generate", "--model", llama_dir, "--json", "--max-tokens", "2", "--block-size", "4",
+                "--no-prefix-cache", "--prompt", "same words here", "--prompt", "same words here")
+    rows = [json.loads(line) for line in out.stdout.splitlines()]
+    assert [r["cached_tokens"]["pool"] for r in rows] == [0, 0]
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--prompt", ""], "prompt is empty"),
+        (["--prompt", "hi", "--block-size", "12"], "power of two"),
+        (["--prompt", "hi", "--num-blocks", "2", "--max-tokens", "64"], "pool has 2"),
+        (["--prompt", "hi " * 2100, "--raw"], "context is 4096"),
+        (["--prompt-file", "/no/such/file"], "cannot read prompt file"),
+        ([], "no prompt given"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(llama_dir, args, message):
+    out = mlxkv("generate", "--model", llama_dir, *args)
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], out.stderr
+
+
+def test_unknown_model_and_unsupported_family(tmp_path):
+    out = mlxkv("generate", "--model", str(tmp_path / "missing"), "--prompt", "hi")
+    assert out.returncode == 2 and "model not found" in out.stderr
+    made = mlxkv("tiny-model", str(tmp_path / "g3"), "--family", "gemma3_text")
+    assert made.returncode == 0, made.stderr
+    out = mlxkv("generate", "--model", str(tmp_path / "g3"), "--prompt", "hi")
+    assert out.returncode == 2 and "unsupported model family 'gemma3_text'" in out.stderr
+
+
+def test_demo_model_runs_offline():
+    out = mlxkv("generate", "--model", "demo", "--json", "--max-tokens", "3", "--prompt", "Hello")
+    assert out.returncode == 0, out.stderr
+    assert len(json.loads(out.stdout)["tokens"]) == 3
+
+
+def test_doctor_names_blas_and_metal():
+    out = mlxkv("doctor")
+    assert out.returncode == 0
+    assert "blas" in out.stdout and "metal" in out.stdout

@@ -1,0 +1,207 @@
+"""Tests for the tiny random-weight model writer."""
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import os
+
+import mlxkv  # noqa: F401  first, so its BLAS loads before mlx.core does
+import mlx.core as mx
+import mlx_lm
+import pytest
+from mlx.utils import tree_flatten
+from mlx_lm.generate import stream_generate
+from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+from mlxkv import tiny_model
+from mlxkv.errors import MlxkvError
+from mlxkv.tiny_model import TinyModelSpec, write_tiny_model
+
+PLAIN_KV_FAMILIES = [f for f in tiny_model.FAMILIES if f != tiny_model.UNSUPPORTED_CACHE_FAMILY]
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory):
+    """One model per family, shared by the tests that only read them."""
+    root = tmp_path_factory.mktemp("families")
+    return {f: write_tiny_model(root / f, TinyModelSpec(family=f)) for f in tiny_model.FAMILIES}
+
+
+def _digests(path):
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(path.iterdir())}
+
+
+@pytest.mark.parametrize("family", list(tiny_model.FAMILIES))
+def test_mlx_lm_loads_exactly_the_written_weights(written, family):
+    model, _ = mlx_lm.load(str(written[family]))
+    on_disk = mx.load(str(written[family] / "model.safetensors"))
+    loaded = dict(tree_flatten(model.parameters()))
+    assert loaded.keys() == on_disk.keys()
+    for name, value in on_disk.items():
+        assert mx.array_equal(loaded[name], value), name
+
+
+@pytest.mark.parametrize("family", list(tiny_model.FAMILIES))
+def test_greedy_generation_is_varied(written, family):
+    model, tokenizer = mlx_lm.load(str(written[family]))
+    prompt = tokenizer.encode("Once upon a time the cache")
+    tokens = [r.token for r in stream_generate(model, tokenizer, prompt, max_tokens=20)]
+    assert len(tokens) >= 5  # random weights can emit eos, but not straight away
+    assert len(set(tokens)) >= min(4, len(tokens) // 2), tokens
+
+
+def test_only_the_unsupported_family_has_non_kv_caches(written):
+    for family, path in written.items():
+        model, _ = mlx_lm.load(str(path))
+        plain = all(type(c) is KVCache for c in make_prompt_cache(model))
+        assert plain == (family != tiny_model.UNSUPPORTED_CACHE_FAMILY), family
+
+
+def test_same_spec_gives_identical_files(tmp_path):
+    spec = TinyModelSpec(family="qwen3", seed=7)
+    a = _digests(write_tiny_model(tmp_path / "a", spec))
+    b = _digests(write_tiny_model(tmp_path / "b", spec))
+    assert a == b
+    assert set(a) == {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"}
+
+
+def test_seed_changes_only_the_weights(tmp_path):
+    a = _digests(write_tiny_model(tmp_path / "a", TinyModelSpec(seed=1)))
+    b = _digests(write_tiny_model(tmp_path / "b", TinyModelSpec(seed=2)))
+    assert a["model.safetensors"] != b["model.safetensors"]
+    assert a["tokenizer.json"] == b["tokenizer.json"]
+
+
+def test_chat_template_and_eos(written):
+    _, tokenizer = mlx_lm.load(str(written["llama"]))
+    messages = [{"role": "user", "content": "hi"}]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    assert text == "<|im_start|>user\nhi<|im_end|>\n"
+    assert tokenizer.eos_token == "<|im_end|>"
+    assert tokenizer.convert_tokens_to_ids("<|im_end|>") in tokenizer.eos_token_ids
+
+
+def test_tokenizer_round_trips_any_text(written):
+    _, tokenizer = mlx_lm.load(str(written["llama"]))
+    texts = ["Hello, world!", "tabs\tand\nnewlines  spaced", "naïve café 🙂 日本語", "x" * 300]
+    for text in texts:
+        assert tokenizer.decode(tokenizer.encode(text)) == text
+
+
+@pytest.mark.parametrize("vocab_size", [259, 2000])
+def test_tokenizer_fills_the_vocab(tmp_path, vocab_size):
+    path = write_tiny_model(tmp_path / "m", TinyModelSpec(vocab_size=vocab_size))
+    _, tokenizer = mlx_lm.load(str(path))
+    assert len(tokenizer) == vocab_size
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_dtype(tmp_path, dtype):
+    model, _ = mlx_lm.load(str(write_tiny_model(tmp_path / "m", TinyModelSpec(dtype=dtype))))
+    assert {v.dtype for _, v in tree_flatten(model.parameters())} == {getattr(mx, dtype)}
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"family": "gpt9"}, r"unknown model family 'gpt9'; choose one of: llama, "),
+        ({"dtype": "int8"}, r"unknown dtype 'int8'; choose one of: float32"),
+        ({"num_layers": 0}, r"num_layers must be an integer >= 1"),
+        ({"hidden_size": 64.0}, r"hidden_size must be an integer"),
+        ({"seed": -1}, r"seed must be an integer >= 0"),
+        ({"num_heads": 4, "num_kv_heads": 3}, r"multiple of num_kv_heads"),
+        ({"hidden_size": 66}, r"hidden_size \(66\) must be a multiple of num_heads"),
+        ({"family": "qwen2", "head_dim": 32}, r"qwen2 needs head_dim == hidden_size / num_heads"),
+        ({"head_dim": 15}, r"head_dim must be even"),
+        ({"family": "gemma3_text", "num_layers": 1}, r"gemma3_text needs num_layers >= 2"),
+        ({"vocab_size": 100}, r"vocab_size must be between 259"),
+        ({"vocab_size": 10**6}, r"vocab_size must be between"),
+    ],
+)
+def test_bad_spec_is_a_one_line_error(kwargs, message):
+    with pytest.raises(MlxkvError, match=message) as info:
+        TinyModelSpec(**kwargs)
+    assert "\n" not in str(info.value)
+
+
+def test_custom_head_dim(tmp_path):
+    spec = TinyModelSpec(family="qwen3", head_dim=32)
+    model, _ = mlx_lm.load(str(write_tiny_model(tmp_path / "m", spec)))
+    assert model.layers[0].self_attn.q_proj.weight.shape == (4 * 32, 64)
+
+
+def test_refuses_a_non_empty_non_model_dir(tmp_path):
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(MlxkvError, match="not empty"):
+        write_tiny_model(tmp_path)
+    assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"]
+
+
+def test_refuses_a_file(tmp_path):
+    (tmp_path / "f").write_text("")
+    with pytest.raises(MlxkvError, match="not a directory"):
+        write_tiny_model(tmp_path / "f")
+
+
+def test_fills_an_empty_dir_and_replaces_a_model(tmp_path):
+    target = tmp_path / "m"
+    target.mkdir()
+    first = _digests(write_tiny_model(target, TinyModelSpec(seed=1)))
+    second = _digests(write_tiny_model(target, TinyModelSpec(seed=2)))
+    assert first["model.safetensors"] != second["model.safetensors"]
+    assert [p.name for p in tmp_path.iterdir()] == ["m"]  # no staging dirs left
+
+
+def test_demo_model_is_created_once_and_reused(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLXKV_CACHE_DIR", str(tmp_path))
+    path = tiny_model.demo_model_path()
+    assert path == tmp_path / "models" / "demo"
+    stamp = (path / "model.safetensors").stat().st_mtime_ns
+    assert tiny_model.resolve_model("demo") == str(path)
+    assert (path / "model.safetensors").stat().st_mtime_ns == stamp
+    config = json.loads((path / "config.json").read_text())
+    shape = (config["model_type"], config["hidden_size"], config["vocab_size"])
+    assert shape == ("llama", 128, 1024)
+    assert tiny_model.resolve_model("mlx-community/Foo") == "mlx-community/Foo"
+
+
+def test_demo_model_race_loser_uses_the_winner(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLXKV_CACHE_DIR", str(tmp_path))
+    build = tiny_model._build
+
+    def build_then_lose(path, spec):
+        staging = build(path, spec)
+        os.rename(build(path, spec), path)  # another process renames its copy in first
+        return staging
+
+    monkeypatch.setattr(tiny_model, "_build", build_then_lose)
+    path = tiny_model.demo_model_path()
+    assert tiny_model._is_model(path)
+    assert [p.name for p in path.parent.iterdir()] == ["demo"]
+
+
+def test_stale_demo_model_is_rewritten(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLXKV_CACHE_DIR", str(tmp_path))
+    old = dataclasses.replace(tiny_model.DEMO_SPEC, vocab_size=300)
+    write_tiny_model(tmp_path / "models" / "demo", old)
+    config = json.loads((tiny_model.demo_model_path() / "config.json").read_text())
+    assert config["vocab_size"] == tiny_model.DEMO_SPEC.vocab_size
+
+
+def test_cli_arguments_build_a_spec():
+    parser = argparse.ArgumentParser()
+    tiny_model.add_tiny_model_arguments(parser)
+    assert tiny_model.spec_from_args(parser.parse_args(["out"])) == TinyModelSpec()
+    args = parser.parse_args(
+        ["out", "--family", "qwen3", "--layers", "3", "--hidden-size", "96", "--heads", "6",
+         "--kv-heads", "3", "--head-dim", "32", "--vocab-size", "600",
+         "--intermediate-size", "200", "--dtype", "bfloat16", "--seed", "5"]
+    )
+    assert args.dir == "out"
+    assert tiny_model.spec_from_args(args) == TinyModelSpec(
+        family="qwen3", num_layers=3, hidden_size=96, num_heads=6, num_kv_heads=3, head_dim=32,
+        vocab_size=600, intermediate_size=200, dtype="bfloat16", seed=5,
+    )
