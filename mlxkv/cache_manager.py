@@ -1,13 +1,17 @@
 """Sequence-level block management on top of the block pool.
 
-This is where a prompt meets the pool: prefix lookup, slot allocation as
-tokens are computed, registration of blocks once they are full, and release.
+This is where a prompt meets the pool: prefix lookup (pool first, then the
+connector's tiers), slot allocation as tokens are computed, registration of
+blocks once they are full, and release. It is also the connector seam: the
+three calls of connectors/base.py are made here and nowhere else.
 """
 
 from __future__ import annotations
 
-from mlxkv.block_pool import BlockPool
-from mlxkv.hashing import extend_block_hashes
+from mlxkv.block_pool import Block, BlockPool
+from mlxkv.connectors.base import KvCacheConnector, LoadedBlock, NoopKvCacheConnector
+from mlxkv.hashing import BlockHash, extend_block_hashes
+from mlxkv.kv_pool import KVPool
 from mlxkv.sequence import Sequence
 
 
@@ -16,30 +20,80 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
 
 
 class KVCacheManager:
-    def __init__(self, pool: BlockPool, block_size: int):
+    def __init__(
+        self,
+        pool: BlockPool,
+        block_size: int,
+        kv_pool: KVPool | None = None,
+        connector: KvCacheConnector | None = None,
+    ):
+        # Without a KV pool (pure bookkeeping, as in the pool's property
+        # tests) there are no bytes to move, so only the no-op connector fits.
+        if connector is not None and kv_pool is None:
+            raise ValueError("a connector needs the KV pool to move bytes")
         self.pool = pool
         self.block_size = block_size
+        self.kv_pool = kv_pool
+        self.connector = connector or NoopKvCacheConnector()
+        pool.on_evict = self._on_evict
 
-    def get_computed_blocks(self, seq: Sequence):
-        """The pool's cached blocks for the prompt's prefix.
+    def _reader(self, block_ids: list[int]):
+        return lambda: self.kv_pool.read_blocks(block_ids)
 
-        Never the whole prompt: its last token is always computed, so the
-        step that samples the first output token has logits.
+    def _on_evict(self, block: Block) -> None:
+        self.connector.evict_block(block.block_hash, self._reader([block.block_id]))
+
+    def _usable_hashes(self, seq: Sequence) -> list[BlockHash]:
+        """Hashes of the prompt's full blocks, less the one holding its last token.
+
+        The last prompt token is always computed, so the step that samples
+        the first output token has logits.
         """
+        extend_block_hashes(seq.block_hashes, seq.hash_root, seq.prompt, self.block_size)
+        return seq.block_hashes[: (len(seq.prompt) - 1) // self.block_size]
+
+    def get_computed_blocks(self, seq: Sequence) -> list[Block]:
+        """The pool's cached blocks for the prompt's prefix."""
         if seq.hash_root is None:
             return []
-        extend_block_hashes(seq.block_hashes, seq.hash_root, seq.prompt, self.block_size)
-        usable = (len(seq.prompt) - 1) // self.block_size
-        return self.pool.get_computed_blocks(seq.block_hashes[:usable])
+        return self.pool.get_computed_blocks(self._usable_hashes(seq))
 
     def admit(self, seq: Sequence) -> None:
-        """Take the prompt's prefix hits; they become the sequence's first blocks."""
+        """Take the prompt's prefix hits from the pool, then from the tiers."""
         hits = self.get_computed_blocks(seq)
         self.pool.touch(hits)
         seq.blocks = list(hits)
         seq.num_cached_blocks = len(hits)
         seq.num_computed = len(hits) * self.block_size
         seq.cached_tokens["pool"] = seq.num_computed
+        if seq.hash_root is not None:
+            self._hydrate(seq, self._usable_hashes(seq)[len(hits) :])
+
+    def _hydrate(self, seq: Sequence, wanted: list[BlockHash]) -> None:
+        n = min(self.connector.get_computed_blocks(wanted), self.pool.num_free)
+        if n == 0:
+            return
+        loaded = self._matching(wanted[:n], self.connector.load_blocks(wanted[:n]))
+        if not loaded:
+            return
+        blocks = self.pool.allocate(len(loaded))
+        self.kv_pool.write_blocks([b.block_id for b in blocks], [l.kv for l in loaded])
+        self.pool.cache_blocks(blocks, [l.block_hash for l in loaded])
+        seq.blocks.extend(blocks)
+        seq.num_cached_blocks += len(blocks)
+        seq.num_computed += len(blocks) * self.block_size
+        for block in loaded:
+            seq.cached_tokens[block.tier] = seq.cached_tokens.get(block.tier, 0) + self.block_size
+
+    @staticmethod
+    def _matching(wanted: list[BlockHash], loaded: list[LoadedBlock]) -> list[LoadedBlock]:
+        """The leading run of loaded blocks that are the ones asked for, in order."""
+        run = []
+        for want, block in zip(wanted, loaded):
+            if block.block_hash != want:
+                break
+            run.append(block)
+        return run
 
     def allocate_slots(self, seq: Sequence, num_new: int) -> None:
         """Make sure blocks exist for the next `num_new` tokens of `seq`."""
@@ -58,8 +112,10 @@ class KVCacheManager:
             return
         extend_block_hashes(seq.block_hashes, seq.hash_root, tokens[:known], self.block_size)
         start = seq.num_cached_blocks
-        self.pool.cache_blocks(seq.blocks[start:full], seq.block_hashes[start:full])
+        newly = self.pool.cache_blocks(seq.blocks[start:full], seq.block_hashes[start:full])
         seq.num_cached_blocks = full
+        if newly:
+            self.connector.cache_blocks([b.block_hash for b in newly], self._reader([b.block_id for b in newly]))
 
     def free(self, seq: Sequence) -> None:
         """Release the sequence's blocks, last first, so they are evicted first."""

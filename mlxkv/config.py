@@ -9,6 +9,8 @@ from mlxkv.errors import MlxkvError
 
 # Share of physical memory the KV pool takes when nothing is said.
 DEFAULT_MEMORY_SHARE = 0.25
+# A modest unified-memory tier behind the pool, on unless turned off.
+DEFAULT_MEMORY_TIER_BYTES = 256 << 20
 
 
 @dataclass(slots=True)
@@ -19,7 +21,11 @@ class CacheConfig:
     num_blocks: pool size in blocks; wins over memory_budget_bytes.
     memory_budget_bytes: pool size as a byte budget for K and V of all layers.
     prefix_cache: share blocks by content hash across requests.
-    connector: a KvCacheConnector (None means the no-op connector).
+    connector: a KvCacheConnector; when None, one is built from the tier fields.
+    memory_tier_bytes: budget of the unified-memory tier (0 turns it off).
+    memory_tier_bits: store memory-tier blocks 8-bit (or 4-bit) quantized.
+    disk_tier: directory of the SSD tier; None (the Python API default) turns it off.
+    disk_tier_bytes: budget of the SSD tier (None: the tier's default).
     attention: "auto", "reference" or "kernel" (see attention.py).
     """
 
@@ -28,6 +34,10 @@ class CacheConfig:
     memory_budget_bytes: int | None = None
     prefix_cache: bool = True
     connector: Any = None
+    memory_tier_bytes: int = DEFAULT_MEMORY_TIER_BYTES
+    memory_tier_bits: int | None = None
+    disk_tier: str | None = None
+    disk_tier_bytes: int | None = None
     attention: str = "auto"
 
     def __post_init__(self):
@@ -39,6 +49,10 @@ class CacheConfig:
         budget = self.memory_budget_bytes
         if budget is not None and budget <= 0:
             raise MlxkvError(f"memory budget must be positive, got {budget}")
+        if self.memory_tier_bytes < 0:
+            raise MlxkvError(f"memory tier budget must be >= 0, got {self.memory_tier_bytes}")
+        if self.disk_tier_bytes is not None and self.disk_tier_bytes <= 0:
+            raise MlxkvError(f"disk tier budget must be positive, got {self.disk_tier_bytes}")
         if self.attention not in ("auto", "reference", "kernel"):
             raise MlxkvError(
                 f"attention must be auto, reference or kernel, got {self.attention!r}"

@@ -12,6 +12,7 @@ from mlx_lm.sample_utils import make_sampler
 
 from mlxkv.block_pool import BlockPool
 from mlxkv.cache_manager import KVCacheManager, blocks_for
+from mlxkv.connectors.tiered import build_connector
 from mlxkv.config import DEFAULT_MEMORY_SHARE, CacheConfig
 from mlxkv.errors import MlxkvError
 from mlxkv.fingerprint import model_fingerprint
@@ -63,7 +64,8 @@ class Engine:
         self.fingerprint = model_fingerprint(self.model, loaded.config, self.layout.dtype, cache.block_size)
         self.kv_pool = KVPool(self.layout, size_pool(cache, self.layout, loaded.max_context))
         self.block_pool = BlockPool(self.kv_pool.num_blocks)
-        self.manager = KVCacheManager(self.block_pool, cache.block_size)
+        self.connector = build_connector(cache, self.fingerprint, self.layout)
+        self.manager = KVCacheManager(self.block_pool, cache.block_size, self.kv_pool, self.connector)
         self.runner = ModelRunner(self.model, self.kv_pool, "reference")
         self._request_ids = itertools.count()
         self.requests_served = 0
@@ -228,4 +230,15 @@ class Engine:
             "prefix_cache": self.cache_config.prefix_cache,
             "requests": self.requests_served,
             "pool": self.block_pool.usage(),
+            "connector": self.connector.stats(),
         }
+
+    def close(self) -> None:
+        """Finish the connector's pending work (e.g. SSD writes)."""
+        self.connector.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from mlxkv.connectors.base import BlockKV
+
 
 @dataclass(frozen=True, slots=True)
 class KVLayout:
@@ -81,22 +83,24 @@ class KVPool:
             x = mx.contiguous(x[:, :, :length, :])
         return x
 
-    def read_blocks(self, block_ids: list[int]) -> tuple[list[mx.array], list[mx.array]]:
+    def read_blocks(self, block_ids: list[int]) -> list[BlockKV]:
         """Copies of the given blocks' K/V for every layer, evaluated now.
 
         Evaluated at once so no lazy slice of a pool outlives this call
         (it would turn the next in-place write into a full copy).
         """
         idx = mx.array(block_ids)
-        ks = [mx.contiguous(k[idx]) for k in self.keys]
-        vs = [mx.contiguous(v[idx]) for v in self.values]
-        mx.eval(ks, vs)
-        return ks, vs
+        keys = mx.stack([k[idx] for k in self.keys], axis=1)  # [n, layers, H, bs, D]
+        values = mx.stack([v[idx] for v in self.values], axis=1)
+        mx.eval(keys, values)
+        return [BlockKV(keys[i], values[i]) for i in range(len(block_ids))]
 
-    def write_blocks(self, block_ids: list[int], keys: list[mx.array], values: list[mx.array]) -> None:
-        """Fill whole blocks (hydrate) from per-layer `[n, H, bs, D]` arrays."""
+    def write_blocks(self, block_ids: list[int], blocks: list[BlockKV]) -> None:
+        """Fill whole blocks (hydrate) with K/V read back from a tier."""
         idx = mx.array(block_ids)
+        keys = mx.stack([b.keys for b in blocks]).astype(self.layout.dtype)
+        values = mx.stack([b.values for b in blocks]).astype(self.layout.dtype)
         for layer in range(self.layout.num_layers):
-            self.keys[layer][idx] = keys[layer].astype(self.layout.dtype)
-            self.values[layer][idx] = values[layer].astype(self.layout.dtype)
+            self.keys[layer][idx] = keys[:, layer]
+            self.values[layer][idx] = values[:, layer]
         mx.eval(self.keys, self.values)

@@ -22,7 +22,7 @@ class Sequence:
     # Leading blocks registered in the pool's hash map.
     num_cached_blocks: int = 0
     # Prompt tokens reused instead of computed, by where they came from.
-    cached_tokens: dict[str, int] = field(default_factory=lambda: {"pool": 0})
+    cached_tokens: dict[str, int] = field(default_factory=lambda: {"pool": 0, "memory": 0, "disk": 0})
 
     @property
     def tokens(self) -> list[int]:

@@ -44,9 +44,10 @@ def test_read_and_write_blocks_round_trip():
     src = KVPool(LAYOUT, num_blocks=4)
     src.keys[0][1] = mx.ones((2, 4, 8))
     src.values[1][1] = mx.full((2, 4, 8), 3.0)
-    keys, values = src.read_blocks([1])
+    (block,) = src.read_blocks([1])
+    assert block.keys.shape == (2, 2, 4, 8)  # [layers, heads, block, head_dim]
     dst = KVPool(LAYOUT, num_blocks=4)
-    dst.write_blocks([3], keys, values)
+    dst.write_blocks([3], [block])
     np.testing.assert_array_equal(np.array(dst.keys[0][3]), np.ones((2, 4, 8)))
     np.testing.assert_array_equal(np.array(dst.values[1][3]), np.full((2, 4, 8), 3.0))
 

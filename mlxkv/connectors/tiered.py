@@ -1,0 +1,77 @@
+"""The memory tier in front of the SSD tier, and building tiers from a CacheConfig.
+
+What the memory tier pushes out goes to SSD; an SSD hit is promoted into
+memory. Newly full blocks are written through to SSD at registration, so a
+restart finds everything the previous process computed, not only what it
+happened to evict.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from mlxkv.connectors.base import LoadedBlock, NoopKvCacheConnector
+from mlxkv.connectors.memory import InMemoryKvCacheConnector
+from mlxkv.hashing import BlockHash
+
+
+class TieredKvCacheConnector:
+    def __init__(self, memory: InMemoryKvCacheConnector, disk):
+        self.memory = memory
+        self.disk = disk
+        memory.on_evict = self._spill_to_disk
+
+    def _spill_to_disk(self, block_hash: BlockHash, kv) -> None:
+        if not self.disk.contains(block_hash):
+            self.disk.store(block_hash, kv)
+
+    def get_computed_blocks(self, block_hashes: Sequence[BlockHash]) -> int:
+        n = self.memory.get_computed_blocks(block_hashes)
+        return n + self.disk.get_computed_blocks(block_hashes[n:])
+
+    def load_blocks(self, block_hashes: Sequence[BlockHash]) -> list[LoadedBlock]:
+        loaded = self.memory.load_blocks(block_hashes)
+        if len(loaded) < len(block_hashes):
+            from_disk = self.disk.load_blocks(block_hashes[len(loaded):])
+            for block in from_disk:
+                self.memory.store(block.block_hash, block.kv)  # promote
+            loaded += from_disk
+        return loaded
+
+    def cache_blocks(self, block_hashes, read) -> None:
+        self.disk.cache_blocks(block_hashes, read)
+
+    def evict_block(self, block_hash, read) -> None:
+        self.memory.evict_block(block_hash, read)
+
+    def stats(self) -> dict[str, dict[str, int]]:
+        return {**self.memory.stats(), **self.disk.stats()}
+
+    def close(self) -> None:
+        self.disk.close()
+
+
+def build_connector(cache_config, fingerprint: bytes, layout):
+    """The connector a CacheConfig asks for: explicit, tiers, or the no-op."""
+    if cache_config.connector is not None:
+        return cache_config.connector
+    memory = None
+    if cache_config.memory_tier_bytes:
+        memory = InMemoryKvCacheConnector(
+            cache_config.memory_tier_bytes, layout.block_size, cache_config.memory_tier_bits
+        )
+    disk = None
+    if cache_config.disk_tier is not None:
+        from mlxkv.connectors.disk import DiskKvCacheConnector
+
+        disk = DiskKvCacheConnector(
+            cache_config.disk_tier,
+            fingerprint,
+            block_size=layout.block_size,
+            num_layers=layout.num_layers,
+            dtype=str(layout.dtype).removeprefix("mlx.core."),
+            budget_bytes=cache_config.disk_tier_bytes,
+        )
+    if memory and disk:
+        return TieredKvCacheConnector(memory, disk)
+    return memory or disk or NoopKvCacheConnector()

@@ -1,0 +1,151 @@
+"""The connector seam, the memory tier and the tiered connector, through the real engine."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx_lm
+import numpy as np
+import pytest
+from mlx_lm.generate import stream_generate
+
+from mlxkv.config import CacheConfig
+from mlxkv.connectors.base import BlockKV, LoadedBlock, NoopKvCacheConnector
+from mlxkv.connectors.memory import InMemoryKvCacheConnector
+from mlxkv.engine import Engine
+from mlxkv.errors import MlxkvError
+from mlxkv.tiny_model import TinyModelSpec, write_tiny_model
+
+BLOCK = 4
+
+
+def tokens(n, start):
+    return [(start + 11 * i) % 300 + 3 for i in range(n)]
+
+
+def reference(path, prompt, max_tokens=6):
+    model, tokenizer = mlx_lm.load(path)
+    return [r.token for r in stream_generate(model, tokenizer, prompt, max_tokens=max_tokens)]
+
+
+def small_engine(path, **fields):
+    # 10 blocks of 4 tokens: two 20-token conversations do not fit together.
+    return Engine.load(path, CacheConfig(block_size=BLOCK, num_blocks=10, **fields))
+
+
+def test_default_connector_is_noop_and_reads_nothing(llama_dir, monkeypatch):
+    engine = small_engine(llama_dir, memory_tier_bytes=0)
+    assert isinstance(engine.connector, NoopKvCacheConnector)
+    reads = []
+    monkeypatch.setattr(engine.kv_pool, "read_blocks", lambda ids: reads.append(ids))
+    for start in (1, 2, 1):
+        engine.generate(tokens(20, start), max_tokens=4)
+    assert engine.block_pool.evictions > 0 and reads == []
+
+
+def test_memory_tier_brings_back_an_evicted_prefix(llama_dir):
+    engine = small_engine(llama_dir)
+    a = tokens(20, 1)
+    first = engine.generate(a, max_tokens=6)
+    engine.generate(tokens(20, 2), max_tokens=6)  # pushes a's blocks out of the pool
+    again = engine.generate(a, max_tokens=6)
+    # a's first blocks may survive in the pool; the rest comes from memory.
+    assert again.stats.cached_tokens["memory"] >= BLOCK
+    assert again.stats.cached_tokens["pool"] + again.stats.cached_tokens["memory"] == 16
+    assert again.tokens == first.tokens == reference(llama_dir, a)
+    s = engine.stats()["connector"]["memory"]
+    assert s["spills"] > 0 and s["hydrations"] >= 1 and s["hit_tokens"] >= BLOCK
+
+
+class Recorder(NoopKvCacheConnector):
+    """Counts the three calls and can serve blocks it was handed."""
+
+    def __init__(self, corrupt_after=None, wrong_hash=False):
+        self.calls = {"get_computed_blocks": 0, "cache_blocks": 0, "evict_block": 0, "load_blocks": 0}
+        self.kept: dict[bytes, BlockKV] = {}
+        self.corrupt_after = corrupt_after
+        self.wrong_hash = wrong_hash
+
+    def get_computed_blocks(self, hashes):
+        self.calls["get_computed_blocks"] += 1
+        n = 0
+        while n < len(hashes) and hashes[n] in self.kept:
+            n += 1
+        return n
+
+    def load_blocks(self, hashes):
+        self.calls["load_blocks"] += 1
+        out = [LoadedBlock(h, self.kept[h], "memory") for h in hashes]
+        if self.wrong_hash and out:
+            out[0] = LoadedBlock(b"\0" * 32, out[0].kv, "memory")
+        return out[: self.corrupt_after] if self.corrupt_after is not None else out
+
+    def cache_blocks(self, hashes, read):
+        self.calls["cache_blocks"] += 1
+
+    def evict_block(self, block_hash, read):
+        self.calls["evict_block"] += 1
+        self.kept[block_hash] = read()[0]
+
+
+@pytest.mark.parametrize("fault", [{}, {"corrupt_after": 0}, {"wrong_hash": True}])
+def test_connector_seam_and_failed_hydrate_falls_back(llama_dir, fault):
+    recorder = Recorder(**fault)
+    engine = small_engine(llama_dir, connector=recorder)
+    a = tokens(20, 3)
+    first = engine.generate(a, max_tokens=6)
+    engine.generate(tokens(20, 4), max_tokens=6)
+    again = engine.generate(a, max_tokens=6)
+    assert all(recorder.calls[k] > 0 for k in ("get_computed_blocks", "cache_blocks", "evict_block"))
+    assert again.tokens == first.tokens
+    reused = again.stats.cached_tokens["memory"]
+    if fault:  # nothing usable came back: those tokens were recomputed
+        assert reused == 0
+    else:
+        assert reused >= BLOCK
+    assert again.stats.computed_tokens == 20 - sum(again.stats.cached_tokens.values())
+
+
+def _kv(value, shape=(2, 2, BLOCK, 32)):
+    return BlockKV(mx.full(shape, value, mx.float32), mx.full(shape, -value, mx.float32))
+
+
+def test_memory_tier_lru_budget_pushes_to_next_tier():
+    pushed = []
+    tier = InMemoryKvCacheConnector(budget_bytes=3 * _kv(0).nbytes, block_size=BLOCK,
+                                    on_evict=lambda h, kv: pushed.append(h))
+    for i in range(3):
+        tier.evict_block(bytes([i]) * 32, lambda i=i: [_kv(float(i))])
+    tier.load_blocks([bytes([0]) * 32])  # 0 becomes most recent
+    tier.evict_block(bytes([3]) * 32, lambda: [_kv(3.0)])
+    assert pushed == [bytes([1]) * 32]
+    assert tier.get_computed_blocks([bytes([0]) * 32, bytes([2]) * 32, bytes([1]) * 32]) == 2
+    s = tier.stats()["memory"]
+    assert s["blocks_held"] == 3 and s["bytes_held"] == 3 * _kv(0).nbytes and s["evictions"] == 1
+
+
+def test_memory_tier_quantized_round_trip_and_size():
+    full = InMemoryKvCacheConnector(1 << 30, BLOCK)
+    quant = InMemoryKvCacheConnector(1 << 30, BLOCK, quantize_bits=8)
+    kv = BlockKV(mx.random.normal((2, 2, BLOCK, 64)), mx.random.normal((2, 2, BLOCK, 64)))
+    for tier in (full, quant):
+        tier.store(b"h" * 32, kv)
+    back = quant.load_blocks([b"h" * 32])[0].kv
+    err = np.abs(np.array(back.keys) - np.array(kv.keys)).max()
+    assert err < 0.05
+    ratio = quant.stats()["memory"]["bytes_held"] / full.stats()["memory"]["bytes_held"]
+    assert ratio < 0.55  # fp32 -> 8 bits plus scales: about 3.5x smaller
+    with pytest.raises(MlxkvError, match="4 or 8 bits"):
+        InMemoryKvCacheConnector(1, BLOCK, quantize_bits=3)
+
+
+def test_quantized_memory_tier_in_the_engine(tmp_path):
+    path = str(write_tiny_model(tmp_path / "hd32", TinyModelSpec(num_heads=4, num_kv_heads=2, head_dim=32, seed=7)))
+    engine = small_engine(path, memory_tier_bits=8)
+    a = tokens(20, 5)
+    first = engine.generate(a, max_tokens=6)
+    engine.generate(tokens(20, 6), max_tokens=6)
+    again = engine.generate(a, max_tokens=6)
+    assert again.stats.cached_tokens["memory"] >= BLOCK
+    # Quantized KV may change greedy output; the first token after a
+    # quantized prefix is what the benchmark reports. Here: it runs and is sane.
+    assert len(again.tokens) == 6
