@@ -19,6 +19,11 @@ def _add_cache_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (power of two)")
     p.add_argument("--num-blocks", type=int, default=None, help="KV pool size in blocks (default: a share of memory)")
     p.add_argument("--no-prefix-cache", action="store_true", help="do not share blocks between prompts")
+    p.add_argument("--memory-tier-mb", type=int, default=256, help="unified-memory tier budget (0 turns it off)")
+    p.add_argument("--memory-tier-bits", type=int, default=None, choices=[4, 8], help="quantize memory-tier blocks")
+    p.add_argument("--disk-tier", default=None, metavar="DIR", help="SSD tier directory (persists across runs)")
+    p.add_argument("--disk-tier-mb", type=int, default=None, help="SSD tier budget")
+    p.add_argument("--no-disk-tier", action="store_true", help="turn the SSD tier off")
 
 
 def _add_generate(sub) -> None:
@@ -52,6 +57,13 @@ def _add_bench(sub) -> None:
     p.set_defaults(func=cmd_bench)
 
 
+def _add_cache(sub) -> None:
+    p = sub.add_parser("cache", help="inspect or clear an SSD tier directory")
+    p.add_argument("action", choices=["info", "clear"])
+    p.add_argument("--disk-tier", default=None, metavar="DIR", help="SSD tier directory (default: the user cache dir)")
+    p.set_defaults(func=cmd_cache)
+
+
 def _add_doctor(sub) -> None:
     p = sub.add_parser("doctor", help="which BLAS MLX uses, and whether Metal is available")
     p.set_defaults(func=cmd_doctor)
@@ -66,6 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(sub)
     _add_tiny_model(sub)
     _add_bench(sub)
+    _add_cache(sub)
     _add_doctor(sub)
     parser.set_defaults(version_string=__version__)
     return parser
@@ -86,10 +99,15 @@ def _read_prompts(args) -> list[str]:
 def _cache_config(args):
     from mlxkv.config import CacheConfig
 
+    disk_tier = None if args.no_disk_tier else args.disk_tier
     return CacheConfig(
         block_size=args.block_size,
         num_blocks=args.num_blocks,
         prefix_cache=not args.no_prefix_cache,
+        memory_tier_bytes=args.memory_tier_mb << 20,
+        memory_tier_bits=args.memory_tier_bits,
+        disk_tier=disk_tier,
+        disk_tier_bytes=None if args.disk_tier_mb is None else args.disk_tier_mb << 20,
     )
 
 
@@ -98,17 +116,25 @@ def cmd_generate(args) -> int:
 
     prompts = _read_prompts(args)
     config = _cache_config(args)
-    engine = Engine.load(args.model, config)
-    for text in prompts:
-        tokens = engine.encode(text) if args.raw else engine.apply_chat_template([{"role": "user", "content": text}])
-        if not text.strip():
-            tokens = []  # an empty message is an empty prompt, template or not
-        options = dict(max_tokens=args.max_tokens, temperature=args.temp, top_p=args.top_p, seed=args.seed)
-        if args.json:
-            print(json.dumps(engine.generate(tokens, **options).as_json()), flush=True)
-        else:
-            _print_stream(engine.stream(tokens, **options))
+    with Engine.load(args.model, config) as engine:
+        for text in prompts:
+            _generate_one(engine, text, args)
     return 0
+
+
+def _generate_one(engine, text: str, args) -> None:
+    if not text.strip():
+        tokens = []  # an empty message is an empty prompt, template or not
+    elif args.raw:
+        tokens = engine.encode(text)
+    else:
+        tokens = engine.apply_chat_template([{"role": "user", "content": text}])
+    options = dict(max_tokens=args.max_tokens, temperature=args.temp, top_p=args.top_p, seed=args.seed)
+    if args.json:
+        result = engine.generate(tokens, **options)
+        print(json.dumps({**result.as_json(), "connector": engine.connector.stats()}), flush=True)
+    else:
+        _print_stream(engine.stream(tokens, **options))
 
 
 def _print_stream(chunks) -> None:
@@ -138,6 +164,18 @@ def cmd_bench(args) -> int:
     from mlxkv.benchmarks import run_suite
 
     return run_suite(args)
+
+
+def cmd_cache(args) -> int:
+    from mlxkv.connectors.disk import cache_clear, cache_info
+    from mlxkv.paths import default_disk_tier_dir
+
+    directory = args.disk_tier or str(default_disk_tier_dir())
+    if args.action == "clear":
+        print(f"removed {cache_clear(directory)} block files from {directory}")
+    else:
+        print(json.dumps(cache_info(directory), indent=2))
+    return 0
 
 
 def cmd_doctor(args) -> int:

@@ -23,6 +23,7 @@ from mlx.utils import tree_flatten
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from mlxkv.errors import MlxkvError
+from mlxkv.paths import cache_root
 
 # Extra config.json keys per family, on top of the ones every family shares.
 FAMILIES = {
@@ -271,10 +272,6 @@ def write_tiny_model(path: str | os.PathLike, spec: TinyModelSpec = TinyModelSpe
     return path
 
 
-def _cache_root() -> Path:
-    return Path(os.environ.get("MLXKV_CACHE_DIR") or platformdirs.user_cache_dir("mlxkv"))
-
-
 def _written_spec(path: Path) -> dict | None:
     try:
         return json.loads((path / "config.json").read_text()).get("mlxkv_tiny_model")
@@ -288,7 +285,7 @@ def demo_model_path() -> Path:
     Processes racing to create it each build privately; the first rename
     wins and the others discard theirs.
     """
-    path = _cache_root() / "models" / "demo"
+    path = cache_root() / "models" / "demo"
     if _written_spec(path) == dataclasses.asdict(DEMO_SPEC):
         return path
     if path.exists():  # written by an older mlxkv with a different DEMO_SPEC
