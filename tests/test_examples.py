@@ -1,0 +1,17 @@
+"""The runnable examples run."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def test_kv_cache_connector_example_hydrates_from_memory():
+    out = subprocess.run([sys.executable, str(EXAMPLES / "kv_cache_connector.py")],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    last_turn = [l for l in out.stdout.splitlines() if l.startswith("A, turn 2")][0]
+    assert "'memory': 0" not in last_turn
