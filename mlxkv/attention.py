@@ -8,17 +8,40 @@ kernel slots in here and nowhere else.
 
 from __future__ import annotations
 
+import os
 import sys
 
 import mlx.core as mx
 
+from mlxkv.errors import MlxkvError
 from mlxkv.paged_cache import PagedKVCache
 
 _ROUTED = "_mlxkv_routed"
+ATTENTION_ENV = "MLXKV_ATTENTION"
+MODES = ("auto", "reference", "kernel")
+
+
+def resolve_attention(mode: str = "auto") -> str:
+    """"reference" or "kernel": the environment variable wins over the config.
+
+    "auto" picks the Metal kernels where Metal is available, else the
+    pure-MLX reference path.
+    """
+    mode = os.environ.get(ATTENTION_ENV) or mode
+    if mode not in MODES:
+        raise MlxkvError(f"{ATTENTION_ENV} / attention must be one of {', '.join(MODES)}, got {mode!r}")
+    if mode == "auto":
+        return "kernel" if mx.metal.is_available() else "reference"
+    return mode
 
 
 def paged_attention(queries, keys, values, cache: PagedKVCache, scale: float, mask):
-    """Attention of `queries [B, Hq, L, D]` over the pool, through the block table."""
+    """Attention of `queries [B, Hq, L, D]` over the pool, through the block table.
+
+    `keys`/`values` are the gathered contiguous K/V from `update_and_fetch`;
+    the reference path uses them, a kernel reads the pool directly and
+    leaves that gather unevaluated.
+    """
     return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
 
 

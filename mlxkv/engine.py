@@ -10,6 +10,7 @@ from collections.abc import Iterator
 import mlx.core as mx
 from mlx_lm.sample_utils import make_sampler
 
+from mlxkv.attention import resolve_attention
 from mlxkv.block_pool import BlockPool
 from mlxkv.cache_manager import KVCacheManager, blocks_for
 from mlxkv.connectors.tiered import build_connector
@@ -66,7 +67,7 @@ class Engine:
         self.block_pool = BlockPool(self.kv_pool.num_blocks)
         self.connector = build_connector(cache, self.fingerprint, self.layout)
         self.manager = KVCacheManager(self.block_pool, cache.block_size, self.kv_pool, self.connector)
-        self.runner = ModelRunner(self.model, self.kv_pool, "reference")
+        self.runner = ModelRunner(self.model, self.kv_pool, resolve_attention(cache.attention))
         self._request_ids = itertools.count()
         self.requests_served = 0
 
