@@ -49,6 +49,14 @@ class FreeBlockQueue:
         self._tail.prev_free = block
         self.size += 1
 
+    def appendleft(self, block: Block) -> None:
+        first = self._head.next_free
+        first.prev_free = block
+        block.next_free = first
+        block.prev_free = self._head
+        self._head.next_free = block
+        self.size += 1
+
     def remove(self, block: Block) -> None:
         block.prev_free.next_free = block.next_free
         block.next_free.prev_free = block.prev_free
@@ -119,10 +127,20 @@ class BlockPool:
                 f"KV pool exhausted: need {n} free blocks, {self.num_free} of "
                 f"{self.num_blocks} are free; raise --num-blocks or shorten the prompt"
             )
-        taken = [self.free_queue.popleft() for _ in range(n)]
-        for block in taken:
-            self._evict(block)
-            block.ref_count = 1
+        taken = []
+        try:
+            for _ in range(n):
+                block = self.free_queue.popleft()
+                taken.append(block)
+                self._evict(block)
+                block.ref_count = 1
+        except BaseException:
+            # An eviction hook failed: hand nothing out and put every taken
+            # block back where it was, so no block is lost.
+            for block in reversed(taken):
+                block.ref_count = 0
+                self.free_queue.appendleft(block)
+            raise
         return taken
 
     def _evict(self, block: Block) -> None:

@@ -8,6 +8,8 @@ three calls of connectors/base.py are made here and nowhere else.
 
 from __future__ import annotations
 
+import warnings
+
 from mlxkv.block_pool import Block, BlockPool
 from mlxkv.connectors.base import KvCacheConnector, LoadedBlock, NoopKvCacheConnector
 from mlxkv.hashing import BlockHash, extend_block_hashes
@@ -41,7 +43,10 @@ class KVCacheManager:
         return lambda: self.kv_pool.read_blocks(block_ids)
 
     def _on_evict(self, block: Block) -> None:
-        self.connector.evict_block(block.block_hash, self._reader([block.block_id]))
+        try:
+            self.connector.evict_block(block.block_hash, self._reader([block.block_id]))
+        except Exception as e:  # a failed spill loses a cached copy, never a request
+            warnings.warn(f"mlxkv: connector could not spill a block: {e}", RuntimeWarning, stacklevel=2)
 
     def _usable_hashes(self, seq: Sequence) -> list[BlockHash]:
         """Hashes of the prompt's full blocks, less the one holding its last token.

@@ -149,3 +149,20 @@ def test_quantized_memory_tier_in_the_engine(tmp_path):
     # Quantized KV may change greedy output; the first token after a
     # quantized prefix is what the benchmark reports. Here: it runs and is sane.
     assert len(again.tokens) == 6
+
+
+class FailingSpill(NoopKvCacheConnector):
+    def evict_block(self, block_hash, read):
+        raise OSError("disk full")
+
+
+@pytest.mark.filterwarnings("ignore:mlxkv. connector could not spill")
+def test_a_failing_spill_costs_the_cached_copy_not_the_request(llama_dir):
+    engine = small_engine(llama_dir, connector=FailingSpill())
+    a = tokens(20, 8)
+    first = engine.generate(a, max_tokens=6)
+    with pytest.warns(RuntimeWarning, match="could not spill"):
+        engine.generate(tokens(20, 9), max_tokens=6)
+    assert engine.generate(a, max_tokens=6).tokens == first.tokens
+    usage = engine.stats()["pool"]
+    assert usage["in_use"] == 0 and usage["free"] + usage["cached_free"] == usage["num_blocks"]
