@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import subprocess
+
 import pytest
+
+from faults import mount_tmpfs
 
 from mlxkv.tiny_model import TinyModelSpec, write_tiny_model
 
@@ -32,3 +36,18 @@ def _private_cache_dir(tmp_path_factory, monkeypatch):
     # The demo model and any on-disk state go to a per-session directory,
     # never the user's real cache.
     monkeypatch.setenv("MLXKV_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "mlxkv-cache"))
+
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    """`tmpfs(size)` mounts a small tmpfs (a real full disk, a real read-only mount)."""
+    mounted = []
+
+    def mount(size: str = "1m"):
+        d = mount_tmpfs(tmp_path / f"tmpfs{len(mounted)}", size)
+        mounted.append(d)
+        return d
+
+    yield mount
+    for d in reversed(mounted):
+        subprocess.run(["umount", "-l", str(d)], capture_output=True)

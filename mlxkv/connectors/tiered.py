@@ -23,7 +23,7 @@ class TieredKvCacheConnector:
 
     def _spill_to_disk(self, block_hash: BlockHash, kv) -> None:
         if not self.disk.contains(block_hash):
-            self.disk.store(block_hash, kv)
+            self.disk.store(block_hash, kv, spill=True)
 
     def get_computed_blocks(self, block_hashes: Sequence[BlockHash]) -> int:
         n = self.memory.get_computed_blocks(block_hashes)

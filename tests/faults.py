@@ -1,0 +1,44 @@
+"""Helpers for fault tests: real filesystem conditions and damaged block files."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import safetensors.numpy
+
+
+def rewrite(path: Path, *, meta_changes=None, tensors=None) -> None:
+    """Re-save a block file with some metadata or tensors replaced."""
+    with open(path, "rb") as f:
+        data = f.read()
+    n = int.from_bytes(data[:8], "little")
+    meta = json.loads(data[8 : 8 + n])["__metadata__"]
+    meta.update(meta_changes or {})
+    arrays = safetensors.numpy.load(data)
+    arrays.update(tensors or {})
+    path.write_bytes(safetensors.numpy.save(arrays, metadata=meta))
+
+
+def remount_read_only(mountpoint: Path) -> None:
+    r = subprocess.run(["mount", "-o", "remount,ro", str(mountpoint)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot remount the tmpfs read-only: {r.stderr.strip()}")
+
+
+def mount_tmpfs(directory: Path, size: str) -> Path:
+    """Mount a tmpfs of `size` on a new `directory`, or skip saying why not."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    directory.mkdir()
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size},mode=0755", "tmpfs", str(directory)],
+        capture_output=True,
+        text=True,
+    )
+    if r.returncode != 0:
+        pytest.skip(f"mount -t tmpfs is not permitted here: {r.stderr.strip()}")
+    return directory
