@@ -180,6 +180,17 @@ class BlockPool:
             if block.ref_count == 0:
                 self.free_queue.append(block)
 
+    def block_states(self) -> str:
+        """One character per block id: '.' free, 'c' cached and free, 'u' in use, 's' shared."""
+        def state(b: Block) -> str:
+            if b.ref_count > 1:
+                return "s"
+            if b.ref_count == 1:
+                return "u"
+            return "c" if b.block_hash is not None else "."
+
+        return "".join(state(b) for b in self.blocks)
+
     def usage(self) -> dict[str, int]:
         cached_free = sum(1 for b in self.free_queue if b.block_hash is not None)
         in_use = self.num_blocks - self.num_free

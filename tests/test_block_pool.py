@@ -704,3 +704,12 @@ PoolMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
 TestPoolMachine = PoolMachine.TestCase
+
+
+def test_block_states_map():
+    pool = BlockPool(4)
+    a, b = pool.allocate(2)
+    pool.touch([b])
+    pool.cache_blocks([a], [b"x" * 32])
+    pool.free([a])
+    assert pool.block_states() == "cs.."
