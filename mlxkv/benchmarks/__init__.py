@@ -1,0 +1,39 @@
+"""`mlxkv bench`: ratios measured side by side in one run, never timed tests.
+
+Each suite returns rows (plain dicts); `run_suite` prints them as a table,
+or as one JSON object per line with the suite's name added.
+"""
+
+from __future__ import annotations
+
+import json
+
+
+def _engine(args) -> tuple[list[dict], str]:
+    from mlxkv.benchmarks.engine import format_rows, run_engine_benchmark
+
+    rows = run_engine_benchmark(context=args.context, decode_tokens=args.decode_tokens)
+    return rows, format_rows(rows)
+
+
+def _blas(args) -> tuple[list[dict], str]:
+    from mlxkv.benchmarks.blas import format_rows, run_blas_benchmark
+
+    rows = run_blas_benchmark()
+    return rows, format_rows(rows)
+
+
+SUITES = {"engine": _engine, "blas": _blas}
+
+
+def run_suite(args) -> int:
+    """Run `args.suite` (engine, blas or all) and print its rows; returns the exit code."""
+    names = list(SUITES) if args.suite == "all" else [args.suite]
+    for i, name in enumerate(names):
+        rows, table = SUITES[name](args)
+        if args.json:
+            for row in rows:
+                print(json.dumps({"suite": name, **row}), flush=True)
+        else:
+            print(("\n" if i else "") + f"== {name} ==\n{table}", flush=True)
+    return 0

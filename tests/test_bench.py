@@ -1,0 +1,57 @@
+"""`mlxkv bench engine` at a tiny size: rows are well formed. No speed is asserted."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from mlxkv import cli
+from mlxkv.benchmarks import engine as bench
+from mlxkv.errors import MlxkvError
+from mlxkv.tiny_model import TinyModelSpec
+
+CONTEXT = 64
+KEYS = {"name", "unit", "ours", "baseline", "baseline_name", "ratio", "goal", "met", "note", "model"}
+
+
+def _check_rows(rows: list[dict], block_size: int = bench.BLOCK_SIZE) -> None:
+    assert len(rows) == 2 + len(bench.kv_lengths(CONTEXT, block_size))
+    for row in rows:
+        assert KEYS <= row.keys(), row
+        for key in ("ours", "baseline", "ratio"):
+            assert math.isfinite(row[key]) and row[key] > 0, (key, row)
+    decode, ttft, *kv = rows
+    # Correctness, not speed: the peer is the oracle for greedy tokens.
+    assert decode["unit"] == "tok/s" and decode["tokens_identical"]
+    assert ttft["unit"] == "ms" and ttft["cached_tokens"] == CONTEXT
+    for row in kv:
+        assert 0 <= row["waste_tokens"] < block_size and row["met"]
+        assert row["blocks"] * block_size == row["tokens"] + row["waste_tokens"]
+        assert row["mlx_lm_bytes"] >= row["baseline"] * 1024
+
+
+def test_engine_rows(llama_dir):
+    rows = bench.run_engine_benchmark(context=CONTEXT, decode_tokens=6, rounds=2, model=llama_dir, log=lambda _: None)
+    _check_rows(rows)
+    table = bench.format_rows(rows)
+    assert all(row["name"] in table for row in rows)
+    assert "greedy tokens identical" in table
+
+
+def test_cli_bench_json(monkeypatch, capsys):
+    # The bench model, shrunk: written into the test's private cache dir.
+    monkeypatch.setattr(bench, "BENCH_SPEC", TinyModelSpec(family="llama", seed=7))
+    monkeypatch.setattr(bench, "ROUNDS", 1)
+    assert cli.main(["bench", "engine", "--context", str(CONTEXT), "--decode-tokens", "4", "--json"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert all(row.pop("suite") == "engine" for row in rows)
+    _check_rows(rows)
+
+
+def test_bad_sizes_are_user_errors(llama_dir):
+    with pytest.raises(MlxkvError):
+        bench.run_engine_benchmark(context=CONTEXT, decode_tokens=1, model=llama_dir)
+    with pytest.raises(MlxkvError, match="context"):
+        bench.run_engine_benchmark(context=10**6, decode_tokens=4, model=llama_dir)
