@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import mlx.core as mx
 from mlx_lm.sample_utils import make_sampler
@@ -70,6 +70,8 @@ class Engine:
         self.runner = ModelRunner(self.model, self.kv_pool, resolve_attention(cache.attention))
         self._request_ids = itertools.count()
         self.requests_served = 0
+        # Sequences being generated, by request id (what a pool view reads).
+        self.running: dict[int, Sequence] = {}
 
     @classmethod
     def load(cls, model: str, cache: CacheConfig | None = None, **cache_fields) -> Engine:
@@ -121,8 +123,14 @@ class Engine:
         min_p: float = 0.0,
         seed: int | None = None,
         cache_salt: str | None = None,
+        should_stop: Callable[[], bool] | None = None,
     ) -> Iterator[GenerationChunk]:
-        """Yield one `GenerationChunk` per generated token; the last carries stats."""
+        """Yield one `GenerationChunk` per generated token; the last carries stats.
+
+        `should_stop` is asked after each token; when it says yes the reply
+        ends there with finish_reason "cancelled" and its stats. (Closing
+        the generator also stops it and releases its blocks, without stats.)
+        """
         prompt_tokens = self._prompt_tokens(prompt)
         self._check_request(prompt_tokens, max_tokens, temperature)
         if seed is not None:
@@ -130,11 +138,14 @@ class Engine:
         sampler = make_sampler(temp=temperature, top_p=top_p, min_p=min_p, top_k=top_k)
         root = root_hash(self.fingerprint, cache_salt) if self.cache_config.prefix_cache else None
         seq = Sequence(next(self._request_ids), prompt_tokens, root)
+        self.running[seq.request_id] = seq
         try:
-            yield from self._run(seq, max_tokens, sampler)
+            yield from self._run(seq, max_tokens, sampler, should_stop)
         finally:
+            del self.running[seq.request_id]
             self.manager.cache_blocks(seq)
             self.manager.free(seq)
+            self.runner.release(seq)
             self.requests_served += 1
 
     def _check_request(self, prompt: list[int], max_tokens: int, temperature: float) -> None:
@@ -172,7 +183,7 @@ class Engine:
             mx.eval(self.kv_pool.keys, self.kv_pool.values)
             self.manager.cache_blocks(seq)
 
-    def _run(self, seq: Sequence, max_tokens: int, sampler) -> Iterator[GenerationChunk]:
+    def _run(self, seq: Sequence, max_tokens: int, sampler, should_stop=None) -> Iterator[GenerationChunk]:
         start = time.perf_counter()
         mx.reset_peak_memory()
         self.manager.admit(seq)
@@ -201,6 +212,8 @@ class Engine:
                 stats.ttft_s = first_token_at - start
                 stats.prompt_tokens_per_s = stats.computed_tokens / stats.ttft_s
             finish = "stop" if token in eos else ("length" if n + 1 == max_tokens else None)
+            if finish is None and should_stop is not None and should_stop():
+                finish = "cancelled"
             if finish != "stop":
                 detok.add_token(token)
             if finish is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from mlxkv.attention import route_model_attention
+from mlxkv.kv_mirror import KVMirror
 from mlxkv.kv_pool import KVPool
 from mlxkv.paged_cache import PagedBatch, PagedKVCache
 from mlxkv.sequence import Sequence
@@ -16,7 +17,21 @@ class ModelRunner:
         self.kv_pool = kv_pool
         self.attention = attention
         self.num_layers = len(model.layers)
+        # Contiguous K/V copies of lone running sequences (see kv_mirror.py).
+        self._mirrors: dict[int, KVMirror] = {}
         route_model_attention(model)
+
+    def _mirror_for(self, seqs: list[Sequence]) -> KVMirror | None:
+        if len(seqs) != 1 or self.attention != "reference":
+            return None
+        key = seqs[0].request_id
+        if key not in self._mirrors:
+            self._mirrors[key] = KVMirror(self.num_layers)
+        return self._mirrors[key]
+
+    def release(self, seq: Sequence) -> None:
+        """Drop what the runner holds for a finished sequence."""
+        self._mirrors.pop(seq.request_id, None)
 
     def forward(self, seqs: list[Sequence], tokens: mx.array) -> mx.array:
         """Logits `[B, vocab]` at the last position of `tokens [B, L]`.
@@ -31,6 +46,7 @@ class ModelRunner:
             num_new,
             self.kv_pool.layout.block_size,
             self.attention,
+            self._mirror_for(seqs),
         )
         caches = [PagedKVCache(self.kv_pool, i, batch) for i in range(self.num_layers)]
         logits = self.model(tokens, cache=caches)

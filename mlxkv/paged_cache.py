@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 from mlx_lm.models.cache import _BaseCache, create_attention_mask
 
+from mlxkv.kv_mirror import KVMirror
 from mlxkv.kv_pool import KVPool
 
 
@@ -26,9 +27,18 @@ class PagedBatch:
     offsets: tuple[int, ...]  # tokens already in the pool, per sequence
     num_new: int
     attention: str = "reference"
+    mirror: KVMirror | None = None  # contiguous copy of a lone sequence's K/V
 
     @classmethod
-    def build(cls, block_tables: list[list[int]], offsets: list[int], num_new: int, block_size: int, attention: str = "reference"):
+    def build(
+        cls,
+        block_tables: list[list[int]],
+        offsets: list[int],
+        num_new: int,
+        block_size: int,
+        attention: str = "reference",
+        mirror: KVMirror | None = None,
+    ):
         width = max(len(t) for t in block_tables)
         padded = [t + [t[0]] * (width - len(t)) for t in block_tables]
         positions = [range(o, o + num_new) for o in offsets]
@@ -41,6 +51,7 @@ class PagedBatch:
             offsets=tuple(offsets),
             num_new=num_new,
             attention=attention,
+            mirror=mirror,
         )
 
     @property
@@ -68,10 +79,20 @@ class PagedKVCache(_BaseCache):
     def update_and_fetch(self, keys, values):
         b = self.batch
         self.pool.write(self.layer, b.write_blocks, b.write_offsets, keys, values)
+        if b.mirror is not None:
+            return self._fetch_mirrored(keys, values)
         # The gathered copy is what any attention code can use; when the
         # kernel path serves attention instead, MLX never evaluates it.
         length = b.context_lens[0] if b.batch_size == 1 else None
         return self.pool.gather(self.layer, b.block_tables, length)
+
+    def _fetch_mirrored(self, keys, values):
+        mirror, offset = self.batch.mirror, self.batch.offsets[0]
+        if not mirror.holds(self.layer, offset):
+            # First step of a request (maybe on prefix hits): copy once from the pool.
+            k, v = self.pool.gather(self.layer, self.batch.block_tables, self.batch.context_lens[0])
+            return mirror.reset(self.layer, k, v)
+        return mirror.append(self.layer, keys, values)
 
     def make_mask(self, N: int, return_array: bool = False, window_size=None):
         b = self.batch

@@ -75,3 +75,30 @@ def test_writes_are_in_place_unless_the_pool_is_aliased():
     assert _peak_during_writes(pool, keep_alias=False) < one_pool / 16
     # The check can fail: a second live reference makes MLX copy the pool.
     assert _peak_during_writes(pool, keep_alias=True) >= one_pool
+
+
+def test_mirror_appends_in_place_and_grows_in_steps():
+    from mlxkv.kv_mirror import STEP, KVMirror
+
+    mirror = KVMirror(num_layers=1)
+    first = mx.random.normal((1, 2, 5, 8))
+    k, _ = mirror.reset(0, first, first)
+    assert k.shape == (1, 2, 5, 8) and mirror.keys[0].shape[2] == STEP
+    new = mx.random.normal((1, 2, STEP, 8))
+    k, v = mirror.append(0, new, new)
+    assert k.shape == (1, 2, 5 + STEP, 8) and mirror.keys[0].shape[2] == 2 * STEP
+    np.testing.assert_array_equal(np.array(k[:, :, :5]), np.array(first))
+    np.testing.assert_array_equal(np.array(v[:, :, 5:]), np.array(new))
+    assert mirror.holds(0, 5 + STEP) and not mirror.holds(0, 5)
+
+
+def test_engine_drops_a_sequence_mirror_when_it_ends(model_dirs):
+    from mlxkv.config import CacheConfig
+    from mlxkv.engine import Engine
+
+    engine = Engine.load(model_dirs["llama"], CacheConfig(block_size=8, num_blocks=16))
+    stream = engine.stream(list(range(3, 30)), max_tokens=8)
+    next(stream)
+    assert len(engine.runner._mirrors) == 1
+    stream.close()
+    assert engine.runner._mirrors == {}
