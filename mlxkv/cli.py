@@ -14,8 +14,9 @@ import sys
 from mlxkv.errors import MlxkvError
 
 
-def _add_cache_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="demo", help='model path, Hugging Face id, or "demo" (default)')
+def _add_cache_flags(p: argparse.ArgumentParser, model_help: str | None = None) -> None:
+    p.add_argument("--model", default="demo" if model_help is None else None,
+                   help=model_help or 'model path, Hugging Face id, or "demo" (default)')
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (power of two)")
     p.add_argument("--num-blocks", type=int, default=None, help="KV pool size in blocks (default: a share of memory)")
     p.add_argument("--no-prefix-cache", action="store_true", help="do not share blocks between prompts")
@@ -40,6 +41,17 @@ def _add_generate(sub) -> None:
     p.set_defaults(func=cmd_generate)
 
 
+def _add_chat(sub) -> None:
+    from mlxkv.model_fetch import DEFAULT_CHAT_MODEL
+
+    p = sub.add_parser("chat", help="chat in a terminal app with a live view of the KV cache")
+    _add_cache_flags(p, model_help=f'model path, Hugging Face id, or "demo" (offline); default: '
+                                   f'{DEFAULT_CHAT_MODEL}, downloaded once')
+    p.add_argument("--max-tokens", type=int, default=1024, help="longest reply")
+    p.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0 = greedy)")
+    p.set_defaults(func=cmd_chat)
+
+
 def _add_tiny_model(sub) -> None:
     from mlxkv.tiny_model import add_tiny_model_arguments
 
@@ -50,7 +62,7 @@ def _add_tiny_model(sub) -> None:
 
 def _add_bench(sub) -> None:
     p = sub.add_parser("bench", help="side-by-side benchmark ratios")
-    p.add_argument("suite", nargs="?", default="engine", choices=["engine", "blas", "all"])
+    p.add_argument("suite", nargs="?", default="engine", choices=["engine", "tiers", "blas", "all"])
     p.add_argument("--context", type=int, default=2048, help="context length for the engine benchmark")
     p.add_argument("--decode-tokens", type=int, default=64)
     p.add_argument("--json", action="store_true")
@@ -76,6 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="store_true", help="print versions, BLAS and Metal, then exit")
     sub = parser.add_subparsers(dest="command")
     _add_generate(sub)
+    _add_chat(sub)
     _add_tiny_model(sub)
     _add_bench(sub)
     _add_cache(sub)
@@ -150,6 +163,19 @@ def _print_stream(chunks) -> None:
             f"{stats.decode_tokens_per_s:.1f} tok/s]",
             file=sys.stderr,
         )
+
+
+def cmd_chat(args) -> int:
+    from mlxkv.model_fetch import DEFAULT_CHAT_MODEL
+    from mlxkv.paths import default_disk_tier_dir
+    from tui.app import run
+
+    config = _cache_config(args)
+    if not args.no_disk_tier and args.disk_tier is None:
+        config.disk_tier = str(default_disk_tier_dir())  # chats persist, so their KV does too
+    if args.max_tokens < 1:
+        raise MlxkvError(f"--max-tokens must be at least 1, got {args.max_tokens}")
+    return run(args.model or DEFAULT_CHAT_MODEL, config, max_tokens=args.max_tokens, temperature=args.temp)
 
 
 def cmd_tiny_model(args) -> int:

@@ -96,11 +96,27 @@ class KVPool:
         return [BlockKV(keys[i], values[i]) for i in range(len(block_ids))]
 
     def write_blocks(self, block_ids: list[int], blocks: list[BlockKV]) -> None:
-        """Fill whole blocks (hydrate) with K/V read back from a tier."""
-        idx = mx.array(block_ids)
+        """Fill whole blocks (hydrate) with K/V read back from a tier.
+
+        Written as slice updates over runs of consecutive block ids: MLX's
+        CPU scatter moves about 0.7 GB/s, a slice update several times that,
+        and freshly allocated blocks often come in runs.
+        """
         keys = mx.stack([b.keys for b in blocks]).astype(self.layout.dtype)
         values = mx.stack([b.values for b in blocks]).astype(self.layout.dtype)
-        for layer in range(self.layout.num_layers):
-            self.keys[layer][idx] = keys[:, layer]
-            self.values[layer][idx] = values[:, layer]
+        for dst, src, n in _runs(block_ids):
+            for layer in range(self.layout.num_layers):
+                self.keys[layer][dst : dst + n] = keys[src : src + n, layer]
+                self.values[layer][dst : dst + n] = values[src : src + n, layer]
         mx.eval(self.keys, self.values)
+
+
+def _runs(block_ids: list[int]) -> list[tuple[int, int, int]]:
+    """(first block id, first source index, length) of each run where both advance by one."""
+    runs: list[list[int]] = []
+    for src, dst in enumerate(block_ids):
+        if runs and runs[-1][0] + runs[-1][2] == dst:
+            runs[-1][2] += 1
+        else:
+            runs.append([dst, src, 1])
+    return [tuple(r) for r in runs]

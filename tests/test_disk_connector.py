@@ -31,6 +31,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from mlxkv.connectors.base import BlockKV
 from mlxkv.connectors.disk import (
     DiskCacheWarning,
+    FORMAT_VERSION,
     DiskKvCacheConnector,
     cache_clear,
     cache_info,
@@ -135,8 +136,8 @@ def test_file_is_self_describing(tmp_path):
     meta = json.loads(data[8 : 8 + int.from_bytes(data[:8], "little")])["__metadata__"]
     assert meta["fingerprint"] == FP.hex() and meta["block_hash"] == h.hex()
     assert meta["dtype"] == "bfloat16" and meta["block_size"] == str(BS)
-    assert meta["num_layers"] == str(LAYERS) and meta["format_version"] == "1"
-    assert len(meta["checksum"]) == 64
+    assert meta["num_layers"] == str(LAYERS) and meta["format_version"] == FORMAT_VERSION
+    assert len(meta["checksum"]) == 8  # CRC-32, hex
     assert safetensors.numpy.load(data)["keys"].dtype == np.uint16  # raw bf16 bits
 
 
@@ -296,7 +297,7 @@ CORRUPTIONS = {
     "emptied": lambda p: p.write_bytes(b""),
     "tensor bit flip": _flip_tensor_bit,
     "header bit flip": _flip_header_bit,
-    "other format version": lambda p: rewrite(p, meta_changes={"format_version": "2"}),
+    "other format version": lambda p: rewrite(p, meta_changes={"format_version": "999"}),
     "other fingerprint": lambda p: rewrite(p, meta_changes={"fingerprint": FP_OTHER.hex()}),
     "other block hash": lambda p: rewrite(p, meta_changes={"block_hash": "00" * 32}),
     "other block size": lambda p: rewrite(p, meta_changes={"block_size": str(BS * 2)}),

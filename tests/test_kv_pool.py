@@ -102,3 +102,18 @@ def test_engine_drops_a_sequence_mirror_when_it_ends(model_dirs):
     assert len(engine.runner._mirrors) == 1
     stream.close()
     assert engine.runner._mirrors == {}
+
+
+def test_hydrate_writes_runs_and_scattered_blocks():
+    from mlxkv.connectors.base import BlockKV
+    from mlxkv.kv_pool import _runs
+
+    assert _runs([4, 5, 6, 9, 2, 3]) == [(4, 0, 3), (9, 3, 1), (2, 4, 2)]
+    pool = KVPool(LAYOUT, num_blocks=10)
+    ids = [4, 5, 6, 9, 2, 3]
+    blocks = [BlockKV(mx.full((2, 2, 4, 8), float(i)), mx.full((2, 2, 4, 8), -float(i))) for i in range(6)]
+    pool.write_blocks(ids, blocks)
+    for i, block_id in enumerate(ids):
+        assert np.all(np.array(pool.keys[1][block_id]) == i)
+        assert np.all(np.array(pool.values[0][block_id]) == -i)
+    assert not np.any(np.array(pool.keys[0][[0, 1, 7, 8]]))

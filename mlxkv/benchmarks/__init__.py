@@ -23,7 +23,14 @@ def _blas(args) -> tuple[list[dict], str]:
     return rows, format_rows(rows)
 
 
-SUITES = {"engine": _engine, "blas": _blas}
+def _tiers(args) -> tuple[list[dict], str]:
+    from mlxkv.benchmarks.tiers import format_rows, run_tiers_benchmark
+
+    rows = run_tiers_benchmark()
+    return rows, format_rows(rows)
+
+
+SUITES = {"engine": _engine, "blas": _blas, "tiers": _tiers}
 
 
 def run_suite(args) -> int:

@@ -42,6 +42,7 @@ from mlxkv.engine import PREFILL_STEP, Engine
 from mlxkv.errors import MlxkvError
 from mlxkv.model_loader import load_model
 from mlxkv.paths import cache_root
+from mlxkv.benchmarks.rows import format_rows, row  # noqa: F401  (format_rows: the suite's printer)
 from mlxkv.tiny_model import TinyModelSpec, write_tiny_model
 
 # A 4-layer slice of a ~1B llama: head dim 128, 8 query heads over 2 KV heads.
@@ -106,9 +107,9 @@ def run_engine_benchmark(
     described = describe_model(engine)
     log(described)
     log(f"decode: {rounds} rounds per side at {context} context ...")
-    rows = [_decode_row(engine, prompt, decode_tokens, rounds, log)]
+    rows = [_decoderow(engine, prompt, decode_tokens, rounds, log)]
     log("ttft: cold and warm prefix ...")
-    rows.append(_ttft_row(engine, prompt, rounds, vocab))
+    rows.append(_ttftrow(engine, prompt, rounds, vocab))
     log("kv bytes ...")
     rows += _kv_rows(engine, prompt)
     for row in rows:
@@ -137,13 +138,6 @@ def _tokens(n: int, vocab: int, seed: int) -> list[int]:
     """Reproducible ordinary tokens (ids 0-2 are the tiny models' specials)."""
     rng = random.Random(seed)
     return [rng.randrange(3, vocab) for _ in range(n)]
-
-
-def _row(name, unit, ours, baseline, baseline_name, goal, met, note="", ratio=None, **extra) -> dict:
-    if ratio is None:
-        ratio = ours / baseline if baseline else math.nan
-    return dict(name=name, unit=unit, ours=ours, baseline=baseline, baseline_name=baseline_name,
-                ratio=ratio, goal=goal, met=met, note=note, **extra)
 
 
 # -- (a) decode ------------------------------------------------------------
@@ -193,7 +187,7 @@ def _alternate(sides: dict, rounds: int, log) -> tuple[dict, dict]:
     return outputs, rates
 
 
-def _decode_row(engine: Engine, prompt: list[int], n: int, rounds: int, log) -> dict:
+def _decoderow(engine: Engine, prompt: list[int], n: int, rounds: int, log) -> dict:
     model, tokenizer = engine.model, engine.tokenizer
     prefilled = _mlx_lm_prefill(model, prompt)
     last = mx.array(prompt[-1:])
@@ -213,7 +207,7 @@ def _decode_row(engine: Engine, prompt: list[int], n: int, rounds: int, log) -> 
     # noise; the median of those ratios is the headline.
     ratio = statistics.median(o / t for o, t in zip(rates["mlxkv"], rates["mlx-lm"]))
     best = max(rates["mlxkv"]) / max(rates["mlx-lm"])
-    return _row(
+    return row(
         f"decode @ {len(prompt)} ctx", "tok/s", statistics.median(rates["mlxkv"]),
         statistics.median(rates["mlx-lm"]), "mlx-lm stream_generate",
         f">= {DECODE_GOAL:.2f}", ratio >= DECODE_GOAL,
@@ -232,7 +226,7 @@ def _ttft(engine: Engine, prompt: list[int], salt: str):
     return stats.ttft_s, stats.cached_tokens["pool"]
 
 
-def _ttft_row(engine: Engine, prefix: list[int], rounds: int, vocab: int) -> dict:
+def _ttftrow(engine: Engine, prefix: list[int], rounds: int, vocab: int) -> dict:
     suffixes = [_tokens(SUFFIX_TOKENS, vocab, seed=100 + i) for i in range(rounds + 1)]
     cold_rounds = min(rounds, 3)  # seconds each at 2k; warm rounds are cheap
     # A fresh salt hits nothing: cold. The last cold run leaves the prefix cached.
@@ -243,7 +237,7 @@ def _ttft_row(engine: Engine, prefix: list[int], rounds: int, vocab: int) -> dic
     cached = min(hit for _, hit in warm)
     best_warm, best_cold = min(t for t, _ in warm) * 1e3, min(cold) * 1e3
     ratio = best_warm / best_cold
-    return _row(
+    return row(
         f"ttft, {len(prefix)} cached + {SUFFIX_TOKENS} new", "ms", best_warm, best_cold,
         "same prompt, cold", f"<= {TTFT_GOAL:.2f}", ratio <= TTFT_GOAL,
         f"best of {len(warm)} warm / {len(cold)} cold; {cached} tokens hit",
@@ -289,35 +283,10 @@ def _kv_rows(engine: Engine, prefix: list[int]) -> list[dict]:
         held, ideal = blocks * layout.bytes_per_block, n * layout.bytes_per_token
         waste = blocks * bs - n
         theirs = mlx_lm_kv_bytes(layout, n)
-        rows.append(_row(
+        rows.append(row(
             f"KV held @ {n} tok", "KiB", held / 1024, ideal / 1024, "tokens x bytes/token",
             "waste < 1 block", 0 <= waste < bs,
             f"{blocks} blocks, waste {waste} tok; mlx-lm KVCache {theirs / 1024:g} KiB ({theirs / ideal:.2f}x)",
             tokens=n, blocks=blocks, waste_tokens=waste, mlx_lm_bytes=theirs, mlx_lm_ratio=theirs / ideal,
         ))
     return rows
-
-
-# -- output ------------------------------------------------------------------
-
-
-def _num(x: float) -> str:
-    if x is None or not math.isfinite(x):
-        return "-"
-    return f"{x:.0f}" if abs(x) >= 1000 else f"{x:.1f}" if abs(x) >= 100 else f"{x:.2f}"
-
-
-def format_rows(rows: list[dict]) -> str:
-    """A plain-text table, the model line, then notes."""
-    header = ("case", "unit", "mlxkv", "baseline", "against", "ratio", "goal", "met")
-    table = [header] + [
-        (r["name"], r["unit"], _num(r["ours"]), _num(r["baseline"]), r["baseline_name"],
-         f"{r['ratio']:.3f}x" if math.isfinite(r["ratio"]) else "-", r["goal"], "yes" if r["met"] else "NO")
-        for r in rows
-    ]
-    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
-    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in table]
-    if rows:
-        lines.insert(0, f"model: {rows[0]['model']}")
-        lines += [f"  {r['name']}: {r['note']}" for r in rows if r["note"]]
-    return "\n".join(lines)

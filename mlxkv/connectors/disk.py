@@ -10,7 +10,7 @@ temp file, fsyncs it and renames it into place, so decode never waits for
 the disk. No MLX array is touched off the caller's thread. A block becomes
 visible to `get_computed_blocks` only once its rename is done.
 
-Trust. A read checks every metadata field and a blake2b checksum of the
+Trust. A read checks every metadata field and a CRC-32 checksum of the
 tensor bytes; a bad file is counted as corrupt, deleted and the load stops
 there. Atomic renames plus the checksum are also what make two processes
 sharing one directory safe: a file the other process removed is just a miss.
@@ -23,7 +23,6 @@ mtime so the next process starts from about the same LRU order.
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import os
 import re
@@ -32,6 +31,8 @@ import shutil
 import threading
 import time
 import warnings
+import zlib
+from concurrent.futures import ThreadPoolExecutor
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -46,8 +47,9 @@ from mlxkv.connectors.base import BlockKV, LoadedBlock, ReadKV, TierStats
 from mlxkv.hashing import BlockHash
 
 FORMAT = "mlxkv-kv-block"
-FORMAT_VERSION = "1"
-CHECKSUM_ALGO = "blake2b-256"
+FORMAT_VERSION = "2"  # 2: CRC-32 checksums (1 used blake2b)
+CHECKSUM_ALGO = "crc32"
+READ_THREADS = 2  # files read and verified at once during a hydrate
 SUFFIX = ".safetensors"
 MARKER = "CACHEDIR.TAG"
 MARKER_TEXT = (
@@ -100,10 +102,12 @@ def _normalize_dtype(dtype) -> str:
 
 
 def _checksum(keys: np.ndarray, values: np.ndarray) -> str:
-    h = hashlib.blake2b(digest_size=32)
+    # CRC-32 catches torn writes and flipped bits, the faults a cache file
+    # meets, at about 4x the speed of blake2b: a hydrate reads at disk speed.
+    crc = 0
     for a in (keys, values):
-        h.update(np.ascontiguousarray(a).reshape(-1).view(np.uint8))
-    return h.hexdigest()
+        crc = zlib.crc32(np.ascontiguousarray(a).reshape(-1).view(np.uint8), crc)
+    return f"{crc:08x}"
 
 
 def _make_private_dirs(path: Path) -> None:
@@ -187,6 +191,7 @@ class DiskKvCacheConnector:
         self.dir = self.root / fingerprint.hex()
 
         self._lock = threading.Condition()
+        self._readers = ThreadPoolExecutor(max_workers=READ_THREADS, thread_name_prefix="mlxkv-disk-read")
         self._index: OrderedDict[BlockHash, int] = OrderedDict()  # LRU first
         self._pending: dict[BlockHash, int] = {}
         self._pending_bytes = 0
@@ -364,33 +369,41 @@ class DiskKvCacheConnector:
         return True
 
     def load_blocks(self, block_hashes: Sequence[BlockHash]) -> list[LoadedBlock]:
-        """The leading run of blocks that are on disk and pass verification."""
+        """The leading run of blocks that are on disk and pass verification.
+
+        Files are read and verified on a few threads (reads and CRC-32 release
+        the GIL), so a hydrate is not one file latency after another; the MLX
+        arrays are made here, on the caller's thread.
+        """
         loaded = []
-        if self.disabled:
+        if self.disabled or not block_hashes:
             return loaded
-        for block_hash in block_hashes:
-            kv = self._load_one(block_hash)
-            if kv is None:
+        for block_hash, (arrays, problem) in zip(block_hashes, self._readers.map(self._read, block_hashes)):
+            # Side effects happen here, in order, up to the first bad block:
+            # files read ahead past it are dropped untouched.
+            path = self._path(block_hash)
+            if arrays is None:
+                if problem is None:  # gone (the other process, or budget): a miss
+                    self._forget(block_hash)
+                else:
+                    self._discard_corrupt(block_hash, path, problem)
                 break
-            loaded.append(LoadedBlock(block_hash, kv, self.tier_name))
+            self._touch(block_hash, path)
+            loaded.append(LoadedBlock(block_hash, BlockKV(*map(self._to_mx, arrays)), self.tier_name))
         with self._lock:
             self._stats.hydrations += len(loaded)
         return loaded
 
-    def _load_one(self, block_hash: BlockHash) -> BlockKV | None:
-        path = self._path(block_hash)
+    def _read(self, block_hash: BlockHash):
+        """(keys, values) of a verified file, or (None, why it is corrupt); no side effects."""
         try:
-            data = path.read_bytes()
-        except OSError:  # gone (the other process, or budget): a miss
-            self._forget(block_hash)
-            return None
+            data = self._path(block_hash).read_bytes()
+        except OSError:
+            return None, None
         try:
-            keys, values = self._decode(data, block_hash)
+            return self._decode(data, block_hash), None
         except CorruptBlockError as e:
-            self._discard_corrupt(block_hash, path, str(e))
-            return None
-        self._touch(block_hash, path)
-        return BlockKV(self._to_mx(keys), self._to_mx(values))
+            return None, str(e)
 
     def _decode(self, data: bytes, block_hash: BlockHash) -> tuple[np.ndarray, np.ndarray]:
         try:

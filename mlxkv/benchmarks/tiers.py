@@ -1,0 +1,143 @@
+"""`mlxkv bench tiers`: the connector tiers, measured side by side in one run.
+
+- restore: time to first token of a prompt whose 4k-token prefix comes
+  back from the SSD tier (a new engine on the same directory, as after a
+  restart) against the same prompt with the prefix recomputed.
+- SSD read: `DiskKvCacheConnector.load_blocks` throughput (checksums and
+  all) against a raw sequential read of one file of the same size on the
+  same disk. Both sides first drop the files from the page cache with
+  posix_fadvise(DONTNEED) after an fsync, so both read the device (where
+  the OS honours the advice; a tmpfs cannot drop its pages).
+- memory hydrate: memory tier -> pool throughput against a plain MLX copy
+  of the same bytes.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import mlx.core as mx
+
+from mlxkv.benchmarks.engine import _tokens, bench_model_path, describe_model
+from mlxkv.benchmarks.rows import format_rows, row  # noqa: F401  (format_rows: the suite's printer)
+from mlxkv.config import CacheConfig
+from mlxkv.connectors.memory import InMemoryKvCacheConnector
+from mlxkv.engine import Engine
+from mlxkv.model_loader import load_model
+
+RESTORE_TOKENS = 4096
+SUFFIX = 16
+READ_BLOCKS = 256
+RESTORE_GOAL, READ_GOAL, HYDRATE_GOAL = 0.10, 0.70, 0.50
+
+
+def run_tiers_benchmark(model: str | None = None, restore_tokens: int = RESTORE_TOKENS,
+                        read_blocks: int = READ_BLOCKS, directory: str | None = None, log=print) -> list[dict]:
+    model = model or str(bench_model_path(log=log))
+    with tempfile.TemporaryDirectory(prefix="mlxkv-bench-tiers-", dir=directory) as tmp:
+        loaded = load_model(model)
+        rows = [_restore_row(loaded, Path(tmp) / "restore", restore_tokens, log)]
+        engine = Engine(loaded, CacheConfig(block_size=16, num_blocks=read_blocks + 8, memory_tier_bytes=0))
+        blocks = _fill_pool(engine, read_blocks)
+        rows.append(_ssd_read_row(engine, blocks, Path(tmp) / "read", log))
+        rows.append(_memory_hydrate_row(engine, blocks, log))
+        for r in rows:
+            r["model"] = describe_model(engine)
+        return rows
+
+
+def _drop_page_cache(paths) -> None:
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def _ttft(engine: Engine, prompt: list[int]) -> float:
+    return engine.generate(prompt, max_tokens=1).stats.ttft_s
+
+
+def _restore_row(loaded, directory: Path, n: int, log) -> dict:
+    vocab = loaded.config["vocab_size"]
+    prefix, suffix = _tokens(n, vocab, seed=1), _tokens(SUFFIX, vocab, seed=2)
+    config = CacheConfig(block_size=16, num_blocks=2 * (n + SUFFIX) // 16 + 4, memory_tier_bytes=0,
+                         disk_tier=str(directory))
+    log(f"restore: computing a {n}-token prefix onto the SSD tier ...")
+    with Engine(loaded, config) as engine:
+        cold = _ttft(engine, prefix + suffix)  # recomputes everything, writes the blocks
+    _drop_page_cache(p for p in directory.rglob("*.safetensors"))
+    with Engine(loaded, config) as engine:  # a fresh pool, as after a restart
+        result = engine.generate(prefix + _tokens(SUFFIX, vocab, seed=3), max_tokens=1)
+    hit = result.stats.cached_tokens["disk"]
+    return row(f"restore {n} tok from SSD", "s", result.stats.ttft_s, cold, "recompute (cold TTFT)",
+               f"<= {RESTORE_GOAL}", result.stats.ttft_s / cold <= RESTORE_GOAL,
+               note=f"{hit} tokens hydrated from disk, page cache dropped before the restore")
+
+
+def _fill_pool(engine: Engine, n: int) -> list[int]:
+    """Block ids holding real KV: a prompt of n blocks, kept in the pool."""
+    vocab = engine.loaded.config["vocab_size"]
+    engine.generate(_tokens(n * 16 + 1, vocab, seed=4), max_tokens=1)
+    return [b.block_id for b in engine.block_pool.blocks if b.block_hash is not None][:n]
+
+
+def _ssd_read_row(engine: Engine, block_ids: list[int], directory: Path, log) -> dict:
+    from mlxkv.connectors.disk import DiskKvCacheConnector
+
+    log(f"ssd read: {len(block_ids)} blocks ...")
+    disk = DiskKvCacheConnector(directory / "tier", engine.fingerprint, block_size=16,
+                                num_layers=engine.layout.num_layers, dtype=engine.layout.dtype, min_free_bytes=0)
+    kvs = engine.kv_pool.read_blocks(block_ids)
+    hashes = [bytes([i % 256, i // 256]) * 16 for i in range(len(kvs))]
+    for h, kv in zip(hashes, kvs):
+        disk.store(h, kv)
+    disk.flush()
+    files = list((directory / "tier").rglob("*.safetensors"))
+    total = sum(f.stat().st_size for f in files)
+    raw = directory / "raw.bin"
+    with open(raw, "wb") as f:
+        f.write(os.urandom(total))
+    _drop_page_cache(files + [raw])
+    start = time.perf_counter()
+    loaded = disk.load_blocks(hashes)
+    mx.eval([b.kv.keys for b in loaded], [b.kv.values for b in loaded])
+    tier_rate = total / (time.perf_counter() - start)
+    start = time.perf_counter()
+    with open(raw, "rb", buffering=0) as f:
+        while f.read(1 << 20):
+            pass
+    raw_rate = total / (time.perf_counter() - start)
+    disk.close()
+    return row("SSD tier read", "MB/s", tier_rate / 1e6, raw_rate / 1e6, "raw sequential read",
+               f">= {READ_GOAL}", tier_rate / raw_rate >= READ_GOAL,
+               note=f"{len(loaded)} files, {total / 1e6:.0f} MB, checksums verified; page cache dropped with fadvise")
+
+
+def _memory_hydrate_row(engine: Engine, block_ids: list[int], log) -> dict:
+    log("memory hydrate ...")
+    kvs = engine.kv_pool.read_blocks(block_ids)
+    tier = InMemoryKvCacheConnector(1 << 40, engine.layout.block_size)
+    hashes = [bytes([i % 256, i // 256]) * 16 for i in range(len(kvs))]
+    for h, kv in zip(hashes, kvs):
+        tier.store(h, kv)
+    nbytes = sum(kv.nbytes for kv in kvs)
+    source = mx.stack([kv.keys for kv in kvs])
+    mx.eval(source)
+    best_tier = best_copy = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        engine.kv_pool.write_blocks(block_ids, [b.kv for b in tier.load_blocks(hashes)])
+        best_tier = min(best_tier, time.perf_counter() - start)
+        start = time.perf_counter()
+        mx.eval(source * 1, source * 1)  # the same bytes (K and V) read and written once
+        best_copy = min(best_copy, time.perf_counter() - start)
+    tier_rate, copy_rate = nbytes / best_tier, nbytes / best_copy
+    return row("memory tier hydrate", "GB/s", tier_rate / 1e9, copy_rate / 1e9, "plain array copy",
+               f">= {HYDRATE_GOAL}", tier_rate / copy_rate >= HYDRATE_GOAL,
+               note=f"{len(kvs)} blocks, {nbytes / 1e6:.0f} MB into the pool, best of 5")
