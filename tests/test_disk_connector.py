@@ -36,6 +36,7 @@ from mlxkv.connectors.disk import (
     cache_clear,
     cache_info,
 )
+from mlxkv.errors import MlxkvError
 from mlxkv.hashing import hash_block, root_hash
 
 from faults import remount_read_only, rewrite
@@ -731,7 +732,7 @@ def test_cache_info_and_clear(tmp_path):
 def test_cache_clear_refuses_a_directory_that_is_not_a_cache(tmp_path):
     (tmp_path / "thesis.tex").write_text("precious")
     (tmp_path / ("ab" * 32)).mkdir()
-    with pytest.raises(ValueError, match="does not look like"):
+    with pytest.raises(MlxkvError, match="does not look like"):
         cache_clear(tmp_path)
     assert (tmp_path / "thesis.tex").exists()
     # Fingerprint directories only (a cache whose marker was lost) is accepted.

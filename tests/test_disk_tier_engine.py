@@ -181,3 +181,28 @@ def test_two_processes_share_one_disk_tier(llama_dir, tmp_path):
     assert all(r["connector"]["disk"]["corrupt"] == 0 for rs in rows for r in rs)
     after = generate_json(llama_dir, disk)
     assert after["connector"]["disk"]["corrupt"] == 0
+
+
+def test_cache_info_and_clear_commands(llama_dir, tmp_path):
+    disk = tmp_path / "kv"
+    generate_json(llama_dir, disk)
+    info = cli("cache", "info", "--disk-tier", str(disk))
+    assert info.returncode == 0, info.stderr
+    assert json.loads(info.stdout)["blocks"] == len(block_files(disk)) > 0
+    cleared = cli("cache", "clear", "--disk-tier", str(disk))
+    assert cleared.returncode == 0 and f"removed {len(block_files(disk)) or ''}" in cleared.stdout
+    assert block_files(disk) == []
+    again = generate_json(llama_dir, disk)
+    assert again["cached_tokens"]["disk"] == 0
+
+
+def test_cache_clear_refuses_a_directory_that_is_not_a_cache(tmp_path):
+    (tmp_path / "precious.txt").write_text("keep me")
+    out = cli("cache", "clear", "--disk-tier", str(tmp_path))
+    assert (tmp_path / "precious.txt").exists()
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
+
+
+def test_tier_flags_turn_tiers_off(llama_dir, tmp_path):
+    row = generate_json(llama_dir, tmp_path / "kv", "--memory-tier-mb", "0", "--no-disk-tier")
+    assert row["connector"] == {}

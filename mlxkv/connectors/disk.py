@@ -43,6 +43,7 @@ import mlx.core as mx
 import numpy as np
 import safetensors.numpy
 
+from mlxkv.errors import MlxkvError
 from mlxkv.connectors.base import BlockKV, LoadedBlock, ReadKV, TierStats
 from mlxkv.hashing import BlockHash
 
@@ -741,7 +742,7 @@ def cache_clear(directory: str | os.PathLike) -> int:
     if not root.exists():
         return 0
     if not root.is_dir() or not _looks_like_cache(root):
-        raise ValueError(f"{root} does not look like an mlxkv disk cache; not clearing it")
+        raise MlxkvError(f"{root} does not look like an mlxkv disk cache; not clearing it")
     removed = 0
     for fp_dir in _fingerprint_dirs(root):
         for path, _ in list(_block_files(fp_dir)):
