@@ -55,3 +55,16 @@ def test_bad_sizes_are_user_errors(llama_dir):
         bench.run_engine_benchmark(context=CONTEXT, decode_tokens=1, model=llama_dir)
     with pytest.raises(MlxkvError, match="context"):
         bench.run_engine_benchmark(context=10**6, decode_tokens=4, model=llama_dir)
+
+
+def test_tiers_benchmark_rows(tmp_path):
+    from mlxkv.benchmarks.tiers import run_tiers_benchmark
+    from mlxkv.tiny_model import TinyModelSpec, write_tiny_model
+
+    model = write_tiny_model(tmp_path / "hd32", TinyModelSpec(head_dim=32, seed=3))
+    rows = run_tiers_benchmark(model=str(model), restore_tokens=64, read_blocks=8, log=lambda *_: None)
+    assert [r["name"] for r in rows] == ["restore 64 tok from SSD", "SSD tier read", "memory tier hydrate",
+                                         "memory tier 8-bit"]
+    for r in rows:
+        assert math.isfinite(r["ratio"]) and r["ratio"] > 0
+    assert "64 tokens hydrated from disk" in rows[0]["note"]
