@@ -1,0 +1,1 @@
+"""Metal kernel sources, shipped as package data and loaded by mlxkv.kernels."""

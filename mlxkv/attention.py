@@ -2,8 +2,11 @@
 
 The reference path is pure MLX: the cache gathers a sequence's blocks into a
 contiguous tensor and `mx.fast.scaled_dot_product_attention` runs on it with
-a length mask. It is the oracle the Metal kernels are tested against; a
-kernel slots in here and nowhere else.
+a length mask. It is the oracle the Metal kernels are tested against.
+
+The kernel path (mlxkv/kernels.py) serves decode steps (one new token per
+sequence) of supported shapes, reading K/V from the pool through the block
+table; prefill and anything else stay on the reference path.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import sys
 
 import mlx.core as mx
 
+from mlxkv import kernels
 from mlxkv.errors import MlxkvError
 from mlxkv.paged_cache import PagedKVCache
 
@@ -42,7 +46,29 @@ def paged_attention(queries, keys, values, cache: PagedKVCache, scale: float, ma
     the reference path uses them, a kernel reads the pool directly and
     leaves that gather unevaluated.
     """
+    if cache.batch.attention == "kernel" and queries.shape[2] == 1:
+        out = _kernel_decode(queries, cache, scale)
+        if out is not None:
+            return out
     return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+
+
+def _kernel_decode(queries, cache: PagedKVCache, scale: float):
+    """Decode attention on the kernels, or None where they do not serve the shape.
+
+    The kernels read each sequence's first `context_lens` tokens, which is
+    what the reference path's mask keeps visible, so the mask is not needed.
+    """
+    k_pool = cache.pool.keys[cache.layer]
+    v_pool = cache.pool.values[cache.layer]
+    n_heads, n_kv_heads = queries.shape[1], k_pool.shape[1]
+    if n_heads % n_kv_heads or not (queries.dtype == k_pool.dtype == v_pool.dtype):
+        return None
+    if not kernels.supports(queries.dtype, queries.shape[3], v_pool.shape[3], k_pool.shape[2],
+                            n_heads // n_kv_heads):
+        return None
+    b = cache.batch
+    return kernels.paged_decode(queries, k_pool, v_pool, b.block_tables, b.context_lens, scale)
 
 
 def route_model_attention(model) -> bool:

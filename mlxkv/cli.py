@@ -62,7 +62,7 @@ def _add_tiny_model(sub) -> None:
 
 def _add_bench(sub) -> None:
     p = sub.add_parser("bench", help="side-by-side benchmark ratios")
-    p.add_argument("suite", nargs="?", default="engine", choices=["engine", "tiers", "blas", "all"])
+    p.add_argument("suite", nargs="?", default="engine", choices=["engine", "tiers", "kernels", "blas", "all"])
     p.add_argument("--context", type=int, default=2048, help="context length for the engine benchmark")
     p.add_argument("--decode-tokens", type=int, default=64)
     p.add_argument("--json", action="store_true")

@@ -30,7 +30,14 @@ def _tiers(args) -> tuple[list[dict], str]:
     return rows, format_rows(rows)
 
 
-SUITES = {"engine": _engine, "blas": _blas, "tiers": _tiers}
+def _kernels(args) -> tuple[list[dict], str]:
+    from mlxkv.benchmarks.kernels import format_rows, run_kernel_benchmark
+
+    rows = run_kernel_benchmark()
+    return rows, format_rows(rows)
+
+
+SUITES = {"engine": _engine, "tiers": _tiers, "kernels": _kernels, "blas": _blas}
 
 
 def run_suite(args) -> int:

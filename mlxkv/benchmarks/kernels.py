@@ -6,6 +6,8 @@ For each context and batch size, one decode step's attention of one layer:
   through shuffled block tables. With Metal that is the paged kernel; on
   other machines it is the reference path (gather the blocks into a
   contiguous copy, then SDPA), so there the figure measures the gather.
+  (The engine spares a lone sequence that gather with its contiguous
+  mirror, kv_mirror.py; at batch 1 the figure is an upper bound.)
 - sdpa: `mx.fast.scaled_dot_product_attention` over the same K/V already
   laid out contiguously, as mlx-lm's own cache holds them.
 
@@ -126,7 +128,7 @@ def format_rows(rows: list[dict]) -> str:
         for r in rows
     ]
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
-    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)) for row in table]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in table]
     if rows and rows[0]["path"] == "kernel":
         worst = max(r["ratio"] for r in rows)
         verdict = "met" if worst <= GOAL else "not met"

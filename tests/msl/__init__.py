@@ -1,0 +1,1 @@
+"""The MSL execution harness: Metal kernels' generated source, run on the CPU."""

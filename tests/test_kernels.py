@@ -1,0 +1,223 @@
+"""The Metal paged-attention kernels against the reference path and a numpy oracle.
+
+Every kernel instantiation the engine can dispatch runs here: on the GPU
+where Metal is available, else through the MSL harness (tests/msl), which
+compiles the exact source MLX generates and executes it on the CPU.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+from pathlib import Path
+
+import mlxkv  # noqa: F401  (before mlx)
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlxkv import attention, kernels
+from mlxkv.errors import MlxkvError
+from mlxkv.kv_pool import KVLayout, KVPool
+from mlxkv.paged_cache import PagedBatch, PagedKVCache
+from msl.harness import SKIP_REASON, clang_available, generated_source, shared_harness
+from msl.paged import assert_close, instantiation_launches, make_case, oracle, reference
+
+INSTANTIATIONS = list(itertools.product(kernels.DTYPES, kernels.HEAD_DIMS, kernels.GROUP_SIZES))
+
+
+@pytest.fixture(scope="module")
+def device():
+    """None on Metal (kernels run on the GPU), else the harness, every
+    instantiation compiled up front on all cores."""
+    if mx.metal.is_available():
+        return None
+    if not clang_available():
+        pytest.skip(SKIP_REASON)
+    harness = shared_harness()
+    launches = instantiation_launches().values()
+    harness.build_many([(harness.translation_unit(launch), None) for launch in launches])
+    return harness
+
+
+@pytest.fixture
+def on_device(device, monkeypatch):
+    if device is not None:
+        monkeypatch.setattr(kernels, "run_launch", device.run)
+
+
+def kernel_attention(case, partition=None):
+    return kernels.paged_decode(case.queries, case.k_pool, case.v_pool, case.block_tables,
+                                case.context_lens, case.scale, partition=partition)
+
+
+def check(case, partition=None):
+    out = kernel_attention(case, partition)
+    what = f"{case.dtype} D={case.queries.shape[-1]} lens={case.context_lens} part={partition}"
+    assert_close(out, oracle(case), case.dtype, f"kernel vs oracle, {what}")
+    assert_close(out, reference(case), case.dtype, f"kernel vs reference path, {what}")
+    return out
+
+
+# ---- through the kernels ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype,head_dim,group", INSTANTIATIONS,
+                         ids=[f"{d}-d{h}-g{g}".replace("mlx.core.", "") for d, h, g in INSTANTIATIONS])
+def test_every_instantiation(on_device, dtype, head_dim, group):
+    # A partial last block and exactly one block, in one batch.
+    block_size = kernels.BLOCK_SIZES[(head_dim // 16 + group) % 2]
+    case = make_case(dtype, head_dim, group, n_kv_heads=2, block_size=block_size,
+                     context_lens=(block_size + 5, block_size), seed=head_dim + group)
+    check(case, partition=0)
+
+
+@pytest.mark.parametrize("block_size", kernels.BLOCK_SIZES)
+@pytest.mark.parametrize("context", [1, "block", "block+5", 256, 257, 600])
+def test_context_lengths(on_device, block_size, context):
+    # One pass over 1 token, exactly one block, a partial last block, one
+    # whole tile, and more tiles than one (online softmax across tiles).
+    n = {"block": block_size, "block+5": block_size + 5}.get(context, context)
+    case = make_case(mx.float16, 128, 4, n_kv_heads=1, block_size=block_size,
+                     context_lens=(n,), seed=n)
+    check(case, partition=0)
+
+
+@pytest.mark.parametrize("dtype", kernels.DTYPES, ids=str)
+@pytest.mark.parametrize("partition,head_dim", [(256, 80), (512, 96)])
+def test_partitions(on_device, dtype, partition, head_dim):
+    # Two passes, every reduce instantiation. The 1-token sequence leaves
+    # later partitions empty; head dims 80 and 96 make the reduce's edge
+    # threadgroups partial.
+    case = make_case(dtype, head_dim, 2, n_kv_heads=1, block_size=16,
+                     context_lens=(1100, 257, 1), seed=partition)
+    check(case, partition=partition)
+
+
+@pytest.mark.parametrize("context", [255, 256, 257, 511, 512, 513])
+def test_partition_boundaries(on_device, context):
+    case = make_case(mx.float32, 64, 1, n_kv_heads=1, block_size=32, context_lens=(context,),
+                     seed=context)
+    check(case, partition=256)
+
+
+@pytest.mark.parametrize("group", [1, 3, 4, 6, 7, 8])
+def test_gqa_factors(on_device, group):
+    # 3, 6 and 7 run on the instantiations for 4 and 8. 300 tokens on a
+    # small grid: the automatic choice splits into partitions.
+    case = make_case(mx.float16, 64, group, n_kv_heads=2, context_lens=(40, 300), seed=group)
+    assert kernels.partition_size(2, 2, 300) == 256
+    check(case)
+
+
+@pytest.mark.parametrize("partition", [0, 256])
+def test_mixed_batch(on_device, partition):
+    case = make_case(mx.bfloat16, 128, 4, n_kv_heads=2, block_size=32,
+                     context_lens=(1, 16, 33, 300, 17), seed=7)
+    check(case, partition=partition)
+
+
+def test_block_placement_does_not_change_the_result(on_device):
+    # The same sequences stored in different blocks: bit-identical outputs.
+    a = make_case(mx.float32, 96, 2, context_lens=(70, 20), shuffle=False, seed=3)
+    b = make_case(mx.float32, 96, 2, context_lens=(70, 20), shuffle=False, seed=3)
+    rng = np.random.default_rng(0)
+    order = rng.permutation(a.k_pool.shape[0])  # new block id of each old block
+    inverse = np.argsort(order)
+    b.k_pool, b.v_pool = a.k_pool[mx.array(inverse)], a.v_pool[mx.array(inverse)]
+    b.tables = [[int(order[i]) for i in t] for t in a.tables]
+    assert b.tables != a.tables
+    out_a, out_b = kernel_attention(a, 0), kernel_attention(b, 0)
+    assert np.array_equal(np.array(out_a), np.array(out_b))
+
+
+def test_paged_attention_runs_decode_on_the_kernels(on_device):
+    case = make_case(mx.float16, 64, 2, context_lens=(40, 9), seed=11)
+    n_blocks, n_kv, bs, D = case.k_pool.shape
+    pool = KVPool(KVLayout(1, n_kv, D, D, bs, mx.float16), n_blocks)
+    pool.keys[0], pool.values[0] = case.k_pool, case.v_pool
+    cache = PagedKVCache(pool, 0, case.batch("kernel"))
+    keys, values = pool.gather(0, cache.batch.block_tables)
+    out = attention.paged_attention(case.queries, keys, values, cache, case.scale,
+                                    cache.make_mask(1))
+    assert_close(out, oracle(case), mx.float16)
+
+
+# ---- dispatch, without running a kernel -----------------------------------------------
+
+
+def test_every_instantiation_the_engine_can_dispatch_is_tested():
+    dispatchable = {
+        (dtype, d, kernels.group_size_for(g))
+        for dtype in (mx.float16, mx.bfloat16, mx.float32, mx.int8)
+        for d in range(1, 513)
+        for g in range(1, 17)
+        if kernels.supports(dtype, d, d, 16, g)
+    }
+    assert dispatchable == set(INSTANTIATIONS)
+
+
+def test_supported_shapes():
+    assert kernels.supports(mx.float16, 128, 128, 16, 7)
+    assert not kernels.supports(mx.float16, 128, 128, 16, 9)  # group over 8
+    assert not kernels.supports(mx.float16, 48, 48, 16, 1)  # head dim
+    assert not kernels.supports(mx.float16, 128, 64, 16, 1)  # V head dim differs
+    assert not kernels.supports(mx.float16, 128, 128, 8, 1)  # block size
+    assert [kernels.group_size_for(g) for g in range(1, 10)] == [1, 2, 4, 4, 8, 8, 8, 8, None]
+
+
+def test_partitions_only_for_long_sequences_on_a_small_grid():
+    assert kernels.partition_size(1, 8, 256) == 0  # one partition's worth
+    assert kernels.partition_size(1, 8, 1024) == 256
+    assert kernels.partition_size(1, 8, 16384) == 512
+    assert kernels.partition_size(16, 8, 16384) == 0  # grid already large
+
+
+def test_signature_is_the_same_for_every_call():
+    # Small index inputs are padded: one generated source per instantiation,
+    # whatever the batch, however short the block table.
+    small = make_case(mx.float16, 64, 2, context_lens=(1,))
+    large = make_case(mx.float16, 64, 2, context_lens=(700, 3, 90, 1, 1, 1, 1, 1, 9))
+    sources = []
+    for case in (small, large):
+        B, H, _, D = case.queries.shape
+        launch = kernels.decode_launch(case.queries.reshape(B, H, D), case.k_pool, case.v_pool,
+                                       case.block_tables, case.context_lens, case.scale)
+        sources.append(generated_source(launch).text)
+    assert sources[0] == sources[1]
+    assert "constant int32_t* params" in sources[0] and "constant float& scale" in sources[0]
+    assert "device int32_t* block_tables" in sources[0]
+
+
+def test_sources_ship_in_the_metal_package():
+    for name in ("common", "paged_decode", "paged_reduce"):
+        assert kernels.kernel_source(name).strip()
+    pyproject = (Path(__file__).parents[1] / "pyproject.toml").read_text()
+    assert re.search(r'^metal = \[.*"\*\.metal".*\]$', pyproject, re.M)
+
+
+@pytest.mark.skipif(mx.metal.is_available(), reason="Metal is available here")
+def test_kernels_without_metal_fail_clearly():
+    case = make_case(context_lens=(5,))
+    with pytest.raises(MlxkvError, match="Metal"):
+        kernel_attention(case)
+
+
+def test_paged_attention_keeps_prefill_and_unsupported_shapes_on_the_reference_path(monkeypatch):
+    calls = []
+    monkeypatch.setattr(kernels, "paged_decode", lambda *a, **k: calls.append(a) or "kernel")
+
+    def run(head_dim, new_tokens, mode="kernel"):
+        n_kv = 2
+        pool = KVPool(KVLayout(1, n_kv, head_dim, head_dim, 16, mx.float32), 8)
+        batch = PagedBatch.build([[0, 1], [2]], [20 - new_tokens, 9], new_tokens, 16, mode)
+        cache = PagedKVCache(pool, 0, batch)
+        q = mx.zeros((2, 4, new_tokens, head_dim))
+        keys, values = pool.gather(0, batch.block_tables)
+        return attention.paged_attention(q, keys, values, cache, 1.0, cache.make_mask(new_tokens))
+
+    assert run(64, 1) == "kernel"
+    assert isinstance(run(64, 3), mx.array)  # prefill
+    assert isinstance(run(32, 1), mx.array)  # head dim without a kernel
+    assert isinstance(run(64, 1, "reference"), mx.array)
+    assert len(calls) == 1

@@ -1,0 +1,53 @@
+"""The engine's greedy-equality tests, with decode attention on the Metal kernel.
+
+The tests of test_engine_equality.py run again here on a model whose head
+dim the kernels serve (64, 4 query heads per kv head), with attention forced
+to "kernel" and every kernel launch executed by the MSL harness on the CPU
+(the GPU where Metal is available). Greedy tokens must still equal mlx-lm's.
+"""
+
+from __future__ import annotations
+
+import mlxkv  # noqa: F401  (before mlx)
+import mlx.core as mx
+import mlx_lm
+import pytest
+
+from mlxkv import kernels
+from mlxkv.attention import ATTENTION_ENV
+from mlxkv.tiny_model import TinyModelSpec, write_tiny_model
+from msl.harness import SKIP_REASON, clang_available, shared_harness
+from test_engine_equality import (  # noqa: F401  (collected here again)
+    test_cold_prompts_match_mlx_lm,
+    test_prefix_hits_match_mlx_lm,
+    test_prompt_of_whole_cached_blocks,
+)
+
+SPEC = TinyModelSpec(family="llama", hidden_size=64, num_heads=4, num_kv_heads=1, head_dim=64,
+                     seed=21)
+
+if not mx.metal.is_available() and not clang_available():
+    pytest.skip(SKIP_REASON, allow_module_level=True)
+
+
+@pytest.fixture(scope="module")
+def family(tmp_path_factory):
+    path = str(write_tiny_model(tmp_path_factory.mktemp("kernel-model") / "llama-hd64", SPEC))
+    model, tokenizer = mlx_lm.load(path)
+    return "llama-hd64", path, model, tokenizer
+
+
+@pytest.fixture(autouse=True)
+def kernel_attention(monkeypatch):
+    """Attention on the kernel, launches counted; each test must decode through it."""
+    launches = []
+    run = kernels.run_launch if mx.metal.is_available() else shared_harness().run
+
+    def counted(launch):
+        launches.append(launch)
+        return run(launch)
+
+    monkeypatch.setenv(ATTENTION_ENV, "kernel")
+    monkeypatch.setattr(kernels, "run_launch", counted)
+    yield
+    assert launches, "no decode step ran on the kernel"
