@@ -38,6 +38,8 @@ def _add_generate(sub) -> None:
     p.add_argument("--top-p", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    p.add_argument("--concurrent", action="store_true",
+                   help="run the prompts as one batch (shared prefixes computed once), not in order")
     p.set_defaults(func=cmd_generate)
 
 
@@ -62,9 +64,10 @@ def _add_tiny_model(sub) -> None:
 
 def _add_bench(sub) -> None:
     p = sub.add_parser("bench", help="side-by-side benchmark ratios")
-    p.add_argument("suite", nargs="?", default="engine", choices=["engine", "tiers", "kernels", "blas", "all"])
+    p.add_argument("suite", nargs="?", default="engine", choices=["engine", "batch", "tiers", "kernels", "blas", "all"])
     p.add_argument("--context", type=int, default=2048, help="context length for the engine benchmark")
     p.add_argument("--decode-tokens", type=int, default=64)
+    p.add_argument("--prefix", type=int, default=1024, help="shared prefix length for the batch benchmark")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_bench)
 
@@ -130,19 +133,45 @@ def cmd_generate(args) -> int:
     prompts = _read_prompts(args)
     config = _cache_config(args)
     with Engine.load(args.model, config) as engine:
+        if args.concurrent:
+            return _generate_concurrent(engine, prompts, args)
         for text in prompts:
             _generate_one(engine, text, args)
     return 0
 
 
-def _generate_one(engine, text: str, args) -> None:
+def _prompt_tokens(engine, text: str, args) -> list[int]:
     if not text.strip():
-        tokens = []  # an empty message is an empty prompt, template or not
-    elif args.raw:
-        tokens = engine.encode(text)
-    else:
-        tokens = engine.apply_chat_template([{"role": "user", "content": text}])
-    options = dict(max_tokens=args.max_tokens, temperature=args.temp, top_p=args.top_p, seed=args.seed)
+        return []  # an empty message is an empty prompt, template or not
+    if args.raw:
+        return engine.encode(text)
+    return engine.apply_chat_template([{"role": "user", "content": text}])
+
+
+def _options(args) -> dict:
+    return dict(max_tokens=args.max_tokens, temperature=args.temp, top_p=args.top_p, seed=args.seed)
+
+
+def _generate_concurrent(engine, prompts: list[str], args) -> int:
+    """One batch; rows in prompt order, as without --concurrent. A bad prompt fails alone."""
+    results = engine.generate_batch([_prompt_tokens(engine, t, args) for t in prompts], **_options(args))
+    failed = 0
+    for result in results:
+        error = result.extra.get("error")
+        if error is not None:
+            failed += 1
+            print(f"mlxkv: error: {error}", file=sys.stderr)
+        elif args.json:
+            print(json.dumps({**result.as_json(), "connector": engine.connector.stats()}), flush=True)
+        else:
+            print(result.text, flush=True)
+            _print_stats(result.stats)
+    return 2 if failed else 0
+
+
+def _generate_one(engine, text: str, args) -> None:
+    tokens = _prompt_tokens(engine, text, args)
+    options = _options(args)
     if args.json:
         result = engine.generate(tokens, **options)
         print(json.dumps({**result.as_json(), "connector": engine.connector.stats()}), flush=True)
@@ -157,12 +186,19 @@ def _print_stream(chunks) -> None:
         stats = chunk.stats or stats
     print()
     if stats is not None:
-        print(
-            f"[{stats.prompt_tokens} prompt tokens, {stats.cached_tokens} reused, "
-            f"{stats.computed_tokens} computed; ttft {stats.ttft_s * 1000:.1f} ms, "
-            f"{stats.decode_tokens_per_s:.1f} tok/s]",
-            file=sys.stderr,
-        )
+        _print_stats(stats)
+
+
+def _print_stats(stats) -> None:
+    waited = f", queued {stats.queued_s * 1000:.1f} ms" if stats.queued_s or stats.preempted_s else ""
+    if stats.preemptions:
+        waited += f", preempted {stats.preemptions}x for {stats.preempted_s * 1000:.1f} ms"
+    print(
+        f"[{stats.prompt_tokens} prompt tokens, {stats.cached_tokens} reused, "
+        f"{stats.computed_tokens} computed; ttft {stats.ttft_s * 1000:.1f} ms, "
+        f"{stats.decode_tokens_per_s:.1f} tok/s{waited}]",
+        file=sys.stderr,
+    )
 
 
 def cmd_chat(args) -> int:

@@ -72,6 +72,9 @@ class Engine:
         self.requests_served = 0
         # Sequences being generated, by request id (what a pool view reads).
         self.running: dict[int, Sequence] = {}
+        # Prefill chunk, solo and batched alike (same chunks, same numerics).
+        self.prefill_chunk = PREFILL_STEP
+        self._batch = None
 
     @classmethod
     def load(cls, model: str, cache: CacheConfig | None = None, **cache_fields) -> Engine:
@@ -148,6 +151,53 @@ class Engine:
             self.runner.release(seq)
             self.requests_served += 1
 
+    # -- many sequences at once (batching.py) -------------------------------
+
+    def generate_batch(self, prompts: list, **options) -> list[GenerationResult]:
+        """Whole replies to several prompts, generated as one continuous batch.
+
+        Options as for `stream` (without should_stop). A bad prompt fails
+        alone: its result has finish_reason "error" and `extra["error"]`.
+        """
+        from mlxkv.batching import generate_batch
+
+        return generate_batch(self, prompts, **options)
+
+    def batch_loop(self):
+        """The engine's continuous-batching loop (made on first use)."""
+        if self._batch is None:
+            from mlxkv.batching import BatchLoop
+
+            self._batch = BatchLoop(self)
+        return self._batch
+
+    def make_request(
+        self,
+        prompt,
+        sink,
+        max_tokens: int = 256,
+        temperature: float = 0.0,
+        top_p: float = 0.0,
+        top_k: int = 0,
+        min_p: float = 0.0,
+        seed: int | None = None,
+        cache_salt: str | None = None,
+        should_stop: Callable[[], bool] | None = None,
+    ):
+        """A checked `Request` for the batch loop; raises MlxkvError on bad input."""
+        from mlxkv.request import Request
+
+        prompt_tokens = self._prompt_tokens(prompt)
+        self._check_request(prompt_tokens, max_tokens, temperature)
+        if seed is not None:
+            mx.random.seed(seed)
+        root = root_hash(self.fingerprint, cache_salt) if self.cache_config.prefix_cache else None
+        return Request(
+            next(self._request_ids), prompt_tokens, max_tokens,
+            make_sampler(temp=temperature, top_p=top_p, min_p=min_p, top_k=top_k),
+            root, sink, self.tokenizer.detokenizer, should_stop,
+        )
+
     def _check_request(self, prompt: list[int], max_tokens: int, temperature: float) -> None:
         if not prompt:
             raise MlxkvError("prompt is empty")
@@ -176,7 +226,7 @@ class Engine:
     def _prefill(self, seq: Sequence) -> None:
         """Compute all uncached prompt tokens but the last, in chunks."""
         while len(seq.prompt) - seq.num_computed > 1:
-            n = min(PREFILL_STEP, len(seq.prompt) - 1 - seq.num_computed)
+            n = min(self.prefill_chunk, len(seq.prompt) - 1 - seq.num_computed)
             chunk = seq.prompt[seq.num_computed : seq.num_computed + n]
             self.manager.allocate_slots(seq, n)
             self.runner.forward([seq], mx.array([chunk]))

@@ -70,7 +70,7 @@ def progress_bar_class(name: str, report: Report):
     class ReportingBar(tqdm):
         def __init__(self, *args, **kwargs):
             kwargs["file"] = io.StringIO()
-            kwargs["mininterval"] = 0.25
+            kwargs.setdefault("mininterval", 0.25)
             super().__init__(*args, **kwargs)
 
         def display(self, msg=None, pos=None):

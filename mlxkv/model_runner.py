@@ -21,8 +21,13 @@ class ModelRunner:
         self._mirrors: dict[int, KVMirror] = {}
         route_model_attention(model)
 
-    def _mirror_for(self, seqs: list[Sequence]) -> KVMirror | None:
+    def _mirror_for(self, seqs: list[Sequence], mirror: bool) -> KVMirror | None:
         if len(seqs) != 1 or self.attention != "reference":
+            # A sequence decoding in a batch reads the pool; a copy would go stale.
+            for s in seqs:
+                self._mirrors.pop(s.request_id, None)
+            return None
+        if not mirror:
             return None
         key = seqs[0].request_id
         if key not in self._mirrors:
@@ -33,8 +38,11 @@ class ModelRunner:
         """Drop what the runner holds for a finished sequence."""
         self._mirrors.pop(seq.request_id, None)
 
-    def forward(self, seqs: list[Sequence], tokens: mx.array) -> mx.array:
+    def forward(self, seqs: list[Sequence], tokens: mx.array, mirror: bool = True) -> mx.array:
         """Logits `[B, vocab]` at the last position of `tokens [B, L]`.
+
+        `mirror=False` keeps a lone sequence off its contiguous mirror (a
+        batch's prefill chunks: the values are the same, without the copy).
 
         The caller has allocated slots for the L new tokens of each
         sequence; this advances each sequence's `num_computed` by L.
@@ -46,7 +54,7 @@ class ModelRunner:
             num_new,
             self.kv_pool.layout.block_size,
             self.attention,
-            self._mirror_for(seqs),
+            self._mirror_for(seqs, mirror),
         )
         caches = [PagedKVCache(self.kv_pool, i, batch) for i in range(self.num_layers)]
         logits = self.model(tokens, cache=caches)

@@ -15,6 +15,11 @@ class RequestStats:
     prompt_tokens_per_s: float = 0.0
     decode_tokens_per_s: float = 0.0
     peak_memory_gb: float = 0.0
+    # Batched runs: time spent waiting for admission, and waiting after a
+    # preemption until the request was running again.
+    queued_s: float = 0.0
+    preempted_s: float = 0.0
+    preemptions: int = 0
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -28,6 +33,18 @@ class GenerationChunk:
     token: int
     finish_reason: str | None = None  # "stop", "length" or "cancelled" on the last chunk
     stats: RequestStats | None = None  # set on the last chunk
+
+
+@dataclass
+class RequestFailed:
+    """The last record of a request the engine refused or could not finish."""
+
+    message: str
+    finish_reason: str = "error"  # or "cancelled" when it never started
+
+
+def is_last(record) -> bool:
+    return isinstance(record, RequestFailed) or record.finish_reason is not None
 
 
 @dataclass

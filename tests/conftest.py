@@ -34,8 +34,9 @@ def llama_dir(model_dirs):
 @pytest.fixture(autouse=True)
 def _private_cache_dir(tmp_path_factory, monkeypatch):
     # The demo model and any on-disk state go to a per-session directory,
-    # never the user's real cache.
+    # never the user's real cache or data dir (the chat app's conversations).
     monkeypatch.setenv("MLXKV_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "mlxkv-cache"))
+    monkeypatch.setenv("MLXKV_DATA_DIR", str(tmp_path_factory.getbasetemp() / "mlxkv-data"))
 
 
 @pytest.fixture

@@ -37,7 +37,14 @@ def _kernels(args) -> tuple[list[dict], str]:
     return rows, format_rows(rows)
 
 
-SUITES = {"engine": _engine, "tiers": _tiers, "kernels": _kernels, "blas": _blas}
+def _batch(args) -> tuple[list[dict], str]:
+    from mlxkv.benchmarks.batch import format_rows, run_batch_benchmark
+
+    rows = run_batch_benchmark(prefix=getattr(args, "prefix", 1024), decode_tokens=args.decode_tokens)
+    return rows, format_rows(rows)
+
+
+SUITES = {"engine": _engine, "batch": _batch, "tiers": _tiers, "kernels": _kernels, "blas": _blas}
 
 
 def run_suite(args) -> int:

@@ -1,0 +1,170 @@
+"""The engine thread: one thread owns the model, serves queued requests, cancels, reports."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from mlxkv.config import CacheConfig
+from mlxkv.engine import Engine
+from mlxkv.engine_thread import EngineThread, RequestFailed, RequestHandle, load_engine
+from mlxkv.errors import MlxkvError
+from mlxkv.pool_view import MARK_MEMORY, MARK_NEW, MARK_POOL_HIT, MARK_SPILL, PoolWatcher
+from mlxkv.records import GenerationChunk
+
+CONFIG = dict(block_size=8, num_blocks=64, memory_tier_bytes=0)
+QUESTION = [{"role": "user", "content": "Tell me about the sea and the ships that sail on it."}]
+
+
+def tokens(n, start=5):
+    return [(start + 13 * i) % 400 + 3 for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def engine(llama_dir):
+    """One engine thread for the module, recording the thread that loaded it."""
+    events, loaded_on = [], []
+
+    def load(model, cache, report):
+        loaded_on.append(threading.current_thread().name)
+        return load_engine(model, cache, report)
+
+    thread = EngineThread(llama_dir, CacheConfig(**CONFIG), on_event=events.append, load=load).start()
+    thread.wait_ready(timeout=120)
+    thread.events, thread.loaded_on = events, loaded_on
+    yield thread
+    thread.close()
+
+
+def run(thread, *args, **kwargs) -> list:
+    return list(thread.submit(*args, **kwargs))
+
+
+def test_model_loads_and_runs_on_the_engine_thread(engine):
+    assert engine.loaded_on == ["mlxkv-engine"]
+    assert engine.call(lambda e: threading.current_thread().name).result(10) == "mlxkv-engine"
+    kinds = [e.kind for e in engine.events]
+    assert kinds[0] == "progress" and "ready" in kinds
+    ready = next(e for e in engine.events if e.kind == "ready")
+    assert ready.snapshot.num_blocks == 64 and ready.info["block_size"] == 8
+
+
+def test_records_equal_the_engine_on_the_calling_thread(engine, llama_dir):
+    here = Engine.load(llama_dir, CacheConfig(**CONFIG)).generate(tokens(20), max_tokens=12)
+    records = run(engine, tokens(20), max_tokens=12)
+    assert all(isinstance(r, GenerationChunk) for r in records)
+    assert [r.token for r in records] == here.tokens
+    assert records[-1].finish_reason == "length" and records[-1].stats.generation_tokens == 12
+
+
+def test_second_chat_turn_reuses_the_first(engine):
+    first = run(engine, messages=QUESTION, max_tokens=8)
+    reply = "".join(r.text for r in first)
+    second = run(engine, messages=QUESTION + [{"role": "assistant", "content": reply},
+                                              {"role": "user", "content": "And then?"}], max_tokens=8)
+    assert second[-1].stats.cached_tokens["pool"] >= 8
+
+
+def test_cancel_keeps_the_reply_so_far_and_releases_blocks(engine):
+    handle = engine.submit(tokens(30, start=11), max_tokens=400)
+    records = []
+    for record in handle:
+        records.append(record)
+        if len(records) == 3:
+            handle.cancel()
+    assert records[-1].finish_reason == "cancelled"
+    assert 3 <= len(records) < 400
+    assert records[-1].stats.generation_tokens == len(records)
+    pool = engine.call(lambda e: e.stats()["pool"]).result(10)
+    assert pool["in_use"] == 0
+
+
+def test_cancel_before_start_and_a_bad_request_leave_the_thread_serving(engine):
+    busy = engine.submit(tokens(10, start=3), max_tokens=60)
+    queued = engine.submit(tokens(10, start=4), max_tokens=5)
+    queued.cancel()
+    too_long = engine.submit(tokens(10), max_tokens=10_000)
+    assert list(busy)[-1].finish_reason == "length"
+    assert list(queued) == [RequestFailed("cancelled before it started", "cancelled")]
+    failed = list(too_long)
+    assert isinstance(failed[-1], RequestFailed) and "blocks" in failed[-1].message
+    assert run(engine, tokens(10), max_tokens=2)[-1].finish_reason == "length"
+
+
+def test_snapshots_mark_pool_hits_and_new_blocks(engine):
+    prompt = tokens(40, start=21)
+    run(engine, prompt, max_tokens=4)
+    del engine.events[:]
+    run(engine, prompt + tokens(16, start=2), max_tokens=4)
+    snaps = [e.snapshot for e in engine.events if e.kind == "snapshot"]
+    during = snaps[0]  # the first token's snapshot: the prompt's blocks are held
+    assert during.mark_counts[MARK_POOL_HIT] == 40 // 8  # the first prompt's full blocks
+    assert during.mark_counts[MARK_NEW] >= 1
+    assert "u" in during.states
+    after = snaps[-1]
+    assert set(after.states) <= {".", "c"} and after.usage["in_use"] == 0
+    assert after.mark_counts[MARK_POOL_HIT] == 40 // 8  # marks last for the turn
+
+
+def test_load_failure_is_reported_not_raised_on_the_thread(tmp_path):
+    events = []
+    thread = EngineThread(str(tmp_path / "nothing"), on_event=events.append).start()
+    with pytest.raises(MlxkvError, match="model not found"):
+        thread.wait_ready(timeout=60)
+    assert [e.kind for e in events][-1] == "failed"
+    assert isinstance(list(thread.submit("hi"))[-1], RequestFailed)
+    thread.close()
+    assert not thread.alive and events[-1].kind == "closed"
+
+
+def test_close_cancels_open_requests_and_refuses_new_ones(llama_dir):
+    thread = EngineThread(llama_dir, CacheConfig(**CONFIG)).start()
+    handle = thread.submit(tokens(12), max_tokens=500)
+    next(iter(handle))
+    thread.close()
+    assert not thread.alive
+    assert list(handle)[-1].finish_reason == "cancelled"
+    with pytest.raises(MlxkvError, match="closed"):
+        thread.submit("hi")
+
+
+def test_batches_come_at_most_once_per_interval_and_the_first_at_once():
+    handle = RequestHandle(0)
+    for i in range(5):
+        handle._put(GenerationChunk(str(i), i))
+    got, times = [], []
+    start = time.monotonic()
+
+    def feed():
+        for i in range(5, 30):
+            time.sleep(0.004)
+            handle._put(GenerationChunk(str(i), i))
+        handle._put(GenerationChunk("!", 30, "length"))
+
+    threading.Thread(target=feed).start()
+    for batch in handle.batches(0.05):
+        got.append(batch)
+        times.append(time.monotonic() - start)
+    assert [r.token for r in got[0]] == [0, 1, 2, 3, 4] and times[0] < 0.03
+    assert [r.token for b in got for r in b] == list(range(31))
+    spaced = times[:-1]  # the last record is passed on at once
+    assert all(b - a >= 0.045 for a, b in zip(spaced, spaced[1:]))
+    assert len(got) <= 5
+
+
+def test_pool_watcher_marks_hydration_from_memory_and_spills(llama_dir):
+    engine = Engine.load(llama_dir, CacheConfig(block_size=8, num_blocks=12, memory_tier_bytes=1 << 20))
+    watcher = PoolWatcher(engine)
+    prompt = tokens(40, start=31)
+    engine.generate(prompt, max_tokens=2)
+    engine.generate(tokens(80, start=7), max_tokens=2)  # evicts the first prompt's blocks to memory
+    watcher.begin()
+    stream = engine.stream(prompt, max_tokens=2)
+    next(stream)
+    snap = watcher.snapshot()
+    stream.close()
+    assert snap.mark_counts[MARK_MEMORY] + snap.mark_counts[MARK_SPILL] >= 39 // 8
+    assert snap.mark_counts[MARK_MEMORY] > 0
+    assert snap.tiers["memory"]["hydrations"] > 0
