@@ -1,0 +1,90 @@
+"""Decode speed in `mlxkv chat` (a real terminal, under tmux) against `mlxkv generate`.
+
+Not a test (it takes minutes and needs a quiet machine): run it by hand,
+
+    python tests/chat_decode_speed.py --model demo --max-tokens 500 --runs 7
+
+Each run starts both commands fresh, on the same model, prompt and cache
+flags (SSD tier on, in a new directory), alternating which goes first. The
+app's number is the engine's own decode_tokens_per_s for the turn, read from
+the chat database; generate's comes from its --json line. Prints per-run
+numbers, the medians and their ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sqlite3
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+PROMPT = "Hello there"
+
+
+def mlxkv() -> list[str]:
+    script = Path(sys.executable).with_name("mlxkv")
+    return [str(script)] if script.exists() else [sys.executable, "-m", "mlxkv.cli"]
+
+
+def generate(model: str, max_tokens: int, work: Path) -> float:
+    out = subprocess.run([*mlxkv(), "generate", "--model", model, "--prompt", PROMPT, "--json",
+                          "--max-tokens", str(max_tokens), "--disk-tier", str(work / "kv-generate")],
+                         capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.splitlines()[-1])["decode_tokens_per_s"]
+
+
+def chat(model: str, max_tokens: int, work: Path, timeout: float = 600) -> float:
+    session, db = f"mlxkv-speed-{os.getpid()}", work / "data" / "chats.sqlite3"
+    command = shlex.join(["env", "-u", "COLUMNS", "-u", "LINES", f"MLXKV_DATA_DIR={work / 'data'}",
+                          *mlxkv(), "chat", "--model", model, "--max-tokens", str(max_tokens),
+                          "--disk-tier", str(work / "kv-chat")])
+    subprocess.run(["tmux", "new-session", "-d", "-s", session, "-x", "160", "-y", "48", command], check=True)
+    try:
+        deadline = time.monotonic() + timeout
+        while "Block pool:" not in subprocess.run(["tmux", "capture-pane", "-p", "-t", session],
+                                                  capture_output=True, text=True).stdout:
+            assert time.monotonic() < deadline, "the app did not load"
+            time.sleep(0.2)
+        subprocess.run(["tmux", "send-keys", "-t", session, "-l", PROMPT], check=True)
+        time.sleep(0.3)
+        subprocess.run(["tmux", "send-keys", "-t", session, "Enter"], check=True)
+        while True:
+            assert time.monotonic() < deadline, "no reply"
+            time.sleep(0.5)
+            rows = sqlite3.connect(db).execute("SELECT stats FROM messages WHERE role = 'assistant'").fetchall()
+            if rows:
+                return json.loads(rows[0][0])["decode_tokens_per_s"]
+    finally:
+        subprocess.run(["tmux", "send-keys", "-t", session, "C-q"])
+        time.sleep(1)
+        subprocess.run(["tmux", "kill-session", "-t", session], capture_output=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="demo")
+    parser.add_argument("--max-tokens", type=int, default=500)
+    parser.add_argument("--runs", type=int, default=7)
+    args = parser.parse_args()
+    results = {"generate": [], "chat": []}
+    for run in range(args.runs):
+        order = ["generate", "chat"] if run % 2 == 0 else ["chat", "generate"]
+        for name in order:
+            with tempfile.TemporaryDirectory() as work:
+                measure = generate if name == "generate" else chat
+                results[name].append(measure(args.model, args.max_tokens, Path(work)))
+        print(f"run {run + 1}: generate {results['generate'][-1]:.1f} tok/s, chat {results['chat'][-1]:.1f} tok/s",
+              flush=True)
+    g, c = statistics.median(results["generate"]), statistics.median(results["chat"])
+    print(f"median: generate {g:.1f} tok/s, chat {c:.1f} tok/s, chat/generate = {c / g:.3f}")
+
+
+if __name__ == "__main__":
+    main()

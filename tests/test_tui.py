@@ -1,0 +1,139 @@
+"""The chat app driven by a Pilot, with a real engine thread on a tiny model."""
+
+from __future__ import annotations
+
+import pytest
+
+from mlxkv.config import CacheConfig
+from mlxkv.engine_thread import EngineThread
+from tui.app import ChatApp
+from tui.messages import ReplyDelta
+from tui.screens.error import ErrorScreen
+from tui.store import ChatStore
+from tui.widgets.message_view import MessageView
+from tui.widgets.prompt_input import PromptInput
+from tui.widgets.turn_stats import TurnStats
+from tui_support import pilot_test, shown, wait_until
+
+SIZE = (140, 44)
+
+
+def make_app(tmp_path, model, max_tokens=48, num_blocks=512):
+    cache = CacheConfig(block_size=8, num_blocks=num_blocks, disk_tier=str(tmp_path / "kv"))
+
+    def start(on_event):
+        return EngineThread(model, cache, on_event=on_event).start()
+
+    store = ChatStore(tmp_path / "chats.sqlite3")
+    app = ChatApp(start, store, model_name="tiny", generation={"max_tokens": max_tokens}, cursor_blink=False)
+    return app, store
+
+
+async def send(pilot, text: str) -> None:
+    prompt = pilot.app.screen.query_one(PromptInput)
+    prompt.focus()
+    await pilot.press(*text)
+    await pilot.press("enter")
+
+
+def assistant_views(app) -> list[MessageView]:
+    return [v for v in app.chat_screen.query(MessageView) if v.role == "assistant"]
+
+
+def turn(app) -> TurnStats:
+    return app.chat_screen.query_one(TurnStats)
+
+
+async def ready(pilot) -> None:
+    await wait_until(pilot, lambda: pilot.app.chat_screen.engine_ready, what="the model to load")
+
+
+async def reply_done(pilot) -> None:
+    await wait_until(pilot, lambda: not pilot.app.chat_screen.replies, what="the reply to end")
+    await pilot.app.workers.wait_for_complete()
+
+
+@pilot_test
+async def test_reply_streams_in_and_the_second_message_reuses_the_first(tmp_path, llama_dir):
+    app, store = make_app(tmp_path, llama_dir, max_tokens=400)
+    deltas = []
+
+    def spy(message):
+        if isinstance(message, ReplyDelta) and not any(m is message for m in deltas):
+            deltas.append(message)
+
+    async with app.run_test(size=SIZE, message_hook=spy) as pilot:
+        await ready(pilot)
+        await send(pilot, "hello there")
+        await reply_done(pilot)
+        final = assistant_views(app)[-1].text
+        assert len(deltas) >= 2 and "".join(m.text for m in deltas) == final, "the reply did not stream in"
+        first = turn(app).stats
+        assert first["prompt_tokens"] > 0 and first["decode_tokens_per_s"] > 0
+
+        await send(pilot, "and then?")
+        await reply_done(pilot)
+        second = turn(app).stats
+        assert second["cached_tokens"]["pool"] > 0
+        pool_line = next(line for line in shown(turn(app)).splitlines() if "from pool" in line)
+        assert f"{second['cached_tokens']['pool']:,}" in pool_line.split()  # the panel shows the reuse
+        messages = store.messages(app.chat_screen.conversation_id)
+        assert [m.role for m in messages] == ["user", "assistant", "user", "assistant"]
+        assert messages[1].content == final and messages[3].stats["cached_tokens"]["pool"] > 0
+
+
+@pilot_test
+async def test_escape_mid_reply_keeps_the_partial_reply_and_the_app_usable(tmp_path, llama_dir):
+    app, store = make_app(tmp_path, llama_dir, max_tokens=3000)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await send(pilot, "a long story please")
+        await wait_until(pilot, lambda: assistant_views(app) and assistant_views(app)[-1].text, what="text")
+        await pilot.press("escape")
+        await reply_done(pilot)
+        view = assistant_views(app)[-1]
+        assert view.border_subtitle == "stopped"
+        kept = store.messages(app.chat_screen.conversation_id)[-1]
+        assert kept.finish_reason == "cancelled" and kept.content == view.text != ""
+        assert kept.stats["generation_tokens"] < 3000
+        pool = app.engine.call(lambda engine: engine.stats()["pool"]).result(10)
+        assert pool["in_use"] == 0
+
+        app.generation["max_tokens"] = 8
+        await send(pilot, "short one")
+        await reply_done(pilot)
+        assert store.messages(app.chat_screen.conversation_id)[-1].finish_reason == "length"
+        assert app.chat_screen.query_one(PromptInput).has_focus
+
+
+@pilot_test
+async def test_reopening_a_chat_after_a_restart_loads_its_prefix_from_the_ssd_tier(tmp_path, llama_dir):
+    app, store = make_app(tmp_path, llama_dir, max_tokens=64)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await send(pilot, "tell me about the sea and the ships that sail on it")
+        await reply_done(pilot)
+    store.close()  # the app closed the engine, which finished its SSD writes
+
+    app, store = make_app(tmp_path, llama_dir, max_tokens=64)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await wait_until(pilot, lambda: turn(app).kind == "prefill", what="the reopened chat's prefill")
+        stats = turn(app).stats
+        # A new process: nothing in the pool or the memory tier; the prefix comes from SSD.
+        # (A random-weight model's reply does not re-tokenize to the same ids, so
+        # reuse stops inside the reply; a real model's history comes back whole.)
+        assert stats["cached_tokens"]["disk"] >= 16 and stats["cached_tokens"]["pool"] == 0
+        assert stats["cached_tokens"]["memory"] == 0
+        assert "from SSD tier" in shown(turn(app))
+        assert len(assistant_views(app)) == 1
+
+
+@pilot_test
+async def test_a_model_that_fails_to_load_shows_an_error_screen(tmp_path):
+    app, _ = make_app(tmp_path, str(tmp_path / "no-such-model"))
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_until(pilot, lambda: isinstance(app.screen, ErrorScreen), what="the error screen")
+        assert "model not found" in shown(app.screen.query_one("#error-message"))
+        await pilot.press("q")
+    assert app.return_code == 2

@@ -1,0 +1,240 @@
+"""The chat app's own behaviour, on a scripted engine: keys, palette, chats, scrolling."""
+
+from __future__ import annotations
+
+import inspect
+import sqlite3
+
+import pytest
+
+import tui.app
+import tui.screens.chat
+import tui.screens.confirm
+import tui.screens.error
+import tui.screens.rename
+import tui.screens.system_prompt
+import tui.widgets.prompt_input
+from textual.command import CommandPalette
+from textual.widgets import OptionList
+
+from mlxkv.errors import MlxkvError
+from mlxkv.records import GenerationChunk
+from tui.app import ChatApp
+from tui.screens.confirm import ConfirmScreen
+from tui.screens.rename import RenameScreen
+from tui.screens.system_prompt import SystemPromptScreen
+from tui.store import SCHEMA_VERSION, ChatStore, Message
+from tui.widgets.chat_log import ChatLog
+from tui.widgets.conversation_list import ConversationList
+from tui.widgets.message_view import MessageView, printable
+from tui.widgets.prompt_input import PromptInput
+from tui_support import ScriptedEngine, fixed_stats, pilot_test, shown, wait_until
+
+SIZE = (120, 40)
+
+
+def make_app(tmp_path, **engine_options):
+    store = ChatStore(tmp_path / "chats.sqlite3")
+    engines = []
+
+    def start(on_event):
+        engines.append(ScriptedEngine(on_event, **engine_options))
+        return engines[-1]
+
+    app = ChatApp(start, store, model_name="scripted", cursor_blink=False)
+    return app, store, engines
+
+
+async def type_and_send(pilot, text):
+    pilot.app.chat_screen.query_one(PromptInput).focus()
+    await pilot.press(*text, "enter")
+
+
+async def idle(pilot):
+    await wait_until(pilot, lambda: not pilot.app.chat_screen.replies, what="replies to end")
+    await pilot.app.workers.wait_for_complete()
+    await pilot.pause()
+
+
+@pilot_test
+async def test_enter_sends_and_shift_enter_makes_a_new_line(tmp_path):
+    app, store, engines = make_app(tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        prompt = app.chat_screen.query_one(PromptInput)
+        prompt.focus()
+        await pilot.press("h", "i", "shift+enter", "y", "o", "ctrl+j", "u")
+        assert prompt.text == "hi\nyo\nu" and not engines[0].requests
+        await pilot.press("enter")
+        await idle(pilot)
+        assert prompt.text == ""
+        messages, options = engines[0].requests[0]
+        assert messages == [{"role": "user", "content": "hi\nyo\nu"}] and options == {"max_tokens": 1024}
+        assert store.conversations()[0].title == "hi"
+
+
+@pilot_test
+async def test_palette_offers_new_rename_delete_and_system_prompt(tmp_path):
+    app, store, engines = make_app(tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        titles = {c.title for c in app.get_system_commands(app.chat_screen)}
+        assert {"New chat", "Rename chat", "Delete chat", "System prompt"} <= titles
+
+        await pilot.press("ctrl+p")
+        await wait_until(pilot, lambda: isinstance(app.screen, CommandPalette), what="the palette")
+        await pilot.press(*"rename chat")
+        results = app.screen.query_one(OptionList)
+        await wait_until(pilot, lambda: results.option_count and results.highlighted is not None)
+        assert "Rename chat" in str(results.get_option_at_index(results.highlighted).prompt)
+        await pilot.press("enter")
+        await wait_until(pilot, lambda: isinstance(app.screen, RenameScreen), what="the rename dialog")
+        app.screen.query_one("#rename-input").value = ""
+        await pilot.press(*"Sea stories", "enter")
+        await wait_until(pilot, lambda: store.conversations()[0].title == "Sea stories")
+        assert "Sea stories" in shown(app.chat_screen.query_one(ConversationList))
+
+
+@pilot_test
+async def test_each_chat_has_its_own_system_prompt(tmp_path):
+    app, store, engines = make_app(tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        first = app.chat_screen.conversation_id
+        await pilot.press("f4")
+        await wait_until(pilot, lambda: isinstance(app.screen, SystemPromptScreen))
+        await pilot.press(*"Answer like a sailor.", "ctrl+s")
+        await wait_until(pilot, lambda: store.get(first).system_prompt == "Answer like a sailor.")
+        await type_and_send(pilot, "hi")
+        await idle(pilot)
+        assert engines[0].requests[-1][0][0] == {"role": "system", "content": "Answer like a sailor."}
+
+        await pilot.press("ctrl+n")
+        await wait_until(pilot, lambda: app.chat_screen.conversation_id != first)
+        await type_and_send(pilot, "hello")
+        await idle(pilot)
+        assert engines[0].requests[-1][0] == [{"role": "user", "content": "hello"}]
+
+
+@pilot_test
+async def test_delete_asks_first_and_chats_survive_a_restart(tmp_path):
+    app, store, engines = make_app(tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await type_and_send(pilot, "keep me")
+        await idle(pilot)
+        await pilot.press("ctrl+n")
+        await type_and_send(pilot, "delete me")
+        await idle(pilot)
+        assert [c.title for c in store.conversations()] == ["delete me", "keep me"]
+        await pilot.press("f8")
+        await wait_until(pilot, lambda: isinstance(app.screen, ConfirmScreen))
+        await pilot.press("n")
+        await pilot.press("f8")
+        await wait_until(pilot, lambda: isinstance(app.screen, ConfirmScreen))
+        await pilot.press("y")
+        await wait_until(pilot, lambda: [c.title for c in store.conversations()] == ["keep me"])
+    store.close()
+
+    app, store, engines = make_app(tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await idle(pilot)
+        views = app.chat_screen.query(MessageView)
+        assert [v.role for v in views] == ["user", "assistant"] and views[0].text == "keep me"
+        # Reopening a chat loads its prefix into the pool at once (one token asked for).
+        assert engines[0].requests[0][1] == {"max_tokens": 1}
+
+
+@pilot_test
+async def test_the_view_follows_the_stream_only_at_the_bottom(tmp_path):
+    app, store, engines = make_app(tmp_path, auto=False)
+    async with app.run_test(size=SIZE) as pilot:
+        await type_and_send(pilot, "go")
+        log = app.chat_screen.query_one(ChatLog)
+        handle = engines[0].handles[0]
+        fed = 0
+
+        async def feed(lines):
+            nonlocal fed
+            height = log.max_scroll_y
+            for _ in range(lines):
+                handle._put(GenerationChunk(f"line {fed}\n\n", fed))
+                fed += 1
+            view = app.chat_screen.query(MessageView)[-1]
+            await wait_until(pilot, lambda: f"line {fed - 1}" in view.text and log.max_scroll_y > height)
+            await pilot.pause(0.1)
+
+        await feed(60)
+        await wait_until(pilot, lambda: log.scroll_y == log.max_scroll_y > 0, what="following")
+        log.scroll_to(y=0, animate=False)
+        await pilot.pause(0.1)
+        await feed(20)
+        assert log.scroll_y == 0 < log.max_scroll_y  # the user scrolled up: left alone
+        log.scroll_end(animate=False)
+        await pilot.pause(0.1)
+        await feed(20)
+        await wait_until(pilot, lambda: log.scroll_y == log.max_scroll_y, what="following again")
+        handle._put(GenerationChunk("end", 99, "length", fixed_stats()))
+        await idle(pilot)
+
+
+@pilot_test
+async def test_escape_stops_and_a_send_while_streaming_is_refused(tmp_path):
+    app, store, engines = make_app(tmp_path, auto=False)
+    async with app.run_test(size=SIZE) as pilot:
+        await type_and_send(pilot, "go")
+        handle = engines[0].handles[0]
+        handle._put(GenerationChunk("partial ", 0))
+        await wait_until(pilot, lambda: app.chat_screen.query(MessageView)[-1].text == "partial ")
+        await type_and_send(pilot, "too soon")
+        assert len(engines[0].requests) == 1 and app.chat_screen.query_one(PromptInput).text == "too soon"
+        await pilot.press("escape")
+        assert handle.cancelled
+        handle._put(GenerationChunk("reply", 1, "cancelled", fixed_stats()))
+        await idle(pilot)
+        kept = store.messages(app.chat_screen.conversation_id)[-1]
+        assert (kept.role, kept.content, kept.finish_reason) == ("assistant", "partial reply", "cancelled")
+
+
+@pilot_test
+async def test_a_refused_request_is_a_notification_not_a_crash(tmp_path):
+    from mlxkv.engine_thread import RequestFailed
+
+    app, store, engines = make_app(tmp_path, auto=False)
+    async with app.run_test(size=SIZE) as pilot:
+        await type_and_send(pilot, "go")
+        engines[0].handles[0]._put(RequestFailed("prompt (5000 tokens) needs 400 blocks"))
+        await idle(pilot)
+        assert any("400 blocks" in n.message for n in app._notifications)
+        assert [v.role for v in app.chat_screen.query(MessageView)] == ["user"]
+
+
+def test_every_binding_has_an_id_and_a_tooltip():
+    modules = [tui.app, tui.screens.chat, tui.screens.confirm, tui.screens.error, tui.screens.rename,
+               tui.screens.system_prompt, tui.widgets.prompt_input]
+    classes = [c for m in modules for _, c in inspect.getmembers(m, inspect.isclass) if c.__module__ == m.__name__]
+    bindings = [b for c in classes for b in c.__dict__.get("BINDINGS", [])]
+    assert len(bindings) >= 12
+    assert all(b.id and b.tooltip for b in bindings), [b for b in bindings if not (b.id and b.tooltip)]
+    assert len({b.id for b in bindings}) == len(bindings)
+
+
+def test_store_schema_version_and_refusing_a_newer_file(tmp_path):
+    path = tmp_path / "chats.sqlite3"
+    store = ChatStore(path)
+    assert store.schema_version == SCHEMA_VERSION == 1
+    cid = store.create("t", system_prompt="be brief").id
+    store.add_message(cid, Message("user", "hi"))
+    store.add_message(cid, Message("assistant", "yo", "length", {"prompt_tokens": 3}))
+    assert store.prompt_messages(cid) == [{"role": "system", "content": "be brief"},
+                                          {"role": "user", "content": "hi"},
+                                          {"role": "assistant", "content": "yo"}]
+    store.delete(cid)
+    assert store.db.execute("SELECT COUNT(*) FROM messages").fetchone()[0] == 0
+    store.close()
+    db = sqlite3.connect(path)
+    db.execute("PRAGMA user_version = 99")
+    db.commit()
+    db.close()
+    with pytest.raises(MlxkvError, match="newer"):
+        ChatStore(path)
+
+
+def test_unprintable_model_output_is_shown_safely():
+    assert printable("a\rb\x1bc\u2028d\ne\tf") == "a\ufffdb\ufffdc\ufffdd\ne\tf"

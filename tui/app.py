@@ -1,0 +1,114 @@
+"""`mlxkv chat`: the Textual app around one engine thread.
+
+The engine thread owns all MLX state; this app only submits requests and
+renders the records and events it gets back as posted messages.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterable
+
+from textual.app import App, SystemCommand
+from textual.binding import Binding
+from textual.screen import Screen
+
+from mlxkv.config import CacheConfig
+from mlxkv.engine_thread import EngineEvent, EngineThread
+from tui.messages import EngineNews
+from tui.screens.chat import ChatScreen
+from tui.screens.error import ErrorScreen
+from tui.screens.loading import LoadingScreen
+from tui.store import ChatStore
+
+# on_event -> a started engine (an EngineThread, or a stand-in in tests)
+EngineFactory = Callable[[Callable[[EngineEvent], None]], object]
+# How long a thread may hold the GIL while another waits (Python's default
+# is 5 ms). When MLX hands the engine thread its token, the thread needs the
+# GIL back from the UI at once: a 5 ms wait would be longer than a step.
+GIL_SWITCH_INTERVAL_S = 0.001
+
+
+class ChatApp(App[None]):
+    CSS_PATH = "chat.tcss"
+    TITLE = "mlxkv chat"
+    BINDINGS = [
+        Binding("ctrl+q", "quit", "Quit", id="app.quit", priority=True,
+                tooltip="Quit; conversations are saved as you go"),
+        Binding("ctrl+c", "help_quit", show=False, system=True, id="app.help_quit",
+                tooltip="Say how to quit (Ctrl+Q)"),
+        Binding("ctrl+p", "command_palette", "Commands", id="app.command_palette", priority=True,
+                show=False, tooltip="New chat, rename, delete, system prompt and more"),
+    ]
+
+    def __init__(
+        self,
+        engine_factory: EngineFactory,
+        store: ChatStore,
+        *,
+        model_name: str,
+        generation: dict | None = None,
+        cursor_blink: bool = True,
+    ) -> None:
+        super().__init__()
+        self.engine_factory = engine_factory
+        self.store = store
+        self.model_name = model_name
+        self.generation = generation or {"max_tokens": 1024}
+        self.engine = None
+        self.chat_screen = ChatScreen(store, cursor_blink=cursor_blink)
+        self.chat_screen.title = f"mlxkv chat · {model_name}"
+
+    def on_mount(self) -> None:
+        self.push_screen(self.chat_screen)
+        self.push_screen(LoadingScreen(self.model_name))
+        self.engine = self.engine_factory(self._on_engine_event)
+
+    def _on_engine_event(self, event: EngineEvent) -> None:
+        """Called on the engine thread: post and return, never wait."""
+        self.post_message(EngineNews(event))
+
+    def on_engine_news(self, message: EngineNews) -> None:
+        event = message.event
+        if event.kind == "progress" and isinstance(self.screen, LoadingScreen):
+            self.screen.show_progress(event.text, event.fraction)
+        elif event.kind == "ready":
+            if isinstance(self.screen, LoadingScreen):
+                self.pop_screen()
+            self.chat_screen.engine_started(event.snapshot)
+        elif event.kind == "failed":
+            if isinstance(self.screen, LoadingScreen):
+                self.pop_screen()
+            self.push_screen(ErrorScreen(f"Could not load {self.model_name}", event.text))
+        elif event.kind == "snapshot":
+            self.chat_screen.show_snapshot(event.snapshot)
+
+    def on_unmount(self) -> None:
+        if self.engine is not None:
+            self.engine.close()  # cancels open replies and finishes SSD writes
+
+    def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
+        yield from super().get_system_commands(screen)
+        if isinstance(screen, ChatScreen):
+            yield SystemCommand("New chat", "Start a new conversation", screen.action_new_chat)
+            yield SystemCommand("Rename chat", "Rename this conversation", screen.action_rename)
+            yield SystemCommand("Delete chat", "Delete this conversation", screen.action_delete)
+            yield SystemCommand("System prompt", "Set this conversation's system prompt",
+                                screen.action_system_prompt)
+
+
+def run(model: str, cache: CacheConfig, *, max_tokens: int, temperature: float) -> int:
+    """Run the app until the user quits; the exit status."""
+    store = ChatStore()
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
+
+    def start_engine(on_event):
+        return EngineThread(model, cache, on_event=on_event).start()
+
+    app = ChatApp(start_engine, store, model_name=model,
+                  generation={"max_tokens": max_tokens, "temperature": temperature})
+    try:
+        app.run()
+    finally:
+        store.close()
+    return app.return_code or 0

@@ -1,0 +1,228 @@
+"""The main screen: conversations, the chat, the message box and the cache panel."""
+
+from __future__ import annotations
+
+from textual import work
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical
+from textual.screen import Screen
+from textual.widgets import Footer, Header, OptionList
+
+from mlxkv.engine_thread import RequestFailed
+from mlxkv.pool_view import PoolSnapshot
+from tui.cache_stats import as_dict
+from tui.messages import ReplyDelta, ReplyEnded
+from tui.replies import ActiveReply, relay
+from tui.screens.confirm import ConfirmScreen
+from tui.screens.rename import RenameScreen
+from tui.screens.system_prompt import SystemPromptScreen
+from tui.store import ChatStore, Message
+from tui.widgets.cache_panel import CachePanel
+from tui.widgets.chat_log import ChatLog
+from tui.widgets.conversation_list import ConversationList
+from tui.widgets.message_view import MessageView
+from tui.widgets.prompt_input import PromptInput
+
+NEW_CHAT_TITLE = "New chat"
+
+
+class ChatScreen(Screen[None]):
+    BINDINGS = [
+        Binding("escape", "stop", "Stop", id="chat.stop",
+                tooltip="Stop generating; the reply so far is kept"),
+        Binding("ctrl+n", "new_chat", "New chat", id="chat.new", tooltip="Start a new conversation"),
+        Binding("f2", "rename", "Rename", id="chat.rename", tooltip="Rename this conversation"),
+        Binding("f4", "system_prompt", "System prompt", id="chat.system_prompt",
+                tooltip="Set this conversation's system prompt"),
+        Binding("f8", "delete", "Delete", id="chat.delete", tooltip="Delete this conversation"),
+    ]
+
+    def __init__(self, store: ChatStore, *, cursor_blink: bool = True) -> None:
+        super().__init__()
+        self.store = store
+        self.cursor_blink = cursor_blink
+        self.conversation_id: int | None = None
+        self.replies: dict[int, ActiveReply] = {}
+        self.engine_ready = False
+
+    def compose(self) -> ComposeResult:
+        yield Header(icon="")
+        with Horizontal(id="main"):
+            yield ConversationList(id="conversations")
+            with Vertical(id="chat"):
+                yield ChatLog(id="chat-log")
+                yield PromptInput(id="prompt", cursor_blink=self.cursor_blink)
+            yield CachePanel(id="cache-panel")
+        yield Footer()
+
+    async def on_mount(self) -> None:
+        conversations = self.store.conversations()
+        first = conversations[0] if conversations else self.store.create(NEW_CHAT_TITLE)
+        await self.open_conversation(first.id)
+        self.query_one(PromptInput).focus()
+
+    @property
+    def reply(self) -> ActiveReply | None:
+        """The reply streaming into the open chat, if any."""
+        return next((r for r in self.replies.values() if r.kind == "reply"), None)
+
+    # -- engine news (from the app) --------------------------------------
+
+    def engine_started(self, snapshot: PoolSnapshot) -> None:
+        self.engine_ready = True
+        self.show_snapshot(snapshot)
+        self._prefill()
+
+    def show_snapshot(self, snapshot: PoolSnapshot) -> None:
+        self.query_one(CachePanel).show_snapshot(snapshot)
+
+    # -- conversations ---------------------------------------------------
+
+    async def open_conversation(self, conversation_id: int) -> None:
+        self._cancel_all()
+        self.conversation_id = conversation_id
+        conversation = self.store.get(conversation_id)
+        messages = self.store.messages(conversation_id)
+        views = [MessageView("system", conversation.system_prompt)] if conversation.system_prompt else []
+        views += [MessageView(m.role, m.content, m.finish_reason) for m in messages]
+        await self.query_one(ChatLog).show_messages(views)
+        self.query_one(CachePanel).show_history([m.stats for m in messages if m.role == "assistant" and m.stats])
+        self._show_list()
+        self._prefill()
+
+    def _show_list(self) -> None:
+        conversation = self.store.get(self.conversation_id)
+        self.sub_title = conversation.title if conversation else ""
+        self.query_one(ConversationList).show(self.store.conversations(), self.conversation_id)
+
+    async def on_option_list_option_selected(self, event: OptionList.OptionSelected) -> None:
+        if int(event.option_id) != self.conversation_id:
+            await self.open_conversation(int(event.option_id))
+
+    def _cancel_all(self) -> None:
+        for reply in self.replies.values():
+            reply.handle.cancel()
+
+    # -- sending and streaming -------------------------------------------
+
+    async def on_prompt_input_submitted(self, event: PromptInput.Submitted) -> None:
+        if not self.engine_ready:
+            self.notify("The model is still loading.", severity="warning")
+            return
+        if self.reply is not None:
+            self.notify("A reply is still streaming; press Esc to stop it.", severity="warning")
+            return
+        text = event.text.strip()
+        event.prompt_input.clear()
+        cid = self.conversation_id
+        if self.store.get(cid).title == NEW_CHAT_TITLE and not self.store.messages(cid):
+            self.store.rename(cid, text.splitlines()[0][:48])
+        self.store.add_message(cid, Message("user", text))
+        self._show_list()
+        log = self.query_one(ChatLog)
+        await log.add(MessageView("user", text))
+        view = await log.add(MessageView("assistant"))
+        log.anchor()  # sending takes the view back to the end
+        self._start("reply", view, **self.app.generation)
+
+    def _prefill(self) -> None:
+        """Load a reopened chat's prefix into the pool now (from a tier if it is there)."""
+        if self.engine_ready and self.store.messages(self.conversation_id):
+            self._start("prefill", None, max_tokens=1)
+
+    def _start(self, kind: str, view: MessageView | None, **options) -> None:
+        messages = self.store.prompt_messages(self.conversation_id)
+        handle = self.app.engine.submit(messages=messages, **options)
+        reply = ActiveReply(handle, self.conversation_id, kind, view)
+        self.replies[reply.id] = reply
+        self._relay(reply)
+        self.refresh_bindings()
+
+    @work(thread=True, group="relay")
+    def _relay(self, reply: ActiveReply) -> None:
+        relay(reply, self.post_message)
+
+    async def on_reply_delta(self, message: ReplyDelta) -> None:
+        reply = self.replies.get(message.reply_id)
+        if reply is None or reply.view is None:
+            return
+        rate = reply.count(message.tokens)
+        await reply.view.stream_in(message.text)
+        if reply.conversation_id == self.conversation_id and reply.live_stats_due():
+            self.query_one(CachePanel).show_live(reply.tokens, rate)
+
+    async def on_reply_ended(self, message: ReplyEnded) -> None:
+        reply = self.replies.get(message.reply_id)
+        if reply is None:
+            return
+        record = message.record
+        stats = None if isinstance(record, RequestFailed) else as_dict(record.stats)
+        if record.finish_reason == "error":
+            self.notify(record.message, title="The engine could not answer", severity="error", timeout=8)
+        if reply.view is not None:
+            await self._keep_reply(reply, record.finish_reason, stats)
+        if stats is not None:
+            self.query_one(CachePanel).show_turn(stats, reply.kind)
+        del self.replies[reply.id]  # last: the reply counts as running until it is kept
+        self.refresh_bindings()
+
+    async def _keep_reply(self, reply: ActiveReply, finish_reason: str, stats: dict | None) -> None:
+        view = reply.view
+        if view.is_attached:
+            await view.end_stream(finish_reason)
+            if not view.text:
+                await view.remove()
+        if view.text and self.store.get(reply.conversation_id) is not None:
+            self.store.add_message(reply.conversation_id, Message("assistant", view.text, finish_reason, stats))
+
+    # -- actions ---------------------------------------------------------
+
+    def check_action(self, action: str, parameters: tuple) -> bool | None:
+        if action == "stop":
+            return True if self.reply is not None else None
+        return True
+
+    def action_stop(self) -> None:
+        if self.reply is not None:
+            self.reply.handle.cancel()
+
+    async def action_new_chat(self) -> None:
+        await self.open_conversation(self.store.create(NEW_CHAT_TITLE).id)
+        self.query_one(PromptInput).focus()
+
+    def action_rename(self) -> None:
+        cid = self.conversation_id
+
+        def rename(title: str | None) -> None:
+            if title:
+                self.store.rename(cid, title)
+                self._show_list()
+
+        self.app.push_screen(RenameScreen(self.store.get(cid).title), rename)
+
+    def action_system_prompt(self) -> None:
+        cid = self.conversation_id
+
+        async def save(text: str | None) -> None:
+            if text is not None and self.store.get(cid) is not None:
+                self.store.set_system_prompt(cid, text)
+                if cid == self.conversation_id:
+                    self.conversation_id = None
+                    await self.open_conversation(cid)
+                self.notify("System prompt saved; it applies from the next message.")
+
+        self.app.push_screen(SystemPromptScreen(self.store.get(cid).system_prompt), save)
+
+    def action_delete(self) -> None:
+        cid = self.conversation_id
+
+        async def delete(yes: bool | None) -> None:
+            if not yes:
+                return
+            self._cancel_all()
+            self.store.delete(cid)
+            rest = self.store.conversations()
+            await self.open_conversation(rest[0].id if rest else self.store.create(NEW_CHAT_TITLE).id)
+
+        self.app.push_screen(ConfirmScreen(f"Delete the chat {self.store.get(cid).title!r}?"), delete)

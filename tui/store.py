@@ -1,0 +1,163 @@
+"""Conversations in SQLite, in the user data dir, with a schema version.
+
+The schema version is SQLite's `user_version`; `MIGRATIONS[i]` takes a
+database from version i to i + 1, so an older file is upgraded in place
+and a newer one (from a later mlxkv) is refused rather than damaged.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from mlxkv.errors import MlxkvError
+from mlxkv.paths import data_dir
+
+MIGRATIONS = [
+    """
+    CREATE TABLE conversations (
+        id INTEGER PRIMARY KEY,
+        title TEXT NOT NULL,
+        system_prompt TEXT NOT NULL DEFAULT '',
+        model TEXT NOT NULL DEFAULT '',
+        created_at REAL NOT NULL,
+        updated_at REAL NOT NULL
+    );
+    CREATE TABLE messages (
+        id INTEGER PRIMARY KEY,
+        conversation_id INTEGER NOT NULL REFERENCES conversations(id) ON DELETE CASCADE,
+        role TEXT NOT NULL,
+        content TEXT NOT NULL,
+        finish_reason TEXT,
+        stats TEXT,
+        created_at REAL NOT NULL
+    );
+    CREATE INDEX messages_by_conversation ON messages(conversation_id, id);
+    """,
+]
+SCHEMA_VERSION = len(MIGRATIONS)
+
+
+def default_db_path() -> Path:
+    return data_dir() / "chats.sqlite3"
+
+
+@dataclass
+class Conversation:
+    id: int
+    title: str
+    system_prompt: str = ""
+    model: str = ""
+    updated_at: float = 0.0
+
+
+@dataclass
+class Message:
+    role: str
+    content: str
+    finish_reason: str | None = None
+    stats: dict | None = None
+
+
+class ChatStore:
+    """Conversations and their messages. Use it from one thread (the UI's)."""
+
+    def __init__(self, path: str | Path | None = None):
+        self.path = Path(path) if path is not None else default_db_path()
+        if str(self.path) != ":memory:":
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self.db = sqlite3.connect(self.path)
+            self.db.execute("PRAGMA foreign_keys = ON")
+            self._migrate()
+        except sqlite3.DatabaseError as e:
+            raise MlxkvError(f"cannot open the chat database {self.path}: {e}") from None
+
+    def _migrate(self) -> None:
+        version = self.db.execute("PRAGMA user_version").fetchone()[0]
+        if version > SCHEMA_VERSION:
+            raise MlxkvError(
+                f"the chat database {self.path} has schema version {version}, newer than this "
+                f"mlxkv's {SCHEMA_VERSION}; upgrade mlxkv or set MLXKV_DATA_DIR to another directory"
+            )
+        for target, script in enumerate(MIGRATIONS[version:], start=version + 1):
+            with self.db:
+                self.db.executescript(f"BEGIN; {script}; PRAGMA user_version = {target}; COMMIT;")
+
+    @property
+    def schema_version(self) -> int:
+        return self.db.execute("PRAGMA user_version").fetchone()[0]
+
+    def close(self) -> None:
+        self.db.close()
+
+    # -- conversations ----------------------------------------------------
+
+    def create(self, title: str = "New chat", system_prompt: str = "", model: str = "") -> Conversation:
+        now = time.time()
+        with self.db:
+            cur = self.db.execute(
+                "INSERT INTO conversations (title, system_prompt, model, created_at, updated_at) "
+                "VALUES (?, ?, ?, ?, ?)",
+                (title, system_prompt, model, now, now),
+            )
+        return Conversation(cur.lastrowid, title, system_prompt, model, now)
+
+    def conversations(self) -> list[Conversation]:
+        """All conversations, most recently used first."""
+        rows = self.db.execute(
+            "SELECT id, title, system_prompt, model, updated_at FROM conversations "
+            "ORDER BY updated_at DESC, id DESC"
+        )
+        return [Conversation(*row) for row in rows]
+
+    def get(self, conversation_id: int) -> Conversation | None:
+        row = self.db.execute(
+            "SELECT id, title, system_prompt, model, updated_at FROM conversations WHERE id = ?",
+            (conversation_id,),
+        ).fetchone()
+        return Conversation(*row) if row else None
+
+    def rename(self, conversation_id: int, title: str) -> None:
+        with self.db:
+            self.db.execute("UPDATE conversations SET title = ? WHERE id = ?", (title, conversation_id))
+
+    def set_system_prompt(self, conversation_id: int, system_prompt: str) -> None:
+        with self.db:
+            self.db.execute(
+                "UPDATE conversations SET system_prompt = ? WHERE id = ?", (system_prompt, conversation_id)
+            )
+
+    def delete(self, conversation_id: int) -> None:
+        with self.db:
+            self.db.execute("DELETE FROM conversations WHERE id = ?", (conversation_id,))
+
+    # -- messages ---------------------------------------------------------
+
+    def add_message(self, conversation_id: int, message: Message) -> None:
+        now = time.time()
+        stats = json.dumps(message.stats) if message.stats is not None else None
+        with self.db:
+            self.db.execute(
+                "INSERT INTO messages (conversation_id, role, content, finish_reason, stats, created_at) "
+                "VALUES (?, ?, ?, ?, ?, ?)",
+                (conversation_id, message.role, message.content, message.finish_reason, stats, now),
+            )
+            self.db.execute("UPDATE conversations SET updated_at = ? WHERE id = ?", (now, conversation_id))
+
+    def messages(self, conversation_id: int) -> list[Message]:
+        rows = self.db.execute(
+            "SELECT role, content, finish_reason, stats FROM messages WHERE conversation_id = ? ORDER BY id",
+            (conversation_id,),
+        )
+        return [Message(role, content, finish, json.loads(stats) if stats else None)
+                for role, content, finish, stats in rows]
+
+    def prompt_messages(self, conversation_id: int) -> list[dict]:
+        """The chat-template messages: the system prompt (if any), then the turns."""
+        conversation = self.get(conversation_id)
+        head = [{"role": "system", "content": conversation.system_prompt}] if conversation.system_prompt else []
+        return head + [{"role": m.role, "content": m.content} for m in self.messages(conversation_id)]
