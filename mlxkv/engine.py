@@ -134,12 +134,9 @@ class Engine:
         ends there with finish_reason "cancelled" and its stats. (Closing
         the generator also stops it and releases its blocks, without stats.)
         """
-        prompt_tokens = self._prompt_tokens(prompt)
-        self._check_request(prompt_tokens, max_tokens, temperature)
-        if seed is not None:
-            mx.random.seed(seed)
-        sampler = make_sampler(temp=temperature, top_p=top_p, min_p=min_p, top_k=top_k)
-        root = root_hash(self.fingerprint, cache_salt) if self.cache_config.prefix_cache else None
+        prompt_tokens, sampler, root = self._prepare(
+            prompt, max_tokens, temperature, top_p, top_k, min_p, seed, cache_salt
+        )
         seq = Sequence(next(self._request_ids), prompt_tokens, root)
         self.running[seq.request_id] = seq
         try:
@@ -171,10 +168,20 @@ class Engine:
             self._batch = BatchLoop(self)
         return self._batch
 
-    def make_request(
+    def make_request(self, prompt, sink, should_stop: Callable[[], bool] | None = None, **options):
+        """A checked `Request` for the batch loop (options as for `stream`); raises MlxkvError on bad input."""
+        from mlxkv.request import Request
+
+        max_tokens = options.get("max_tokens", 256)
+        prompt_tokens, sampler, root = self._prepare(prompt, **options)
+        return Request(
+            next(self._request_ids), prompt_tokens, max_tokens, sampler,
+            root, sink, self.tokenizer.detokenizer, should_stop,
+        )
+
+    def _prepare(
         self,
         prompt,
-        sink,
         max_tokens: int = 256,
         temperature: float = 0.0,
         top_p: float = 0.0,
@@ -182,21 +189,15 @@ class Engine:
         min_p: float = 0.0,
         seed: int | None = None,
         cache_salt: str | None = None,
-        should_stop: Callable[[], bool] | None = None,
     ):
-        """A checked `Request` for the batch loop; raises MlxkvError on bad input."""
-        from mlxkv.request import Request
-
+        """A request's checked prompt tokens, its sampler and its hash root."""
         prompt_tokens = self._prompt_tokens(prompt)
         self._check_request(prompt_tokens, max_tokens, temperature)
         if seed is not None:
             mx.random.seed(seed)
+        sampler = make_sampler(temp=temperature, top_p=top_p, min_p=min_p, top_k=top_k)
         root = root_hash(self.fingerprint, cache_salt) if self.cache_config.prefix_cache else None
-        return Request(
-            next(self._request_ids), prompt_tokens, max_tokens,
-            make_sampler(temp=temperature, top_p=top_p, min_p=min_p, top_k=top_k),
-            root, sink, self.tokenizer.detokenizer, should_stop,
-        )
+        return prompt_tokens, sampler, root
 
     def _check_request(self, prompt: list[int], max_tokens: int, temperature: float) -> None:
         if not prompt:
