@@ -1,9 +1,15 @@
 """Replies in flight, and the relay that turns engine records into UI messages.
 
 The relay runs in a worker thread per reply. It takes the handle's records
-in batches (at most `UPDATE_HZ` a second) and posts one small message per
-batch; `post_message` from a thread never waits for the UI, so the engine
-thread is never slowed by rendering.
+in batches and posts one small message per batch; `post_message` from a
+thread never waits for the UI, so the engine thread never waits for
+rendering.
+
+The batches come `UPDATE_HZ` times a second, unless rendering them costs
+the UI thread more than `UI_BUDGET` of a core: then they come less often.
+The UI shares the GIL (and, on a small machine, the cores) with the engine,
+so a slow terminal or a slow machine gets fewer, bigger updates instead of
+a slower model.
 """
 
 from __future__ import annotations
@@ -17,8 +23,30 @@ from tui.messages import ReplyDelta, ReplyEnded
 from tui.widgets.message_view import MessageView
 
 UPDATE_HZ = 20
+UI_BUDGET = 0.08  # of one core, for everything the UI does while a reply streams
+SLOWEST_INTERVAL_S = 0.5
 # The panel's live token count: fewer updates than the text needs.
 LIVE_STATS_INTERVAL_S = 0.25
+
+
+class Pacer:
+    """The interval between a reply's updates, from what the UI thread spends on them.
+
+    `tick()` runs on the UI thread once per update; the CPU time the thread
+    used since the last tick is what one update cycle costs it.
+    """
+
+    def __init__(self) -> None:
+        self.interval = 1 / UPDATE_HZ
+        self._cpu: float | None = None
+
+    def tick(self) -> None:
+        cpu = time.thread_time()
+        if self._cpu is not None:
+            wanted = (cpu - self._cpu) / UI_BUDGET
+            smoothed = 0.5 * self.interval + 0.5 * wanted
+            self.interval = min(SLOWEST_INTERVAL_S, max(1 / UPDATE_HZ, smoothed))
+        self._cpu = cpu
 
 
 @dataclass
@@ -30,7 +58,7 @@ class ActiveReply:
     tokens: int = 0
     first_token_at: float | None = None
     live_shown_at: float = 0.0
-    started_at: float = field(default_factory=time.monotonic)
+    pacer: Pacer = field(default_factory=Pacer)
 
     @property
     def id(self) -> int:
@@ -47,7 +75,7 @@ class ActiveReply:
 
     def live_stats_due(self) -> bool:
         now = time.monotonic()
-        if now - self.live_shown_at < LIVE_STATS_INTERVAL_S:
+        if now - self.live_shown_at < max(LIVE_STATS_INTERVAL_S, self.pacer.interval):
             return False
         self.live_shown_at = now
         return True
@@ -55,7 +83,7 @@ class ActiveReply:
 
 def relay(reply: ActiveReply, post) -> None:
     """Forward a reply's records as ReplyDelta / ReplyEnded messages (in a thread)."""
-    for batch in reply.handle.batches(1 / UPDATE_HZ):
+    for batch in reply.handle.batches(lambda: reply.pacer.interval):
         chunks = [r for r in batch if isinstance(r, GenerationChunk)]
         if chunks:
             post(ReplyDelta(reply.id, "".join(c.text for c in chunks), len(chunks)))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from textual import work
 from textual.app import ComposeResult
 from textual.binding import Binding
@@ -25,6 +27,9 @@ from tui.widgets.message_view import MessageView
 from tui.widgets.prompt_input import PromptInput
 
 NEW_CHAT_TITLE = "New chat"
+# While a reply streams, the pool view is redrawn at most this often (the
+# first snapshot of a turn, with its prefix hits, is drawn at once).
+SNAPSHOT_INTERVAL_WHILE_STREAMING_S = 0.5
 
 
 class ChatScreen(Screen[None]):
@@ -45,6 +50,9 @@ class ChatScreen(Screen[None]):
         self.conversation_id: int | None = None
         self.replies: dict[int, ActiveReply] = {}
         self.engine_ready = False
+        self._snapshot_shown_at = 0.0
+        self._starting = False  # a reply is about to start (after the next refresh)
+        self._pending_snapshot: PoolSnapshot | None = None
 
     def compose(self) -> ComposeResult:
         yield Header(icon="")
@@ -75,6 +83,11 @@ class ChatScreen(Screen[None]):
         self._prefill()
 
     def show_snapshot(self, snapshot: PoolSnapshot) -> None:
+        now = time.monotonic()
+        if self.reply is not None and now - self._snapshot_shown_at < SNAPSHOT_INTERVAL_WHILE_STREAMING_S:
+            self._pending_snapshot = snapshot  # drawn later; the engine never waits
+            return
+        self._snapshot_shown_at, self._pending_snapshot = now, None
         self.query_one(CachePanel).show_snapshot(snapshot)
 
     # -- conversations ---------------------------------------------------
@@ -110,7 +123,7 @@ class ChatScreen(Screen[None]):
         if not self.engine_ready:
             self.notify("The model is still loading.", severity="warning")
             return
-        if self.reply is not None:
+        if self.reply is not None or self._starting:
             self.notify("A reply is still streaming; press Esc to stop it.", severity="warning")
             return
         text = event.text.strip()
@@ -124,17 +137,22 @@ class ChatScreen(Screen[None]):
         await log.add(MessageView("user", text))
         view = await log.add(MessageView("assistant"))
         log.anchor()  # sending takes the view back to the end
-        self._start("reply", view, **self.app.generation)
+        # Start once the new messages are drawn: that drawing is then done
+        # before the first token, not while the engine decodes.
+        self._starting = True
+        self.call_after_refresh(self._start, "reply", cid, view, **self.app.generation)
 
     def _prefill(self) -> None:
         """Load a reopened chat's prefix into the pool now (from a tier if it is there)."""
         if self.engine_ready and self.store.messages(self.conversation_id):
-            self._start("prefill", None, max_tokens=1)
+            self._start("prefill", self.conversation_id, None, max_tokens=1)
 
-    def _start(self, kind: str, view: MessageView | None, **options) -> None:
-        messages = self.store.prompt_messages(self.conversation_id)
-        handle = self.app.engine.submit(messages=messages, **options)
-        reply = ActiveReply(handle, self.conversation_id, kind, view)
+    def _start(self, kind: str, conversation_id: int, view: MessageView | None, **options) -> None:
+        self._starting = False
+        if self.store.get(conversation_id) is None:
+            return  # deleted before it could start
+        handle = self.app.engine.submit(messages=self.store.prompt_messages(conversation_id), **options)
+        reply = ActiveReply(handle, conversation_id, kind, view)
         self.replies[reply.id] = reply
         self._relay(reply)
         self.refresh_bindings()
@@ -147,6 +165,7 @@ class ChatScreen(Screen[None]):
         reply = self.replies.get(message.reply_id)
         if reply is None or reply.view is None:
             return
+        reply.pacer.tick()
         rate = reply.count(message.tokens)
         await reply.view.stream_in(message.text)
         if reply.conversation_id == self.conversation_id and reply.live_stats_due():
@@ -165,6 +184,8 @@ class ChatScreen(Screen[None]):
         if stats is not None:
             self.query_one(CachePanel).show_turn(stats, reply.kind)
         del self.replies[reply.id]  # last: the reply counts as running until it is kept
+        if self._pending_snapshot is not None:
+            self.show_snapshot(self._pending_snapshot)
         self.refresh_bindings()
 
     async def _keep_reply(self, reply: ActiveReply, finish_reason: str, stats: dict | None) -> None:
