@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import pytest
-
 from mlxkv.config import CacheConfig
 from mlxkv.engine_thread import EngineThread
 from tui.app import ChatApp

@@ -238,3 +238,63 @@ def test_store_schema_version_and_refusing_a_newer_file(tmp_path):
 
 def test_unprintable_model_output_is_shown_safely():
     assert printable("a\rb\x1bc\u2028d\ne\tf") == "a\ufffdb\ufffdc\ufffdd\ne\tf"
+
+
+def test_long_replies_stream_in_segments_never_inside_a_code_fence():
+    from tui.segments import HARD_SEGMENT_CHARS, SEGMENT_CHARS, Segmenter
+
+    segmenter = Segmenter()
+    prose = ("word " * 30 + "\n") * (SEGMENT_CHARS // 150 + 2)
+    fence = "```\n" + ("x = 1\n" * (SEGMENT_CHARS // 3)) + "```\n"
+    line = "long " * (HARD_SEGMENT_CHARS // 4)  # a line with no break: cut at a space
+    text = prose + fence + "after\n" + line
+    deltas = [text[i:i + 7] for i in range(0, len(text), 7)]
+    segments = [""]
+    for delta in deltas:
+        pieces = segmenter.feed(delta)
+        segments[-1] += pieces[0]
+        segments += pieces[1:]
+    assert "".join(segments) == text
+    assert len(segments) >= 3
+    assert not any(s.count("```") % 2 for s in segments), "a segment cut a code fence in two"
+    assert any(s.startswith("long") for s in segments) and max(map(len, segments)) < 2 * HARD_SEGMENT_CHARS
+
+
+@pilot_test
+async def test_a_long_reply_streams_in_segments_and_ends_as_one_document(tmp_path):
+    from textual.widgets import Markdown
+
+    app, store, engines = make_app(tmp_path, auto=False)
+    async with app.run_test(size=SIZE) as pilot:
+        await type_and_send(pilot, "go")
+        handle = engines[0].handles[0]
+        paragraph = "Some words to read. " * 20 + "\n\n"
+        for i in range(12):
+            handle._put(GenerationChunk(paragraph, i))
+        view = app.chat_screen.query(MessageView)[-1]
+        await wait_until(pilot, lambda: len(view.text) == 12 * len(paragraph))
+        await pilot.pause(0.1)
+        assert len(view.query_children(Markdown)) > 1
+        handle._put(GenerationChunk("The end.", 12, "length", fixed_stats()))
+        await idle(pilot)
+        (document,) = view.query_children(Markdown)
+        assert document.source == printable(view.text) and view.text.endswith("The end.")
+
+
+def test_the_pacer_slows_updates_when_rendering_costs_more_than_the_budget(monkeypatch):
+    import tui.replies as replies
+
+    clock = [0.0]
+    monkeypatch.setattr(replies.time, "thread_time", lambda: clock[0])
+    pacer = replies.Pacer()
+    for spent in (0.0, 0.001, 0.001):  # cheap updates: the full rate
+        clock[0] += spent
+        pacer.tick()
+    assert pacer.interval == 1 / replies.UPDATE_HZ
+    for _ in range(10):  # 20 ms of UI work per update: slower, within the budget
+        clock[0] += 0.020
+        pacer.tick()
+    assert pacer.interval == pytest.approx(0.020 / replies.UI_BUDGET, rel=0.01)
+    clock[0] += 5.0  # however slow, an update at least every SLOWEST_INTERVAL_S
+    pacer.tick()
+    assert pacer.interval == replies.SLOWEST_INTERVAL_S

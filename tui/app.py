@@ -6,7 +6,7 @@ renders the records and events it gets back as posted messages.
 
 from __future__ import annotations
 
-import sys
+import gc
 from collections.abc import Callable, Iterable
 
 from textual.app import App, SystemCommand
@@ -23,10 +23,6 @@ from tui.store import ChatStore
 
 # on_event -> a started engine (an EngineThread, or a stand-in in tests)
 EngineFactory = Callable[[Callable[[EngineEvent], None]], object]
-# How long a thread may hold the GIL while another waits (Python's default
-# is 5 ms). When MLX hands the engine thread its token, the thread needs the
-# GIL back from the UI at once: a 5 ms wait would be longer than a step.
-GIL_SWITCH_INTERVAL_S = 0.001
 
 
 class ChatApp(App[None]):
@@ -73,6 +69,11 @@ class ChatApp(App[None]):
         if event.kind == "progress" and isinstance(self.screen, LoadingScreen):
             self.screen.show_progress(event.text, event.fraction)
         elif event.kind == "ready":
+            # What exists now lives as long as the app (modules, the model,
+            # the tokenizer): keep the collector from walking it again, so a
+            # full collection during a reply pauses both threads for less.
+            gc.collect()
+            gc.freeze()
             if isinstance(self.screen, LoadingScreen):
                 self.pop_screen()
             self.chat_screen.engine_started(event.snapshot)
@@ -86,6 +87,7 @@ class ChatApp(App[None]):
     def on_unmount(self) -> None:
         if self.engine is not None:
             self.engine.close()  # cancels open replies and finishes SSD writes
+        gc.unfreeze()  # what was frozen at "ready" can be collected again
 
     def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
         yield from super().get_system_commands(screen)
@@ -100,7 +102,6 @@ class ChatApp(App[None]):
 def run(model: str, cache: CacheConfig, *, max_tokens: int, temperature: float) -> int:
     """Run the app until the user quits; the exit status."""
     store = ChatStore()
-    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
 
     def start_engine(on_event):
         return EngineThread(model, cache, on_event=on_event).start()

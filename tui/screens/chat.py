@@ -27,9 +27,10 @@ from tui.widgets.message_view import MessageView
 from tui.widgets.prompt_input import PromptInput
 
 NEW_CHAT_TITLE = "New chat"
-# While a reply streams, the pool view is redrawn at most this often (the
-# first snapshot of a turn, with its prefix hits, is drawn at once).
-SNAPSHOT_INTERVAL_WHILE_STREAMING_S = 0.5
+# While a reply streams, the pool view is redrawn with the reply's updates,
+# at most this often (the first snapshot of a turn, with its prefix hits,
+# comes with the first token and is drawn at once).
+SNAPSHOT_INTERVAL_WHILE_STREAMING_S = 1.0
 
 
 class ChatScreen(Screen[None]):
@@ -83,12 +84,18 @@ class ChatScreen(Screen[None]):
         self._prefill()
 
     def show_snapshot(self, snapshot: PoolSnapshot) -> None:
+        self._pending_snapshot = snapshot
+        if self.reply is None:
+            self._draw_snapshot(force=True)
+        # else: drawn with the reply's next update, in the same frame
+
+    def _draw_snapshot(self, force: bool = False) -> None:
         now = time.monotonic()
-        if self.reply is not None and now - self._snapshot_shown_at < SNAPSHOT_INTERVAL_WHILE_STREAMING_S:
-            self._pending_snapshot = snapshot  # drawn later; the engine never waits
+        if self._pending_snapshot is None:
             return
-        self._snapshot_shown_at, self._pending_snapshot = now, None
-        self.query_one(CachePanel).show_snapshot(snapshot)
+        if force or now - self._snapshot_shown_at >= SNAPSHOT_INTERVAL_WHILE_STREAMING_S:
+            self.query_one(CachePanel).show_snapshot(self._pending_snapshot)
+            self._snapshot_shown_at, self._pending_snapshot = now, None
 
     # -- conversations ---------------------------------------------------
 
@@ -170,6 +177,7 @@ class ChatScreen(Screen[None]):
         await reply.view.stream_in(message.text)
         if reply.conversation_id == self.conversation_id and reply.live_stats_due():
             self.query_one(CachePanel).show_live(reply.tokens, rate)
+        self._draw_snapshot()
 
     async def on_reply_ended(self, message: ReplyEnded) -> None:
         reply = self.replies.get(message.reply_id)
@@ -184,8 +192,7 @@ class ChatScreen(Screen[None]):
         if stats is not None:
             self.query_one(CachePanel).show_turn(stats, reply.kind)
         del self.replies[reply.id]  # last: the reply counts as running until it is kept
-        if self._pending_snapshot is not None:
-            self.show_snapshot(self._pending_snapshot)
+        self._draw_snapshot(force=True)
         self.refresh_bindings()
 
     async def _keep_reply(self, reply: ActiveReply, finish_reason: str, stats: dict | None) -> None:

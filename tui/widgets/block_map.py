@@ -11,7 +11,6 @@ import itertools
 
 from rich.text import Text
 from textual.geometry import Size
-from textual.reactive import reactive
 from textual.widget import Widget
 
 from mlxkv.pool_view import PoolSnapshot
@@ -47,20 +46,36 @@ def cell_of(states: str, marks: str) -> tuple[str, str]:
 
 class BlockMap(Widget):
     COMPONENT_CLASSES = {f"block-map--{name}" for _, _, name, _ in MARKS + STATES}
-    snapshot: reactive[PoolSnapshot | None] = reactive(None, always_update=True)
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.snapshot: PoolSnapshot | None = None
 
     def on_mount(self) -> None:
         self.border_title = "Block map"
+
+    def show(self, snapshot: PoolSnapshot) -> None:
+        old, self.snapshot = self.snapshot, snapshot
+        if old is None or old.num_blocks != snapshot.num_blocks:
+            self.refresh(layout=True)  # the height depends on the pool's size only
+            self._show_scale()
+        elif (old.states, old.marks) != (snapshot.states, snapshot.marks):
+            self.refresh()
+
+    def on_resize(self) -> None:
+        self._show_scale()
+
+    def _show_scale(self) -> None:
+        width = self.content_size.width
+        if self.snapshot is not None and width > 0:
+            per = self._grid(width)[1]
+            self.border_subtitle = f"1 cell = {per} blocks" if per > 1 else "1 cell = 1 block"
 
     def _grid(self, width: int) -> tuple[int, int]:
         """(rows, blocks per cell) for a pool drawn `width` cells wide."""
         n = self.snapshot.num_blocks
         per_cell = max(1, -(-n // (width * MAX_ROWS)))
         return -(-n // (per_cell * width)), per_cell
-
-    def watch_snapshot(self, old: PoolSnapshot | None, new: PoolSnapshot | None) -> None:
-        if old is None or new is None or old.num_blocks != new.num_blocks:
-            self.refresh(layout=True)  # the height depends on the pool's size only
 
     def get_content_height(self, container: Size, viewport: Size, width: int) -> int:
         if self.snapshot is None or width < 1:
@@ -73,7 +88,6 @@ class BlockMap(Widget):
         if snap is None or width < 1:
             return Text("no pool yet", style="dim")
         rows, per = self._grid(width)
-        self.border_subtitle = f"1 cell = {per} blocks" if per > 1 else "1 cell = 1 block"
         text = Text(no_wrap=True, overflow="crop")
         for row in range(rows):
             cells = [cell_of(snap.states[i:i + per], snap.marks[i:i + per])

@@ -28,7 +28,7 @@ class CachePanel(VerticalScroll):
     def show_snapshot(self, snapshot: PoolSnapshot) -> None:
         self.query_one(PoolUsage).show(snapshot.usage, snapshot.block_size)
         self.query_one(TierTable).show_tiers(snapshot.tiers, snapshot.usage["cached"])
-        self.query_one(BlockMap).snapshot = snapshot
+        self.query_one(BlockMap).show(snapshot)
 
     def show_live(self, tokens: int, tokens_per_s: float | None) -> None:
         self.query_one(TurnStats).show_live(tokens, tokens_per_s)

@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import re
 
+from textual.app import ComposeResult
+from textual.containers import Vertical
 from textual.reactive import reactive
 from textual.widgets import Markdown
 from textual.widgets.markdown import MarkdownStream
 
+from tui.segments import Segmenter
+
 ROLE_TITLES = {"user": "you", "assistant": "assistant", "system": "system"}
+FINISH_NOTES = {"cancelled": "stopped", "length": "max tokens", "error": "failed"}
 # Control characters (a "\r" moves the terminal's cursor) and the line
 # separators Markdown's line counting does not share with str.splitlines.
 _UNPRINTABLE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029]")
@@ -19,36 +24,48 @@ def printable(text: str) -> str:
     return _UNPRINTABLE.sub("\ufffd", text)
 
 
-class MessageView(Markdown):
+class MessageView(Vertical):
+    """A message: one Markdown document, or while streaming, segments of one (segments.py)."""
+
     text: reactive[str] = reactive("", init=False)
 
     def __init__(self, role: str, text: str = "", finish_reason: str | None = None) -> None:
-        super().__init__(printable(text), classes=f"message {role}")
+        super().__init__(classes=f"message {role}")
         self.role = role
         self.set_reactive(MessageView.text, text)
         self._stream: MarkdownStream | None = None
+        self._segmenter = Segmenter()
         self.border_title = ROLE_TITLES.get(role, role)
         self.show_finish_reason(finish_reason)
 
-    def watch_text(self, text: str) -> None:
-        self.update(printable(text))
+    def compose(self) -> ComposeResult:
+        yield Markdown(printable(self.text))
+
+    async def watch_text(self, text: str) -> None:
+        await self._show_whole()
 
     def show_finish_reason(self, finish_reason: str | None) -> None:
-        if finish_reason == "cancelled":
-            self.border_subtitle = "stopped"
-        elif finish_reason == "length":
-            self.border_subtitle = "max tokens"
-        elif finish_reason == "error":
-            self.border_subtitle = "failed"
+        self.border_subtitle = FINISH_NOTES.get(finish_reason, "")
 
     async def stream_in(self, delta: str) -> None:
         """Stream `delta` in; the raw text is kept without a re-render."""
         self.set_reactive(MessageView.text, self.text + delta)
         if not self.is_attached:
             return  # its chat was closed mid-reply; the text is still kept
-        if self._stream is None:
-            self._stream = Markdown.get_stream(self)
-        await self._stream.write(printable(delta))
+        for i, piece in enumerate(self._segmenter.feed(printable(delta))):
+            if i > 0 or self._stream is None:
+                await self._next_segment(first=self._stream is None and i == 0)
+            if piece:
+                await self._stream.write(piece)
+
+    async def _next_segment(self, first: bool) -> None:
+        if self._stream is not None:
+            await self._stream.stop()
+        segment = self.query_children(Markdown).last()
+        if not first:
+            segment = Markdown()
+            await self.mount(segment)
+        self._stream = Markdown.get_stream(segment)
 
     async def end_stream(self, finish_reason: str | None = None) -> None:
         """Stop streaming, then render the whole text once (fences stay intact)."""
@@ -56,4 +73,10 @@ class MessageView(Markdown):
             await self._stream.stop()
             self._stream = None
         self.show_finish_reason(finish_reason)
-        await self.update(printable(self.text))
+        await self._show_whole()
+
+    async def _show_whole(self) -> None:
+        first, *rest = self.query_children(Markdown)
+        if rest:
+            await self.remove_children(rest)
+        await first.update(printable(self.text))

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
-from rich.table import Table
-from textual.widgets import Static
-
 from tui.cache_stats import HitRates, human_bytes
+from tui.widgets.panel_text import PanelText
 
 SHORT_LABELS = {"memory": "memory", "disk": "SSD"}
 
 
-class TierTable(Static):
+def _row(*cells: str) -> str:
+    tier, held, rate, spills = cells
+    return f"{tier:<8}{held:>11}{rate:>10}{spills:>8}"
+
+
+class TierTable(PanelText):
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
         self.tiers: dict[str, dict[str, int]] = {}
@@ -19,31 +22,27 @@ class TierTable(Static):
 
     def on_mount(self) -> None:
         self.border_title = "Tiers"
-        self._render_table()
+        self._show()
 
     def show_tiers(self, tiers: dict, cached_blocks: int) -> None:
         self.tiers, self.cached_blocks = tiers, cached_blocks
-        self._render_table()
+        self._show()
 
     def add_turn(self, stats: dict) -> None:
         self.hit_rates.add(stats)
-        self._render_table()
+        self._show()
 
-    def _render_table(self) -> None:
-        table = Table(box=None, padding=(0, 1), show_edge=False)
-        table.add_column("tier")
-        table.add_column("held", justify="right")
-        table.add_column("hit rate", justify="right")
-        table.add_column("spills", justify="right")
-        table.add_row("pool", f"{self.cached_blocks:,} blk", self._rate("pool"), "")
+    def _show(self) -> None:
+        rows = [_row("tier", "held", "hit rate", "spills"),
+                _row("pool", f"{self.cached_blocks:,} blk", self._rate("pool"), "")]
         for name in ("memory", "disk"):
             tier = self.tiers.get(name)
             if tier is None:
-                table.add_row(SHORT_LABELS[name], "off", "", "", style="dim")
+                rows.append(_row(SHORT_LABELS[name], "off", "", ""))
             else:
-                table.add_row(SHORT_LABELS[name], human_bytes(tier["bytes_held"]), self._rate(name),
-                              f"{tier['spills']:,}")
-        self.update(table, layout=False)
+                rows.append(_row(SHORT_LABELS[name], human_bytes(tier["bytes_held"]), self._rate(name),
+                                 f"{tier['spills']:,}"))
+        self.show_text("\n".join(rows))
 
     def _rate(self, source: str) -> str:
         rate = self.hit_rates.rate(source)

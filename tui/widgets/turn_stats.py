@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
-from rich.table import Table
-from textual.widgets import Static
-
 from tui.cache_stats import SOURCE_LABELS, SOURCES, reused_tokens
+from tui.widgets.panel_text import PanelText
 
 TITLES = {"reply": "Last turn", "prefill": "Reopened chat (prefix prefill)"}
 
 
-class TurnStats(Static):
+def _row(label: str, value: str, share: str = "") -> str:
+    return f"{label:<20}{value:>10}{share:>6}"
+
+
+class TurnStats(PanelText):
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
         self.stats: dict | None = None  # the turn shown, as RequestStats.as_dict()
@@ -18,29 +20,30 @@ class TurnStats(Static):
 
     def on_mount(self) -> None:
         self.border_title = "Last turn"
-        self.update("No turn yet. Send a message.")
+        self.show_text("No turn yet. Send a message.")
 
     def show_live(self, tokens: int, tokens_per_s: float | None) -> None:
         """While a reply streams: tokens so far."""
         self.border_title = "This turn"
         rate = f", {tokens_per_s:.0f} tok/s" if tokens_per_s else ""
-        self.update(f"generating: {tokens} tokens{rate}", layout=False)
+        self.show_text(f"generating: {tokens} token{'' if tokens == 1 else 's'}{rate}")
 
     def show_turn(self, stats: dict, kind: str = "reply") -> None:
         self.stats, self.kind = stats, kind
         self.border_title = TITLES.get(kind, kind)
-        table = Table.grid(padding=(0, 1))
-        table.add_column()
-        table.add_column(justify="right")
-        table.add_column(justify="right")
-        prompt = stats["prompt_tokens"] or 1
-        table.add_row("prompt tokens", f"{stats['prompt_tokens']:,}", "")
+        prompt = stats["prompt_tokens"]
+
+        def share(n: int) -> str:
+            return f"{n / prompt:.0%}" if prompt else ""
+
+        rows = [_row("prompt tokens", f"{prompt:,}")]
         for source in SOURCES:
             n = stats["cached_tokens"].get(source, 0)
-            table.add_row(f"  from {SOURCE_LABELS[source]}", f"{n:,}", f"{n / prompt:.0%}")
-        table.add_row("  computed", f"{stats['computed_tokens']:,}", f"{stats['computed_tokens'] / prompt:.0%}")
-        table.add_row("reused", f"{reused_tokens(stats):,}", f"{reused_tokens(stats) / prompt:.0%}")
-        table.add_row("time to first token", f"{stats['ttft_s'] * 1000:,.1f} ms", "")
+            rows.append(_row(f"  from {SOURCE_LABELS[source]}", f"{n:,}", share(n)))
+        rows.append(_row("  computed", f"{stats['computed_tokens']:,}", share(stats["computed_tokens"])))
+        rows.append(_row("reused", f"{reused_tokens(stats):,}", share(reused_tokens(stats))))
+        rows.append(_row("time to first token", f"{stats['ttft_s'] * 1000:,.1f} ms"))
         if kind == "reply":
-            table.add_row("decode", f"{stats['decode_tokens_per_s']:,.1f} tok/s", f"{stats['generation_tokens']} tok")
-        self.update(table, layout=False)
+            rows.append(_row("reply tokens", f"{stats['generation_tokens']:,}"))
+            rows.append(_row("decode", f"{stats['decode_tokens_per_s']:,.1f} tok/s"))
+        self.show_text("\n".join(rows))
