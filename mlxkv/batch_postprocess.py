@@ -3,6 +3,10 @@
 Each request gets its records through its own sink: a `GenerationChunk`
 per token (the last one with finish_reason and stats), or one
 `RequestFailed` for a request cancelled before its first token.
+
+Steps are pipelined (batching.py): a step's tokens are handed out after the
+next step is queued, so a request that ended on its previous token may
+have one more row here, which is dropped.
 """
 
 from __future__ import annotations
@@ -12,20 +16,31 @@ import time
 import mlx.core as mx
 
 from mlxkv.records import GenerationChunk, RequestFailed
-from mlxkv.request import Request
+from mlxkv.request import RUNNING, Request
 from mlxkv.scheduler import Scheduler, StepPlan
 
 
-def postprocess(plan: StepPlan, sampled: list[int], scheduler: Scheduler, eos) -> list[Request]:
-    """Hand out this step's records; returns the requests that finished."""
-    manager = scheduler.manager
+def register_prefill(plan: StepPlan, manager) -> list[Request]:
+    """Register the blocks the plan's prefill filled; end the requests it dropped.
+
+    Runs as soon as the step is queued, so the next step's admissions hit
+    those blocks. Returns the dropped (cancelled) requests.
+    """
     for request, _ in plan.prefill:
         manager.cache_blocks(request.seq)
-    finished = list(plan.cancelled)
     for request in plan.cancelled:
         request.sink(RequestFailed("cancelled before it started", "cancelled"))
+    return list(plan.cancelled)
+
+
+def postprocess(plan: StepPlan, sampled: list[int], scheduler: Scheduler, eos) -> list[Request]:
+    """Hand out the tokens of the plan's decode rows; returns the requests that finished."""
+    manager = scheduler.manager
+    finished = []
     now = time.perf_counter()
     for request, token in zip(plan.decode, sampled):
+        if request.state != RUNNING:
+            continue  # it ended on its previous token; this row was speculative
         request.seq.output.append(token)
         request.output.append(token)
         manager.cache_blocks(request.seq)

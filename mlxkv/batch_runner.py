@@ -15,18 +15,22 @@ from mlxkv.model_runner import ModelRunner
 from mlxkv.scheduler import StepPlan
 
 
-def run_step(plan: StepPlan, runner: ModelRunner) -> list[int]:
-    """Compute the plan; returns the token sampled for each decode request, in order."""
+def run_step(plan: StepPlan, runner: ModelRunner, decode_inputs: mx.array | None) -> mx.array | None:
+    """Queue the plan's work; returns the lazy token sampled for each decode request, in order.
+
+    `decode_inputs [B, 1]` are the decode requests' last tokens, which may
+    themselves be lazy (sampled by a step still in flight).
+    """
     for request, n in plan.prefill:
         seq = request.seq
         chunk = seq.prompt[seq.num_computed : seq.num_computed + n]
         runner.forward([seq], mx.array([chunk]), mirror=False)
         mx.eval(runner.kv_pool.keys, runner.kv_pool.values)
     if not plan.decode:
-        return []
+        return None
     seqs = [r.seq for r in plan.decode]
     # A lone sequence keeps its contiguous mirror: solo decode speed.
-    logits = runner.forward(seqs, mx.array([[s.tokens[-1]] for s in seqs]), mirror=len(seqs) == 1)
+    logits = runner.forward(seqs, decode_inputs, mirror=len(seqs) == 1)
     logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     sampled = [r.sampler(logprobs[i : i + 1]).reshape(-1) for i, r in enumerate(plan.decode)]
-    return mx.concatenate(sampled).tolist()
+    return mx.concatenate(sampled) if len(sampled) > 1 else sampled[0]

@@ -8,11 +8,23 @@ The loop is not thread-safe: one thread (the engine thread) steps it.
 
 from __future__ import annotations
 
-from mlxkv.batch_postprocess import postprocess
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from mlxkv.batch_postprocess import postprocess, register_prefill
 from mlxkv.batch_runner import run_step
 from mlxkv.records import GenerationResult, RequestFailed, RequestStats
 from mlxkv.request import FINISHED, Request
-from mlxkv.scheduler import Scheduler
+from mlxkv.scheduler import Scheduler, StepPlan
+
+
+@dataclass
+class _InFlight:
+    """A queued step whose sampled tokens have not been read yet."""
+
+    plan: StepPlan
+    sampled: mx.array  # lazy: one token per decode request of the plan
 
 
 class BatchLoop:
@@ -22,26 +34,73 @@ class BatchLoop:
         self.scheduler = Scheduler(
             engine.manager, engine.prefill_chunk, max_running, on_start=self._on_start, on_release=self._on_release
         )
+        self._in_flight: _InFlight | None = None
+        # Each decode request's token from the last queued step (lazy until read).
+        self._last_sampled: dict[Request, mx.array] = {}
 
     def add(self, request: Request) -> None:
         self.scheduler.add(request)
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work or self._in_flight is not None
 
     def step(self) -> list[Request]:
-        """One step; returns the requests that finished in it."""
+        """One step; returns the requests that finished in it.
+
+        Pipelined as mlx-lm's generate loop is: step n+1 is queued on the
+        device before step n's tokens are read, so the model computes while
+        Python hands out records. A request that ends on a token (EOS, a
+        cancel) thus gets one more row, computed and dropped. Preemption
+        would take blocks from a request whose token is not read yet, so a
+        step that may preempt first reads the step in flight.
+        """
+        finished: list[Request] = []
         try:
+            if self._in_flight is not None and not self.scheduler.decode_fits():
+                finished += self._read_in_flight()
+                self._last_sampled = {}
             plan = self.scheduler.schedule()
-            sampled = run_step(plan, self.engine.runner)
-            finished = postprocess(plan, sampled, self.scheduler, self.eos)
+            flight = self._queue(plan)
+            finished += register_prefill(plan, self.scheduler.manager)
+            finished += self._read_in_flight()
+            self._in_flight = flight
         except Exception as e:  # a bug or a failed step ends the requests in it, not the loop
-            finished = self.fail_all(f"{type(e).__name__}: {e}")
+            finished += self.fail_all(f"{type(e).__name__}: {e}")
         self.engine.requests_served += len(finished)
         return finished
 
+    def _queue(self, plan: StepPlan) -> _InFlight | None:
+        """Start the plan's work on the device; the decode rows' tokens stay lazy."""
+        inputs = None
+        if plan.decode:
+            last = [self._last_sampled.get(r) for r in plan.decode]
+            inputs = mx.concatenate(
+                [t if t is not None else mx.array(r.seq.tokens[-1:]) for t, r in zip(last, plan.decode)]
+            )[:, None]
+        sampled = run_step(plan, self.engine.runner, inputs)
+        if sampled is None:
+            return None
+        mx.async_eval(sampled)
+        self._last_sampled = {r: sampled[i : i + 1] for i, r in enumerate(plan.decode)}
+        for r in plan.decode:
+            r.issued += 1
+        return _InFlight(plan, sampled)
+
+    def _read_in_flight(self) -> list[Request]:
+        flight, self._in_flight = self._in_flight, None
+        if flight is None:
+            return []
+        return postprocess(flight.plan, flight.sampled.tolist(), self.scheduler, self.eos)
+
+    def abort(self, request: Request) -> None:
+        """End an unfinished request without more records (its stream was closed)."""
+        if request.state != FINISHED:
+            self.scheduler.drop(request)
+            self.engine.requests_served += 1
+
     def fail_all(self, message: str) -> list[Request]:
+        self._in_flight, self._last_sampled = None, {}
         failed = list(self.scheduler.running) + list(self.scheduler.waiting)
         for request in list(self.scheduler.running):
             self.scheduler.finish(request)

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import itertools
 import os
-import time
+from collections import deque
 from collections.abc import Callable, Iterator
 
 import mlx.core as mx
 from mlx_lm.sample_utils import make_sampler
 
 from mlxkv.attention import resolve_attention
+from mlxkv.batching import BatchLoop, generate_batch
 from mlxkv.block_pool import BlockPool
 from mlxkv.cache_manager import KVCacheManager, blocks_for
 from mlxkv.connectors.tiered import build_connector
@@ -21,7 +22,8 @@ from mlxkv.hashing import root_hash
 from mlxkv.kv_pool import KVLayout, KVPool
 from mlxkv.model_loader import LoadedModel, load_model, probe_kv_layout
 from mlxkv.model_runner import ModelRunner
-from mlxkv.records import GenerationChunk, GenerationResult, RequestStats
+from mlxkv.records import GenerationChunk, GenerationResult, RequestFailed
+from mlxkv.request import Request
 from mlxkv.sequence import Sequence
 
 # Same prefill chunk as mlx-lm's generate_step, so both compute the same
@@ -116,37 +118,36 @@ class Engine:
     def stream_chat(self, messages: list[dict], **kwargs) -> Iterator[GenerationChunk]:
         return self.stream(self.apply_chat_template(messages), **kwargs)
 
-    def stream(
-        self,
-        prompt,
-        max_tokens: int = 256,
-        temperature: float = 0.0,
-        top_p: float = 0.0,
-        top_k: int = 0,
-        min_p: float = 0.0,
-        seed: int | None = None,
-        cache_salt: str | None = None,
-        should_stop: Callable[[], bool] | None = None,
-    ) -> Iterator[GenerationChunk]:
+    def stream(self, prompt, should_stop: Callable[[], bool] | None = None, **options) -> Iterator[GenerationChunk]:
         """Yield one `GenerationChunk` per generated token; the last carries stats.
 
-        `should_stop` is asked after each token; when it says yes the reply
-        ends there with finish_reason "cancelled" and its stats. (Closing
-        the generator also stops it and releases its blocks, without stats.)
+        Options: max_tokens (256), temperature, top_p, top_k, min_p, seed,
+        cache_salt. The request runs on the engine's batch loop, so streams
+        consumed side by side decode as one batch. `should_stop` is asked
+        after each token; when it says yes the reply ends there with
+        finish_reason "cancelled" (before the first token: no chunks).
+        Closing the generator ends the request and releases its blocks.
         """
-        prompt_tokens, sampler, root = self._prepare(
-            prompt, max_tokens, temperature, top_p, top_k, min_p, seed, cache_salt
-        )
-        seq = Sequence(next(self._request_ids), prompt_tokens, root)
-        self.running[seq.request_id] = seq
+        records: deque = deque()
+        loop = self.batch_loop()
+        request = self.make_request(prompt, records.append, should_stop, **options)
+        if not loop.has_work:
+            mx.reset_peak_memory()
+        loop.add(request)
         try:
-            yield from self._run(seq, max_tokens, sampler, should_stop)
+            while True:
+                while not records:
+                    loop.step()
+                record = records.popleft()
+                if isinstance(record, RequestFailed):
+                    if record.finish_reason == "cancelled":
+                        return
+                    raise MlxkvError(record.message)
+                yield record
+                if record.finish_reason is not None:
+                    return
         finally:
-            del self.running[seq.request_id]
-            self.manager.cache_blocks(seq)
-            self.manager.free(seq)
-            self.runner.release(seq)
-            self.requests_served += 1
+            loop.abort(request)
 
     # -- many sequences at once (batching.py) -------------------------------
 
@@ -156,22 +157,16 @@ class Engine:
         Options as for `stream` (without should_stop). A bad prompt fails
         alone: its result has finish_reason "error" and `extra["error"]`.
         """
-        from mlxkv.batching import generate_batch
-
         return generate_batch(self, prompts, **options)
 
     def batch_loop(self):
         """The engine's continuous-batching loop (made on first use)."""
         if self._batch is None:
-            from mlxkv.batching import BatchLoop
-
-            self._batch = BatchLoop(self)
+                self._batch = BatchLoop(self)
         return self._batch
 
-    def make_request(self, prompt, sink, should_stop: Callable[[], bool] | None = None, **options):
+    def make_request(self, prompt, sink, should_stop: Callable[[], bool] | None = None, **options) -> Request:
         """A checked `Request` for the batch loop (options as for `stream`); raises MlxkvError on bad input."""
-        from mlxkv.request import Request
-
         max_tokens = options.get("max_tokens", 256)
         prompt_tokens, sampler, root = self._prepare(prompt, **options)
         return Request(
@@ -217,71 +212,6 @@ class Engine:
                 f"blocks of {bs} tokens but the pool has {self.kv_pool.num_blocks}; "
                 "raise --num-blocks or lower --max-tokens"
             )
-
-    def _step(self, seq: Sequence, tokens: mx.array, sampler):
-        self.manager.allocate_slots(seq, tokens.shape[1])
-        logits = self.runner.forward([seq], tokens)
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        return sampler(logprobs)
-
-    def _prefill(self, seq: Sequence) -> None:
-        """Compute all uncached prompt tokens but the last, in chunks."""
-        while len(seq.prompt) - seq.num_computed > 1:
-            n = min(self.prefill_chunk, len(seq.prompt) - 1 - seq.num_computed)
-            chunk = seq.prompt[seq.num_computed : seq.num_computed + n]
-            self.manager.allocate_slots(seq, n)
-            self.runner.forward([seq], mx.array([chunk]))
-            mx.eval(self.kv_pool.keys, self.kv_pool.values)
-            self.manager.cache_blocks(seq)
-
-    def _run(self, seq: Sequence, max_tokens: int, sampler, should_stop=None) -> Iterator[GenerationChunk]:
-        start = time.perf_counter()
-        mx.reset_peak_memory()
-        self.manager.admit(seq)
-        stats = RequestStats(
-            prompt_tokens=len(seq.prompt),
-            cached_tokens=seq.cached_tokens,
-            computed_tokens=len(seq.prompt) - seq.num_reused,
-        )
-        self._prefill(seq)
-        y = self._step(seq, mx.array([seq.prompt[-1:]]), sampler)
-        mx.async_eval(y)
-        detok = self.tokenizer.detokenizer
-        eos = self.tokenizer.eos_token_ids
-        first_token_at = None
-        for n in range(max_tokens):
-            # Queue the next step before reading this token, as mlx-lm
-            # does, so the model runs while Python handles the token.
-            if n + 1 < max_tokens:
-                next_y = self._step(seq, y[:, None], sampler)
-                mx.async_eval(next_y)
-            token = y.item()
-            seq.output.append(token)
-            self.manager.cache_blocks(seq)
-            if first_token_at is None:
-                first_token_at = time.perf_counter()
-                stats.ttft_s = first_token_at - start
-                stats.prompt_tokens_per_s = stats.computed_tokens / stats.ttft_s
-            finish = "stop" if token in eos else ("length" if n + 1 == max_tokens else None)
-            if finish is None and should_stop is not None and should_stop():
-                finish = "cancelled"
-            if finish != "stop":
-                detok.add_token(token)
-            if finish is not None:
-                detok.finalize()
-                self._finish_stats(stats, n + 1, first_token_at)
-                yield GenerationChunk(detok.last_segment, token, finish, stats)
-                return
-            yield GenerationChunk(detok.last_segment, token)
-            y = next_y
-
-    @staticmethod
-    def _finish_stats(stats: RequestStats, generated: int, first_token_at: float) -> None:
-        stats.generation_tokens = generated
-        elapsed = time.perf_counter() - first_token_at
-        if generated > 1 and elapsed > 0:
-            stats.decode_tokens_per_s = (generated - 1) / elapsed
-        stats.peak_memory_gb = mx.get_peak_memory() / 1e9
 
     # -- state ------------------------------------------------------------
 

@@ -37,6 +37,9 @@ class Request:
     stats: RequestStats | None = None  # from the first admission on
     arrival: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
+    # Decode tokens queued on the device so far; more than len(output)
+    # while a pipelined step is in flight (batching.py).
+    issued: int = 0
     _waiting_since: float | None = None
 
     def __post_init__(self):

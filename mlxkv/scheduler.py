@@ -11,7 +11,8 @@ takes or releases blocks; it never touches MLX.
   batch is computed once and then hit, not computed once per sequence.
 - Chunked prefill: at most `prefill_chunk` tokens per step, each request in
   whole chunks of min(prefill_chunk, rest), the shapes a solo run computes.
-- Decode: every running request whose prefill is done computes one token.
+- Decode: every running request whose prefill is done computes one token,
+  unless the tokens it may still produce are all in flight already.
 - Preemption: when a decode slot cannot be had, the newest running request
   gives its blocks back. Its full blocks stay cached (or spill through the
   connector when evicted), so its resumption is a prefix hit.
@@ -128,6 +129,8 @@ class Scheduler:
         for request in list(self.running):
             if request.state != RUNNING or request.remaining_prefill > 0:
                 continue
+            if request.issued >= request.max_tokens:
+                continue  # its last token is in flight
             while request.state == RUNNING:
                 try:
                     self.manager.allocate_slots(request.seq, 1)
@@ -136,6 +139,15 @@ class Scheduler:
                 except PoolExhaustedError:
                     self.preempt(self.running[-1])
         return decode
+
+    def decode_fits(self) -> bool:
+        """Whether every request ready to decode can get its next slot without a preemption."""
+        bs = self.manager.block_size
+        needed = sum(
+            1 for r in self.running
+            if r.remaining_prefill <= 0 and len(r.seq.blocks) * bs <= r.seq.num_computed
+        )
+        return needed <= self.pool.num_free
 
     def _prefill_chunks(self) -> list[tuple[Request, int]]:
         budget, chunks = self.prefill_chunk, []
@@ -158,6 +170,14 @@ class Scheduler:
         self._release(request)
         request.preempted(time.perf_counter())
         self.waiting.appendleft(request)
+
+    def drop(self, request: Request) -> None:
+        """End a request at once, waiting or running (whoever wanted it went away)."""
+        if request in self.waiting:
+            self.waiting.remove(request)
+            request.state = FINISHED
+        elif request.state == RUNNING:
+            self.finish(request)
 
     def finish(self, request: Request) -> None:
         self._release(request)

@@ -183,3 +183,39 @@ def test_engine_thread_streams_many_requests_at_once(llama_dir):
         assert thread.call(lambda e: e.block_pool.usage()["in_use"]).result(10) == 0
     finally:
         thread.close()
+
+
+def test_a_request_ending_on_eos_drops_its_speculative_row(family):
+    """Steps are pipelined: the row queued after an EOS is computed, then dropped."""
+    loaded, solo_tokens = family
+    prompts = [PROMPTS[1], PROMPTS[2], PROMPTS[3]]
+    solos = [solo_tokens(p) for p in prompts]
+    eos = solos[0][3]  # the first prompt's fourth token becomes its end
+    engine = engine_for(loaded)
+    tokenizer, saved = engine.tokenizer, engine.tokenizer.eos_token_ids
+    tokenizer.eos_token_ids = {eos}  # shared with the module's other tests: restored below
+    try:
+        results = engine.generate_batch(prompts, max_tokens=MAX_TOKENS)
+    finally:
+        tokenizer.eos_token_ids = saved
+    assert results[0].finish_reason == "stop"
+    for solo, result in zip(solos, results):
+        end = solo.index(eos) + 1 if eos in solo else len(solo)
+        assert result.tokens == solo[:end]
+    assert_pool_idle(engine)
+    assert not engine.batch_loop().has_work
+
+
+def test_streams_consumed_side_by_side_are_batched_and_equal_solo(family):
+    loaded, solo_tokens = family
+    engine = engine_for(loaded)
+    streams = [engine.stream(p, max_tokens=MAX_TOKENS) for p in PROMPTS[:3]]
+    outs: list[list[int]] = [[] for _ in streams]
+    widest = 0
+    for _ in range(MAX_TOKENS):
+        for out, stream in zip(outs, streams):
+            out.append(next(stream).token)
+        widest = max(widest, len(engine.running))
+    assert outs == [solo_tokens(p) for p in PROMPTS[:3]]
+    assert widest == 3  # one loop served all three at once
+    assert_pool_idle(engine)

@@ -47,6 +47,17 @@ def test_stopping_early_releases_blocks(engine):
     assert engine.stats()["pool"]["in_use"] == 0
 
 
+def test_should_stop_ends_the_stream_cancelled(engine):
+    chunks = []
+    for chunk in engine.stream(tokens(12, start=4), max_tokens=50, should_stop=lambda: len(chunks) >= 3):
+        chunks.append(chunk)
+    assert 3 <= len(chunks) <= 5 and chunks[-1].finish_reason == "cancelled"
+    assert chunks[-1].stats.generation_tokens == len(chunks)
+    # Asked to stop before its first token: no chunks at all.
+    assert list(engine.stream(tokens(12, start=4), max_tokens=50, should_stop=lambda: True)) == []
+    assert engine.stats()["pool"]["in_use"] == 0
+
+
 def test_chat_second_turn_reuses_first_turn(engine):
     messages = [{"role": "user", "content": "Tell me about the sea and the ships on it."}]
     first = engine.chat(messages, max_tokens=6)
