@@ -128,6 +128,53 @@ async def test_reopening_a_chat_after_a_restart_loads_its_prefix_from_the_ssd_ti
 
 
 @pilot_test
+async def test_a_reply_streams_on_while_another_chat_is_opened_and_its_prefix_hydrated(tmp_path, llama_dir):
+    app, store = make_app(tmp_path, llama_dir, max_tokens=16)
+    async with app.run_test(size=SIZE) as pilot:  # chats B, then A, each with one exchange
+        await ready(pilot)
+        await send(pilot, "tell me about the sea and the ships that sail on it")
+        await reply_done(pilot)
+        chat_b = app.chat_screen.conversation_id
+        await pilot.press("ctrl+n")
+        await send(pilot, "and now something about mountains and the snow on them")
+        await reply_done(pilot)
+        chat_a = app.chat_screen.conversation_id
+    store.close()
+
+    # A new process: A (most recent) opens first; B's prefix is only on SSD.
+    app, store = make_app(tmp_path, llama_dir, max_tokens=3000)
+    async with app.run_test(size=SIZE) as pilot:
+        screen = app.chat_screen
+        await ready(pilot)
+        await reply_done(pilot)  # A's own prefill
+        assert screen.conversation_id == chat_a
+        # A random-weight model may say EOS early; this reply must stream for a while.
+        app.engine.call(lambda engine: engine.tokenizer.eos_token_ids.clear()).result(10)
+        await send(pilot, "a long story please")
+        await wait_until(pilot, lambda: screen.reply is not None and screen.reply.tokens > 0, what="A's reply")
+        streaming = screen.reply
+
+        await screen.open_conversation(chat_b)
+        await wait_until(pilot, lambda: turn(app).kind == "prefill" and turn(app).stats["cached_tokens"]["disk"],
+                         what="B's prefix to come back from the SSD tier")
+        assert screen.reply is None and streaming.id in screen.replies, "A's reply is still streaming"
+        at_switch = streaming.tokens
+        await wait_until(pilot, lambda: streaming.tokens > at_switch, what="A's reply to stream on")
+
+        await screen.open_conversation(chat_a)  # back to A: the reply so far, still growing
+        view = assistant_views(app)[-1]
+        assert screen.reply is streaming and view is streaming.view and view.text
+        shown_at = len(view.text)
+        await wait_until(pilot, lambda: len(view.text) > shown_at, what="the reply to stream into A's view")
+        await pilot.press("escape")
+        await reply_done(pilot)
+        kept = store.messages(chat_a)[-1]
+        assert kept.finish_reason == "cancelled" and kept.content == view.text
+        assert at_switch < kept.stats["generation_tokens"] < 3000
+        assert [m.role for m in store.messages(chat_b)] == ["user", "assistant"]
+
+
+@pilot_test
 async def test_a_model_that_fails_to_load_shows_an_error_screen(tmp_path):
     app, _ = make_app(tmp_path, str(tmp_path / "no-such-model"))
     async with app.run_test(size=SIZE) as pilot:

@@ -73,8 +73,11 @@ class ChatScreen(Screen[None]):
 
     @property
     def reply(self) -> ActiveReply | None:
-        """The reply streaming into the open chat, if any."""
-        return next((r for r in self.replies.values() if r.kind == "reply"), None)
+        """The reply streaming into the open chat, if any (others may stream in other chats)."""
+        return next(
+            (r for r in self.replies.values() if r.kind == "reply" and r.conversation_id == self.conversation_id),
+            None,
+        )
 
     # -- engine news (from the app) --------------------------------------
 
@@ -100,16 +103,21 @@ class ChatScreen(Screen[None]):
     # -- conversations ---------------------------------------------------
 
     async def open_conversation(self, conversation_id: int) -> None:
-        self._cancel_all()
+        """Show a chat. Replies streaming in other chats go on (the engine batches them)."""
         self.conversation_id = conversation_id
         conversation = self.store.get(conversation_id)
         messages = self.store.messages(conversation_id)
         views = [MessageView("system", conversation.system_prompt)] if conversation.system_prompt else []
         views += [MessageView(m.role, m.content, m.finish_reason) for m in messages]
+        streaming = self.reply
+        if streaming is not None:  # left mid-reply and back again: it streams on here
+            streaming.view = MessageView.resumed("assistant", streaming.view.text)
+            views.append(streaming.view)
         await self.query_one(ChatLog).show_messages(views)
         self.query_one(CachePanel).show_history([m.stats for m in messages if m.role == "assistant" and m.stats])
         self._show_list()
-        self._prefill()
+        if streaming is None:
+            self._prefill()
 
     def _show_list(self) -> None:
         conversation = self.store.get(self.conversation_id)
@@ -120,9 +128,10 @@ class ChatScreen(Screen[None]):
         if int(event.option_id) != self.conversation_id:
             await self.open_conversation(int(event.option_id))
 
-    def _cancel_all(self) -> None:
+    def _cancel(self, conversation_id: int) -> None:
         for reply in self.replies.values():
-            reply.handle.cancel()
+            if reply.conversation_id == conversation_id:
+                reply.handle.cancel()
 
     # -- sending and streaming -------------------------------------------
 
@@ -189,7 +198,7 @@ class ChatScreen(Screen[None]):
             self.notify(record.message, title="The engine could not answer", severity="error", timeout=8)
         if reply.view is not None:
             await self._keep_reply(reply, record.finish_reason, stats)
-        if stats is not None:
+        if stats is not None and reply.conversation_id == self.conversation_id:
             self.query_one(CachePanel).show_turn(stats, reply.kind)
         del self.replies[reply.id]  # last: the reply counts as running until it is kept
         self._draw_snapshot(force=True)
@@ -248,7 +257,7 @@ class ChatScreen(Screen[None]):
         async def delete(yes: bool | None) -> None:
             if not yes:
                 return
-            self._cancel_all()
+            self._cancel(cid)
             self.store.delete(cid)
             rest = self.store.conversations()
             await self.open_conversation(rest[0].id if rest else self.store.create(NEW_CHAT_TITLE).id)

@@ -38,6 +38,13 @@ class MessageView(Vertical):
         self.border_title = ROLE_TITLES.get(role, role)
         self.show_finish_reason(finish_reason)
 
+    @classmethod
+    def resumed(cls, role: str, text: str) -> MessageView:
+        """A view of a reply still streaming, for its chat opened again; it streams on from `text`."""
+        view = cls(role, text)
+        view._segmenter.feed(printable(text))  # so a code fence open in `text` stays whole
+        return view
+
     def compose(self) -> ComposeResult:
         yield Markdown(printable(self.text))
 
