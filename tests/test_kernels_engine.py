@@ -13,8 +13,12 @@ import mlx.core as mx
 import mlx_lm
 import pytest
 
+from mlx_lm.generate import stream_generate
+
 from mlxkv import kernels
 from mlxkv.attention import ATTENTION_ENV
+from mlxkv.config import CacheConfig
+from mlxkv.engine import Engine
 from mlxkv.tiny_model import TinyModelSpec, write_tiny_model
 from msl.harness import SKIP_REASON, clang_available, shared_harness
 from test_engine_equality import (  # noqa: F401  (collected here again)
@@ -49,5 +53,17 @@ def kernel_attention(monkeypatch):
 
     monkeypatch.setenv(ATTENTION_ENV, "kernel")
     monkeypatch.setattr(kernels, "run_launch", counted)
-    yield
+    yield launches
     assert launches, "no decode step ran on the kernel"
+
+
+def test_a_batch_decodes_on_the_kernel_and_each_row_equals_mlx_lm(family, kernel_attention):
+    """Batched decode: one launch serves batch x heads, with per-row block tables and lengths."""
+    _, path, model, tokenizer = family
+    shared = [(5 * i + 2) % 200 + 3 for i in range(35)]
+    prompts = [shared + [40 + i] * (3 * i) for i in range(4)] + [[9, 8, 7]]
+    engine = Engine.load(path, CacheConfig(block_size=16, num_blocks=64, memory_tier_bytes=0))
+    results = engine.generate_batch(prompts, max_tokens=5)
+    for prompt, result in zip(prompts, results):
+        assert result.tokens == [r.token for r in stream_generate(model, tokenizer, prompt, max_tokens=5)]
+    assert max(launch.grid[2] for launch in kernel_attention) == len(prompts)
