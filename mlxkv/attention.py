@@ -4,6 +4,10 @@ The reference path is pure MLX: the cache gathers a sequence's blocks into a
 contiguous tensor and `mx.fast.scaled_dot_product_attention` runs on it with
 a length mask. It is the oracle the Metal kernels are tested against.
 
+A batched decode step whose rows share leading blocks takes cascade
+attention (mlxkv/cascade.py) on the reference path: the shared prefix is
+read once for all rows, not gathered per row.
+
 The kernel path (mlxkv/kernels.py) serves decode steps (one new token per
 sequence) of supported shapes, reading K/V from the pool through the block
 table; prefill and anything else stay on the reference path.
@@ -17,6 +21,7 @@ import sys
 import mlx.core as mx
 
 from mlxkv import kernels
+from mlxkv.cascade import cascade_decode
 from mlxkv.errors import MlxkvError
 from mlxkv.paged_cache import PagedKVCache
 
@@ -44,8 +49,10 @@ def paged_attention(queries, keys, values, cache: PagedKVCache, scale: float, ma
 
     `keys`/`values` are the gathered contiguous K/V from `update_and_fetch`;
     the reference path uses them, a kernel reads the pool directly and
-    leaves that gather unevaluated.
+    leaves that gather unevaluated, and so does cascade attention.
     """
+    if cache.batch.prefix is not None and queries.shape[2] == 1:
+        return cascade_decode(queries, cache, scale)
     if cache.batch.attention == "kernel" and queries.shape[2] == 1:
         out = _kernel_decode(queries, cache, scale)
         if out is not None:

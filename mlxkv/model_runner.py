@@ -9,6 +9,7 @@ from mlxkv.kv_mirror import KVMirror
 from mlxkv.kv_pool import KVPool
 from mlxkv.paged_cache import PagedBatch, PagedKVCache
 from mlxkv.sequence import Sequence
+from mlxkv.shared_prefix import SharedPrefix, shared_blocks
 
 
 class ModelRunner:
@@ -19,7 +20,9 @@ class ModelRunner:
         self.num_layers = len(model.layers)
         # Contiguous K/V copies of lone running sequences (see kv_mirror.py).
         self._mirrors: dict[int, KVMirror] = {}
-        route_model_attention(model)
+        # The shared prefix of the last batched decode step (see cascade.py).
+        self._prefix: SharedPrefix | None = None
+        self._routed = route_model_attention(model)
 
     def _mirror_for(self, seqs: list[Sequence], mirror: bool) -> KVMirror | None:
         if len(seqs) != 1 or self.attention != "reference":
@@ -34,9 +37,36 @@ class ModelRunner:
             self._mirrors[key] = KVMirror(self.num_layers)
         return self._mirrors[key]
 
+    def _prefix_for(self, seqs: list[Sequence], num_new: int) -> SharedPrefix | None:
+        """The shared prefix for cascade attention, or None.
+
+        A batched decode step (B >= 2, one token each) updates the copy or
+        drops it; other forwards (prefill chunks, a lone sequence on its
+        mirror) leave it for the next batched step. `release` drops it with
+        the last row that used it.
+        """
+        if len(seqs) < 2 or num_new != 1:
+            return None
+        cascade = self.attention == "reference" and self._routed
+        blocks = shared_blocks(seqs, self.kv_pool.layout.block_size) if cascade else []
+        if not blocks:
+            self._prefix = None
+            return None
+        if self._prefix is None:
+            self._prefix = SharedPrefix(self.num_layers)
+        self._prefix.update(blocks, self.kv_pool, {s.request_id for s in seqs})
+        return self._prefix
+
+    @property
+    def prefix_nbytes(self) -> int:
+        """Bytes of the shared prefix's copy, KV held beside the pool."""
+        return 0 if self._prefix is None else self._prefix.nbytes
+
     def release(self, seq: Sequence) -> None:
         """Drop what the runner holds for a finished sequence."""
         self._mirrors.pop(seq.request_id, None)
+        if self._prefix is not None and self._prefix.release(seq.request_id):
+            self._prefix = None
 
     def forward(self, seqs: list[Sequence], tokens: mx.array, mirror: bool = True) -> mx.array:
         """Logits `[B, vocab]` at the last position of `tokens [B, L]`.
@@ -55,6 +85,7 @@ class ModelRunner:
             self.kv_pool.layout.block_size,
             self.attention,
             self._mirror_for(seqs, mirror),
+            self._prefix_for(seqs, num_new),
         )
         caches = [PagedKVCache(self.kv_pool, i, batch) for i in range(self.num_layers)]
         logits = self.model(tokens, cache=caches)

@@ -15,6 +15,7 @@ from mlx_lm.models.cache import _BaseCache, create_attention_mask
 
 from mlxkv.kv_mirror import KVMirror
 from mlxkv.kv_pool import KVPool
+from mlxkv.shared_prefix import SharedPrefix
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,7 @@ class PagedBatch:
     num_new: int
     attention: str = "reference"
     mirror: KVMirror | None = None  # contiguous copy of a lone sequence's K/V
+    prefix: SharedPrefix | None = None  # leading blocks all rows share (cascade.py)
 
     @classmethod
     def build(
@@ -38,6 +40,7 @@ class PagedBatch:
         block_size: int,
         attention: str = "reference",
         mirror: KVMirror | None = None,
+        prefix: SharedPrefix | None = None,
     ):
         width = max(len(t) for t in block_tables)
         padded = [t + [t[0]] * (width - len(t)) for t in block_tables]
@@ -52,6 +55,7 @@ class PagedBatch:
             num_new=num_new,
             attention=attention,
             mirror=mirror,
+            prefix=prefix,
         )
 
     @property
@@ -82,7 +86,7 @@ class PagedKVCache(_BaseCache):
         if b.mirror is not None:
             return self._fetch_mirrored(keys, values)
         # The gathered copy is what any attention code can use; when the
-        # kernel path serves attention instead, MLX never evaluates it.
+        # kernel path or cascade attention serves instead, MLX never evaluates it.
         length = b.context_lens[0] if b.batch_size == 1 else None
         return self.pool.gather(self.layer, b.block_tables, length)
 
