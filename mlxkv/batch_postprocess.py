@@ -2,7 +2,8 @@
 
 Each request gets its records through its own sink: a `GenerationChunk`
 per token (the last one with finish_reason and stats), or one
-`RequestFailed` for a request cancelled before its first token.
+`RequestFailed` for a request dropped on a cancel while it waited (before
+its first token, or after a preemption: then with its stats).
 
 Steps are pipelined (batching.py): a step's tokens are handed out after the
 next step is queued, so a request that ended on its previous token may
@@ -29,7 +30,11 @@ def register_prefill(plan: StepPlan, manager) -> list[Request]:
     for request, _ in plan.prefill:
         manager.cache_blocks(request.seq)
     for request in plan.cancelled:
-        request.sink(RequestFailed("cancelled before it started", "cancelled"))
+        if request.output:  # preempted, then cancelled while it waited for blocks
+            _finish_stats(request, time.perf_counter())
+            request.sink(RequestFailed("cancelled while waiting for blocks", "cancelled", request.stats))
+        else:
+            request.sink(RequestFailed("cancelled before it started", "cancelled"))
     return list(plan.cancelled)
 
 

@@ -154,5 +154,5 @@ def failed_result(engine, prompt, message: str, finish_reason: str = "error") ->
         tokens = engine._prompt_tokens(prompt)
     except Exception:
         tokens = []
-    stats = RequestStats(len(tokens), {"pool": 0, "memory": 0, "disk": 0}, 0)
+    stats = RequestStats.unknown(len(tokens))
     return GenerationResult("", [], tokens, finish_reason, stats, extra={"error": message})

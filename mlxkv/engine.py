@@ -22,7 +22,7 @@ from mlxkv.hashing import root_hash
 from mlxkv.kv_pool import KVLayout, KVPool
 from mlxkv.model_loader import LoadedModel, load_model, probe_kv_layout
 from mlxkv.model_runner import ModelRunner
-from mlxkv.records import GenerationChunk, GenerationResult, RequestFailed
+from mlxkv.records import GenerationChunk, GenerationResult, RequestFailed, RequestStats
 from mlxkv.request import Request
 from mlxkv.sequence import Sequence
 
@@ -110,6 +110,9 @@ class Engine:
             tokens.append(chunk.token)
             text.append(chunk.text)
             last = chunk
+        if last is None or last.finish_reason is None:  # should_stop ended it between tokens
+            stats = RequestStats.unknown(len(prompt_tokens), len(tokens))
+            return GenerationResult("".join(text), tokens, prompt_tokens, "cancelled", stats)
         return GenerationResult("".join(text), tokens, prompt_tokens, last.finish_reason, last.stats)
 
     def chat(self, messages: list[dict], **kwargs) -> GenerationResult:

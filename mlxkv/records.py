@@ -21,6 +21,11 @@ class RequestStats:
     preempted_s: float = 0.0
     preemptions: int = 0
 
+    @classmethod
+    def unknown(cls, prompt_tokens: int, generation_tokens: int = 0) -> RequestStats:
+        """Stats of a request that ended without its own (failed, or stopped between tokens)."""
+        return cls(prompt_tokens, {"pool": 0, "memory": 0, "disk": 0}, 0, generation_tokens)
+
     def as_dict(self) -> dict:
         return asdict(self)
 
@@ -37,10 +42,13 @@ class GenerationChunk:
 
 @dataclass
 class RequestFailed:
-    """The last record of a request the engine refused or could not finish."""
+    """The last record of a request the engine refused, could not finish, or dropped on a cancel."""
 
     message: str
-    finish_reason: str = "error"  # or "cancelled" when it never started
+    # "error", or "cancelled": before its first token, or while it waited
+    # for blocks after a preemption (then with stats of the tokens it had).
+    finish_reason: str = "error"
+    stats: RequestStats | None = None
 
 
 def is_last(record) -> bool:

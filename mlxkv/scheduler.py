@@ -36,7 +36,7 @@ from mlxkv.sequence import Sequence
 class StepPlan:
     prefill: list[tuple[Request, int]] = field(default_factory=list)  # request, tokens to prefill
     decode: list[Request] = field(default_factory=list)  # each computes one token
-    cancelled: list[Request] = field(default_factory=list)  # dropped before their first token
+    cancelled: list[Request] = field(default_factory=list)  # dropped while waiting or prefilling
 
     @property
     def empty(self) -> bool:
@@ -77,8 +77,11 @@ class Scheduler:
     # -- admission ----------------------------------------------------------
 
     def _drop_cancelled(self) -> list[Request]:
-        """Cancelled requests that have no token yet leave now; others end at their next token."""
-        dropped = [r for r in self.waiting if r.cancelled and not r.output]
+        """Cancelled requests leave now if waiting (never started, or preempted) or prefilling.
+
+        A decoding one ends at its next token instead, with that token's record.
+        """
+        dropped = [r for r in self.waiting if r.cancelled]
         for r in dropped:
             self.waiting.remove(r)
             r.state = FINISHED

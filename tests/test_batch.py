@@ -219,3 +219,34 @@ def test_streams_consumed_side_by_side_are_batched_and_equal_solo(family):
     assert outs == [solo_tokens(p) for p in PROMPTS[:3]]
     assert widest == 3  # one loop served all three at once
     assert_pool_idle(engine)
+
+
+def test_a_preempted_request_cancelled_while_it_waits_ends_at_once(family):
+    loaded, solo_tokens = family
+    engine = engine_for(loaded, 9)
+    loop = engine.batch_loop()
+    prompts = [prompt_of(2 * BLOCK + 3, s) for s in range(4)]
+    records: list[list] = [[] for _ in prompts]
+    stop = [False] * len(prompts)
+    requests = [
+        engine.make_request(p, records[i].append, should_stop=lambda i=i: stop[i], max_tokens=4 * BLOCK)
+        for i, p in enumerate(prompts)
+    ]
+    for request in requests:
+        loop.add(request)
+    while not any(r.output for r in loop.scheduler.waiting):
+        loop.step()
+    victim = next(r for r in loop.scheduler.waiting if r.output)
+    i = requests.index(victim)
+    stop[i] = True
+    loop.step()  # no wait for blocks to free up: it ends in the next step
+    last = records[i][-1]
+    assert isinstance(last, RequestFailed) and last.finish_reason == "cancelled"
+    assert last.stats.generation_tokens == len(victim.output) == len(records[i]) - 1 > 0
+    assert [c.token for c in records[i][:-1]] == solo_tokens(prompts[i], 4 * BLOCK)[: len(victim.output)]
+    while loop.has_work:
+        loop.step()
+    for j, prompt in enumerate(prompts):
+        if j != i:
+            assert [c.token for c in records[j]] == solo_tokens(prompt, 4 * BLOCK)
+    assert_pool_idle(engine)

@@ -11,7 +11,6 @@ from textual.containers import Horizontal, Vertical
 from textual.screen import Screen
 from textual.widgets import Footer, Header, OptionList
 
-from mlxkv.engine_thread import RequestFailed
 from mlxkv.pool_view import PoolSnapshot
 from tui.cache_stats import as_dict
 from tui.messages import ReplyDelta, ReplyEnded
@@ -193,7 +192,7 @@ class ChatScreen(Screen[None]):
         if reply is None:
             return
         record = message.record
-        stats = None if isinstance(record, RequestFailed) else as_dict(record.stats)
+        stats = None if record.stats is None else as_dict(record.stats)
         if record.finish_reason == "error":
             self.notify(record.message, title="The engine could not answer", severity="error", timeout=8)
         if reply.view is not None:
