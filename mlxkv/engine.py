@@ -8,7 +8,6 @@ from collections import deque
 from collections.abc import Callable, Iterator
 
 import mlx.core as mx
-from mlx_lm.sample_utils import make_sampler
 
 from mlxkv.attention import resolve_attention
 from mlxkv.batching import BatchLoop, generate_batch
@@ -24,6 +23,7 @@ from mlxkv.model_loader import LoadedModel, load_model, probe_kv_layout
 from mlxkv.model_runner import ModelRunner
 from mlxkv.records import GenerationChunk, GenerationResult, RequestFailed, RequestStats
 from mlxkv.request import Request
+from mlxkv.sampling import make_request_sampler
 from mlxkv.sequence import Sequence
 
 # Same prefill chunk as mlx-lm's generate_step, so both compute the same
@@ -191,9 +191,7 @@ class Engine:
         """A request's checked prompt tokens, its sampler and its hash root."""
         prompt_tokens = self._prompt_tokens(prompt)
         self._check_request(prompt_tokens, max_tokens, temperature)
-        if seed is not None:
-            mx.random.seed(seed)
-        sampler = make_sampler(temp=temperature, top_p=top_p, min_p=min_p, top_k=top_k)
+        sampler = make_request_sampler(temperature, top_p, min_p, top_k, seed)
         root = root_hash(self.fingerprint, cache_salt) if self.cache_config.prefix_cache else None
         return prompt_tokens, sampler, root
 

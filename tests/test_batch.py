@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import threading
 
+import mlx.core as mx
 import pytest
 from mlx_lm.generate import stream_generate
+from mlx_lm.sample_utils import make_sampler
 
 from mlxkv.config import CacheConfig
 from mlxkv.engine import Engine
@@ -250,3 +252,24 @@ def test_a_preempted_request_cancelled_while_it_waits_ends_at_once(family):
         if j != i:
             assert [c.token for c in records[j]] == solo_tokens(prompt, 4 * BLOCK)
     assert_pool_idle(engine)
+
+
+def test_a_seeded_request_samples_as_mlx_lm_does_whatever_else_is_in_the_batch(family):
+    loaded, solo_tokens = family
+    prompt = PROMPTS[3]
+    mx.random.seed(11)
+    sampler = make_sampler(temp=1.0, top_k=50)
+    ref = [r.token for r in stream_generate(loaded.model, loaded.tokenizer, prompt, max_tokens=MAX_TOKENS,
+                                            sampler=sampler)]
+    engine = engine_for(loaded)
+    assert engine.generate(prompt, max_tokens=MAX_TOKENS, temperature=1.0, top_k=50, seed=11).tokens == ref
+    records: list[list] = [[], [], []]
+    loop = engine.batch_loop()
+    loop.add(engine.make_request(PROMPTS[0], records[0].append, max_tokens=MAX_TOKENS, temperature=1.0))
+    loop.add(engine.make_request(prompt, records[1].append, max_tokens=MAX_TOKENS, temperature=1.0, top_k=50,
+                                 seed=11))
+    loop.add(engine.make_request(PROMPTS[2], records[2].append, max_tokens=MAX_TOKENS))
+    while loop.has_work:
+        loop.step()
+    assert [r.token for r in records[1]] == ref
+    assert [r.token for r in records[2]] == solo_tokens(PROMPTS[2])

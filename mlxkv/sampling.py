@@ -1,0 +1,43 @@
+"""Samplers: mlx-lm's, with a random key of the request's own when it has a seed.
+
+mlx-lm's samplers draw from MLX's global key. In a batch the requests'
+draws interleave, so a seeded request would sample differently depending on
+what else runs. A seeded request here carries its own key and splits it
+exactly as MLX splits the global one, so its tokens equal a solo mlx-lm run
+after `mx.random.seed(seed)`, whatever else is in the batch, and seeding one
+request leaves every other request's randomness alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import mlx.core as mx
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_sampler
+
+
+def make_request_sampler(
+    temperature: float, top_p: float, min_p: float, top_k: int, seed: int | None
+) -> Callable[[mx.array], mx.array]:
+    """logprobs `[1, vocab]` -> token `[1]`: greedy at temperature 0."""
+    if temperature == 0 or seed is None:
+        return make_sampler(temp=temperature, top_p=top_p, min_p=min_p, top_k=top_k)
+    return SeededSampler(temperature, top_p, min_p, top_k, seed)
+
+
+class SeededSampler:
+    """mlx-lm's sampler chain (top-p, min-p, top-k, then categorical) on a key of its own."""
+
+    def __init__(self, temperature: float, top_p: float, min_p: float, top_k: int, seed: int):
+        self.temperature, self.top_p, self.min_p, self.top_k = temperature, top_p, min_p, top_k
+        self.key = mx.random.key(seed)
+
+    def __call__(self, logprobs: mx.array) -> mx.array:
+        if 0 < self.top_p < 1:
+            logprobs = apply_top_p(logprobs, self.top_p)
+        if self.min_p != 0:
+            logprobs = apply_min_p(logprobs, self.min_p)
+        if self.top_k > 0:
+            logprobs = apply_top_k(logprobs, self.top_k)
+        self.key, draw = mx.random.split(self.key)  # the order MLX's global key uses
+        return mx.random.categorical(logprobs * (1 / self.temperature), key=draw)
