@@ -280,17 +280,24 @@ def _written_spec(path: Path) -> dict | None:
 
 
 def demo_model_path() -> Path:
-    """The demo model, written into the user cache on first use and reused.
+    """The demo model, written into the user cache on first use and reused."""
+    return cached_tiny_model("demo", DEMO_SPEC)
+
+
+def cached_tiny_model(name: str, spec: TinyModelSpec, log=None) -> Path:
+    """The model `spec` under `name` in the user cache, written on first use and reused.
 
     Processes racing to create it each build privately; the first rename
     wins and the others discard theirs.
     """
-    path = cache_root() / "models" / "demo"
-    if _written_spec(path) == dataclasses.asdict(DEMO_SPEC):
+    path = cache_root() / "models" / name
+    if _written_spec(path) == dataclasses.asdict(spec) and _is_model(path):
         return path
-    if path.exists():  # written by an older mlxkv with a different DEMO_SPEC
-        return write_tiny_model(path, DEMO_SPEC)
-    staging = _build(path, DEMO_SPEC)
+    if log is not None:
+        log(f"writing the model {name!r} to {path} (once)")
+    if path.exists():  # written by an older mlxkv with another spec
+        return write_tiny_model(path, spec)
+    staging = _build(path, spec)
     try:
         os.rename(staging, path)
     except OSError:

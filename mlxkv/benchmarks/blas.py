@@ -25,18 +25,6 @@ PROMPT_TOKENS = 128
 DECODE_TOKENS = 8
 BUDGET_S = 1.0  # per timed loop; at least one iteration always runs
 
-# Llama-shaped (a 4-layer slice of a ~1B model), random weights, fp32.
-MODEL_ARGS = dict(
-    model_type="llama",
-    hidden_size=1024,
-    num_hidden_layers=4,
-    intermediate_size=2816,
-    num_attention_heads=8,
-    num_key_value_heads=2,
-    head_dim=128,
-    rms_norm_eps=1e-5,
-    vocab_size=32000,
-)
 
 
 def run_blas_benchmark(
@@ -138,11 +126,15 @@ def _matmul_rates(sizes, budget_s: float) -> dict:
 
 
 def _build_model():
+    """The bench model's architecture (benchmarks/engine.py), random weights, fp32."""
     import mlx.core as mx
     from mlx_lm.models.llama import Model, ModelArgs
 
+    from mlxkv.benchmarks.engine import BENCH_SPEC
+    from mlxkv.tiny_model import model_config
+
     mx.random.seed(0)
-    model = Model(ModelArgs(**MODEL_ARGS))
+    model = Model(ModelArgs.from_dict(model_config(BENCH_SPEC)))
     mx.eval(model.parameters())
     return model
 
@@ -162,7 +154,7 @@ def _model_rates(prompt_tokens: int, decode_tokens: int, budget_s: float) -> dic
     import mlx.core as mx
 
     model = _build_model()
-    prompt = mx.random.randint(0, MODEL_ARGS["vocab_size"], (prompt_tokens,))
+    prompt = mx.random.randint(0, model.args.vocab_size, (prompt_tokens,))
     _prefill(model, prompt[:8])  # warm-up
     prefill_s = _timed(lambda: _prefill(model, prompt), budget_s)
 

@@ -22,8 +22,6 @@ It is written once into the mlxkv cache directory and reused.
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import math
 import random
 import statistics
@@ -41,9 +39,8 @@ from mlxkv.config import CacheConfig
 from mlxkv.engine import PREFILL_STEP, Engine
 from mlxkv.errors import MlxkvError
 from mlxkv.model_loader import load_model
-from mlxkv.paths import cache_root
 from mlxkv.benchmarks.rows import format_rows, row  # noqa: F401  (format_rows: the suite's printer)
-from mlxkv.tiny_model import TinyModelSpec, write_tiny_model
+from mlxkv.tiny_model import TinyModelSpec, cached_tiny_model
 
 # A 4-layer slice of a ~1B llama: head dim 128, 8 query heads over 2 KV heads.
 BENCH_SPEC = TinyModelSpec(
@@ -70,15 +67,8 @@ TTFT_GOAL = 0.10  # warm TTFT over cold TTFT, at most
 def bench_model_path(spec: TinyModelSpec | None = None, log=None) -> Path:
     """The bench model (BENCH_SPEC by default) in the mlxkv cache, written on first use."""
     spec = spec or BENCH_SPEC
-    path = cache_root() / "models" / f"bench-{spec.family}-{spec.num_layers}l-{spec.hidden_size}h-s{spec.seed}"
-    try:
-        written = json.loads((path / "config.json").read_text()).get("mlxkv_tiny_model")
-    except (OSError, ValueError):
-        written = None
-    if written == dataclasses.asdict(spec) and (path / "model.safetensors").is_file():
-        return path
-    (log or _stderr)(f"writing the bench model to {path} (once)")
-    return write_tiny_model(path, spec)
+    name = f"bench-{spec.family}-{spec.num_layers}l-{spec.hidden_size}h-s{spec.seed}"
+    return cached_tiny_model(name, spec, log or _stderr)
 
 
 def run_engine_benchmark(
