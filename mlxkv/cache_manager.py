@@ -81,7 +81,9 @@ class KVCacheManager:
         loaded = self._matching(wanted[:n], self.connector.load_blocks(wanted[:n]))
         if not loaded:
             return
-        blocks = self.pool.allocate(len(loaded))
+        # Which free block takes which hash is ours to choose: in id order, a
+        # run of tier blocks lands on runs of ids, one slice copy per layer.
+        blocks = sorted(self.pool.allocate(len(loaded)), key=lambda b: b.block_id)
         self.kv_pool.write_blocks([b.block_id for b in blocks], [l.kv for l in loaded])
         self.pool.cache_blocks(blocks, [l.block_hash for l in loaded])
         seq.blocks.extend(blocks)

@@ -6,10 +6,13 @@ import mlx.core as mx
 import mlx_lm
 import numpy as np
 import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from mlx_lm.generate import stream_generate
 
 from mlxkv.config import CacheConfig
-from mlxkv.connectors.base import BlockKV, LoadedBlock, NoopKvCacheConnector
+from mlxkv.connectors.base import BlockKV, KVRun, LoadedBlock, NoopKvCacheConnector
 from mlxkv.connectors.memory import InMemoryKvCacheConnector
 from mlxkv.engine import Engine
 from mlxkv.errors import MlxkvError
@@ -123,6 +126,49 @@ def test_memory_tier_lru_budget_pushes_to_next_tier():
     assert s["blocks_held"] == 3 and s["bytes_held"] == 3 * _kv(0).nbytes and s["evictions"] == 1
 
 
+def test_memory_tier_packs_evicted_blocks_into_runs_in_prompt_order(monkeypatch):
+    from mlxkv.connectors import memory
+
+    run_blocks = 4
+    monkeypatch.setattr(memory, "MAX_RUN_BLOCKS", run_blocks)
+    monkeypatch.setattr(memory, "RUN_SHARE", 1)  # so a small budget still packs
+    pushed = []
+    n = run_blocks + 2
+    tier = InMemoryKvCacheConnector(n * _kv(0).nbytes, BLOCK, on_evict=lambda h, kv: pushed.append(h))
+    hashes = [bytes([i]) * 32 for i in range(n)]
+    for i in reversed(range(n)):  # the pool evicts a freed sequence last block first
+        tier.evict_block(hashes[i], lambda i=i: [_kv(float(i))])
+    loaded = tier.load_blocks(hashes)
+    assert [b.block_hash for b in loaded] == hashes
+    for i, block in enumerate(loaded):
+        assert mx.all(block.kv.keys == i).item() and mx.all(block.kv.values == -i).item()
+    # The first blocks evicted (2..5) are one run, in prompt order: a
+    # hydrate copies them with one slice per layer.
+    run = loaded[2].kv.run
+    assert [b.kv.run is run for b in loaded] == [False, False] + [True] * run_blocks
+    assert [b.kv.index for b in loaded[2:]] == list(range(run_blocks))
+    assert tier.stats()["memory"]["bytes_held"] == n * _kv(0).nbytes
+    # The budget counts what runs hold: a run's memory goes with its last block.
+    for h in (b"x" * 32, b"y" * 32):
+        tier.evict_block(h, lambda: [_kv(9.0)])
+    assert pushed == hashes[:2]  # least recently used first, one block each
+    tier.evict_block(b"z" * 32, lambda: [_kv(9.0)])
+    assert pushed == hashes  # the run had to go whole to make room
+    s = tier.stats()["memory"]
+    assert s["blocks_held"] == 3 and s["bytes_held"] == 3 * _kv(0).nbytes and s["evictions"] == n
+
+
+def test_memory_tier_runs_are_a_small_share_of_the_budget():
+    from mlxkv.connectors import memory
+
+    block = _kv(0).nbytes
+    assert InMemoryKvCacheConnector(3 * block, BLOCK)._run_blocks(block) == 0  # never packs
+    assert InMemoryKvCacheConnector(memory.RUN_SHARE * 8 * block, BLOCK)._run_blocks(block) == 8
+    big = InMemoryKvCacheConnector(1 << 40, BLOCK)
+    assert big._run_blocks(block) == memory.MAX_RUN_BLOCKS
+    assert big._run_blocks(memory.RUN_BYTES // 2) == 2
+
+
 def test_memory_tier_quantized_round_trip_and_size():
     full = InMemoryKvCacheConnector(1 << 30, BLOCK)
     quant = InMemoryKvCacheConnector(1 << 30, BLOCK, quantize_bits=8)
@@ -166,3 +212,62 @@ def test_a_failing_spill_costs_the_cached_copy_not_the_request(llama_dir):
     assert engine.generate(a, max_tokens=6).tokens == first.tokens
     usage = engine.stats()["pool"]
     assert usage["in_use"] == 0 and usage["free"] + usage["cached_free"] == usage["num_blocks"]
+
+
+class MemoryTierMachine(RuleBasedStateMachine):
+    """Random evict / store-a-run / load programs over a memory tier that packs runs of 3.
+
+    Invariants: every block held comes back with its own values; the byte
+    count is what the distinct runs really hold, and stays in the budget.
+    """
+
+    N, BUDGET_BLOCKS = 10, 6
+
+    def __init__(self):
+        super().__init__()
+        from mlxkv.connectors import memory
+
+        self._saved = memory.MAX_RUN_BLOCKS, memory.RUN_SHARE
+        memory.MAX_RUN_BLOCKS, memory.RUN_SHARE = 3, 2
+        self.pushed = []
+        self.tier = InMemoryKvCacheConnector(self.BUDGET_BLOCKS * _kv(0).nbytes, BLOCK,
+                                             on_evict=lambda h, kv: self.pushed.append(h))
+
+    def teardown(self):
+        from mlxkv.connectors import memory
+
+        memory.MAX_RUN_BLOCKS, memory.RUN_SHARE = self._saved
+
+    @staticmethod
+    def _hash(i):
+        return bytes([i]) * 32
+
+    @rule(i=st.integers(0, N - 1))
+    def evict(self, i):
+        self.tier.evict_block(self._hash(i), lambda: [_kv(float(i))])
+
+    @rule(start=st.integers(0, N - 1), n=st.integers(1, 3))
+    def promote_a_run(self, start, n):
+        ids = [(start + j) % self.N for j in range(n)]
+        run = KVRun.stack([_kv(float(i)) for i in ids])
+        for j, i in enumerate(ids):
+            self.tier.store(self._hash(i), run.block(j))
+
+    @rule(ids=st.lists(st.integers(0, N - 1), min_size=1, max_size=4))
+    def load(self, ids):
+        for block in self.tier.load_blocks([self._hash(i) for i in ids]):
+            i = block.block_hash[0]
+            assert mx.all(block.kv.keys == i).item() and mx.all(block.kv.values == -i).item()
+
+    @invariant()
+    def bytes_are_what_runs_hold(self):
+        tier = self.tier
+        runs = {id(b.run): b.run for b in tier._blocks.values()}
+        s = tier.stats()["memory"]
+        assert s["blocks_held"] == len(tier._blocks)
+        assert s["bytes_held"] == sum(r.nbytes for r in runs.values()) <= tier.budget_bytes
+        assert set(tier._live) == set(runs)
+
+
+TestMemoryTierMachine = MemoryTierMachine.TestCase
+TestMemoryTierMachine.settings = settings(max_examples=25, stateful_step_count=30, deadline=None)

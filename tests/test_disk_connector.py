@@ -32,6 +32,7 @@ from mlxkv.connectors.base import BlockKV
 from mlxkv.connectors.disk import (
     DiskCacheWarning,
     FORMAT_VERSION,
+    MAX_RUN_BLOCKS,
     DiskKvCacheConnector,
     cache_clear,
     cache_info,
@@ -127,19 +128,23 @@ def test_round_trip_is_bit_exact(tmp_path, dtype):
 
 
 def test_file_is_self_describing(tmp_path):
-    h = chain(1)[0]
+    hashes = chain(3)
     with open_disk(tmp_path, dtype="bfloat16") as disk:
-        fill(disk, [h], "bfloat16")
-    [path] = block_files(tmp_path)
+        disk.cache_blocks(hashes, lambda: [make_kv(i, "bfloat16") for i in range(3)])
+        disk.flush()
+    [path] = block_files(tmp_path)  # one run, named after its last block
+    h = hashes[-1]
     assert path.name == f"{h.hex()}.safetensors"
     assert path.parent.name == h.hex()[:2] and path.parent.parent.name == FP.hex()
     data = path.read_bytes()
     meta = json.loads(data[8 : 8 + int.from_bytes(data[:8], "little")])["__metadata__"]
-    assert meta["fingerprint"] == FP.hex() and meta["block_hash"] == h.hex()
+    assert meta["fingerprint"] == FP.hex() and meta["block_hashes"] == ",".join(x.hex() for x in hashes)
     assert meta["dtype"] == "bfloat16" and meta["block_size"] == str(BS)
     assert meta["num_layers"] == str(LAYERS) and meta["format_version"] == FORMAT_VERSION
     assert len(meta["checksum"]) == 8  # CRC-32, hex
-    assert safetensors.numpy.load(data)["keys"].dtype == np.uint16  # raw bf16 bits
+    keys = safetensors.numpy.load(data)["keys"]
+    assert keys.dtype == np.uint16  # raw bf16 bits
+    assert keys.shape == (LAYERS, 3, HEADS, BS, HEAD_DIM)  # layer-major: a layer's run is contiguous
 
 
 def test_write_is_invisible_until_it_completes(tmp_path):
@@ -230,6 +235,125 @@ def test_bad_input_is_refused(tmp_path):
     assert open_disk(tmp_path, dtype=mx.float16).dtype == "float16"  # an mx dtype is fine too
 
 
+# -- runs: one file per run of consecutive blocks -------------------------------
+
+
+def write_runs(conn, hashes, start=0):
+    """Blocks handed over together, as the engine registers a prefill's blocks."""
+    conn.cache_blocks(hashes, lambda: [make_kv(start + i) for i in range(len(hashes))])
+    assert conn.flush(timeout=30)
+
+
+def path_of(directory, h) -> Path:
+    return Path(directory) / FP.hex() / h.hex()[:2] / f"{h.hex()}.safetensors"
+
+
+def test_a_prefill_is_written_as_runs_named_by_their_last_block(tmp_path):
+    hashes = chain(MAX_RUN_BLOCKS + 3)
+    with open_disk(tmp_path) as disk:
+        write_runs(disk, hashes)
+        assert block_files(tmp_path) == sorted([path_of(tmp_path, hashes[MAX_RUN_BLOCKS - 1]),
+                                                path_of(tmp_path, hashes[-1])])
+        s = disk_stats(disk)
+        assert s["stores"] == s["blocks_held"] == len(hashes)
+        assert disk.get_computed_blocks(hashes) == len(hashes)
+        loaded = disk.load_blocks(hashes)
+        assert [b.block_hash for b in loaded] == hashes
+        assert all(same_bits(b.kv, make_kv(i)) for i, b in enumerate(loaded))
+        assert loaded[0].kv.run is loaded[MAX_RUN_BLOCKS - 1].kv.run  # one file, one run
+
+
+def test_a_file_is_a_small_share_of_the_budget(tmp_path):
+    hashes = chain(8)
+    with open_disk(tmp_path, budget_bytes=12 * make_kv(0).nbytes) as disk:
+        write_runs(disk, hashes)
+        assert len(block_files(tmp_path)) == 3  # 3 + 3 + 2 blocks: a file is at most a quarter
+        assert disk.get_computed_blocks(hashes) == 8 and disk_stats(disk)["evictions"] == 0
+
+
+@pytest.mark.parametrize("restart", [False, True])
+def test_any_stretch_of_a_run_is_found(tmp_path, restart):
+    hashes = chain(8)
+    disk = open_disk(tmp_path)
+    write_runs(disk, hashes)
+    if restart:  # the index comes back from the headers
+        disk.close()
+        disk = open_disk(tmp_path)
+        assert disk_stats(disk)["blocks_held"] == 8
+    other = chain(2, "other")
+    assert disk.get_computed_blocks(hashes[:3] + other) == 3  # a prompt sharing part of the run
+    assert disk.get_computed_blocks(hashes[5:]) == 3  # the pool held the first five
+    loaded = disk.load_blocks(hashes[5:])
+    assert [b.block_hash for b in loaded] == hashes[5:]
+    assert all(same_bits(b.kv, make_kv(5 + i)) for i, b in enumerate(loaded))
+    assert [same_bits(b.kv, make_kv(i)) for i, b in enumerate(disk.load_blocks(hashes[:3]))] == [True] * 3
+    disk.close()
+
+
+def test_a_run_written_by_another_instance_is_found_without_restart(tmp_path):
+    hashes = chain(6)
+    reader = open_disk(tmp_path)
+    with open_disk(tmp_path) as writer:
+        write_runs(writer, hashes)
+    # Found by its name (the last block's hash) when the lookup reaches it ...
+    assert reader.get_computed_blocks(hashes) == 6
+    assert disk_stats(reader)["blocks_held"] == 6
+    # ... and from then on by any of its blocks, as its header lists them.
+    assert all(same_bits(b.kv, make_kv(i)) for i, b in enumerate(reader.load_blocks(hashes[:4])))
+    reader.close()
+
+
+@pytest.mark.parametrize("io", ["as the OS allows", "no O_DIRECT", "no preadv"])
+def test_every_read_path_is_bit_exact(tmp_path, monkeypatch, io):
+    from mlxkv.connectors import run_file
+
+    if io == "no O_DIRECT":  # tmpfs, macOS: through the page cache, with prefetch after the first load
+        monkeypatch.setattr(run_file, "_set_direct", lambda fd: False)
+    if io == "no preadv":  # older Pythons on macOS
+        monkeypatch.setattr(run_file, "_set_direct", lambda fd: False)
+        monkeypatch.delattr(os, "preadv")
+    hashes = chain(2 * MAX_RUN_BLOCKS + 3)
+    with open_disk(tmp_path) as disk:
+        write_runs(disk, hashes)
+    with open_disk(tmp_path) as disk:
+        for _ in range(2):
+            loaded = disk.load_blocks(hashes)
+            assert [b.block_hash for b in loaded] == hashes
+            assert all(same_bits(b.kv, make_kv(i)) for i, b in enumerate(loaded))
+        if io != "as the OS allows":
+            assert disk._direct_io is False
+        assert disk_stats(disk)["corrupt"] == 0
+
+
+def test_a_corrupt_run_stops_the_load_at_its_first_block(tmp_path):
+    hashes = chain(MAX_RUN_BLOCKS + 4)
+    with open_disk(tmp_path) as disk:
+        write_runs(disk, hashes)
+    _flip_tensor_bit(path_of(tmp_path, hashes[-1]))
+    with open_disk(tmp_path) as disk:
+        loaded = disk.load_blocks(hashes)
+        assert [b.block_hash for b in loaded] == hashes[:MAX_RUN_BLOCKS]
+        s = disk_stats(disk)
+        assert s["corrupt"] == 1 and s["blocks_held"] == MAX_RUN_BLOCKS
+        assert disk.get_computed_blocks(hashes) == MAX_RUN_BLOCKS
+
+
+def test_a_file_replaced_by_another_run_serves_only_what_its_header_lists(tmp_path):
+    """Another process wrote a shorter run ending at the same block: same name."""
+    hashes = chain(5)
+    with open_disk(tmp_path) as disk:
+        write_runs(disk, hashes)
+        with open_disk(tmp_path / "elsewhere") as other:
+            write_runs(other, hashes[3:], start=3)
+        path_of(tmp_path / "elsewhere", hashes[-1]).replace(path_of(tmp_path, hashes[-1]))
+        assert disk.get_computed_blocks(hashes) == 5  # the index still says five
+        assert disk.load_blocks(hashes) == []  # block 0 is in no file now
+        assert disk.get_computed_blocks(hashes) == 0 and disk.get_computed_blocks(hashes[3:]) == 2
+        loaded = disk.load_blocks(hashes[3:])
+        assert [same_bits(b.kv, make_kv(3 + i)) for i, b in enumerate(loaded)] == [True, True]
+        assert disk_stats(disk)["corrupt"] == 0
+
+
 # -- restart -----------------------------------------------------------------
 
 
@@ -300,11 +424,11 @@ CORRUPTIONS = {
     "header bit flip": _flip_header_bit,
     "other format version": lambda p: rewrite(p, meta_changes={"format_version": "999"}),
     "other fingerprint": lambda p: rewrite(p, meta_changes={"fingerprint": FP_OTHER.hex()}),
-    "other block hash": lambda p: rewrite(p, meta_changes={"block_hash": "00" * 32}),
+    "other block hash": lambda p: rewrite(p, meta_changes={"block_hashes": "00" * 32}),
     "other block size": lambda p: rewrite(p, meta_changes={"block_size": str(BS * 2)}),
     "other dtype": lambda p: rewrite(p, meta_changes={"dtype": "float16"}),
     "wrong shape": lambda p: rewrite(
-        p, tensors={name: np.zeros((LAYERS, HEADS, BS, 4), np.float32) for name in ("keys", "values")}
+        p, tensors={name: np.zeros((LAYERS, 1, HEADS, BS, 4), np.float32) for name in ("keys", "values")}
     ),
     "no checksum": lambda p: rewrite(p, meta_changes={"checksum": ""}),
 }
@@ -714,15 +838,16 @@ def test_directories_are_private_and_names_are_hex(tmp_path):
 
 def test_cache_info_and_clear(tmp_path):
     with open_disk(tmp_path) as a, open_disk(tmp_path, fingerprint=FP_OTHER) as b:
-        fill(a, chain(3))
-        fill(b, chain(2))
+        fill(a, chain(3))  # three one-block files
+        b.cache_blocks(chain(2), lambda: [make_kv(0), make_kv(1)])  # one file of a two-block run
+        b.flush()
         a_bytes = disk_stats(a)["bytes_held"]
     (tmp_path / "keep-me.txt").write_text("not ours")
     info = cache_info(tmp_path)
-    assert info["blocks"] == 5
-    assert info["fingerprints"][FP.hex()] == {"blocks": 3, "bytes": a_bytes}
+    assert info["blocks"] == 5 and info["files"] == 4
+    assert info["fingerprints"][FP.hex()] == {"files": 3, "blocks": 3, "bytes": a_bytes}
     assert info["fingerprints"][FP_OTHER.hex()]["blocks"] == 2
-    assert cache_clear(tmp_path) == 5
+    assert cache_clear(tmp_path) == 4  # files
     assert cache_info(tmp_path)["blocks"] == 0 and block_files(tmp_path) == []
     assert (tmp_path / "keep-me.txt").exists()
     assert cache_clear(tmp_path / "never-made") == 0

@@ -18,7 +18,7 @@ import pytest
 
 from faults import remount_read_only, rewrite
 from mlxkv.config import CacheConfig
-from mlxkv.connectors.disk import DiskKvCacheConnector
+from mlxkv.connectors.disk import DiskKvCacheConnector, cache_info
 from mlxkv.connectors.memory import InMemoryKvCacheConnector
 from mlxkv.connectors.tiered import TieredKvCacheConnector
 from mlxkv.engine import Engine
@@ -98,7 +98,7 @@ def _other_version(path):
 def test_damaged_block_files_fall_back_to_recompute(llama_dir, tmp_path, cold, damage):
     prompt = tokens(24)
     files = _fill_disk(llama_dir, tmp_path / "kv", prompt)
-    assert len(files) >= 4
+    assert cache_info(tmp_path / "kv")["blocks"] >= 4 and len(files) >= 2  # runs and single blocks
     for path in files:
         damage(path)
     with disk_engine(llama_dir, tmp_path / "kv", memory_tier_bytes=0) as engine:
@@ -188,7 +188,8 @@ def test_cache_info_and_clear_commands(llama_dir, tmp_path):
     generate_json(llama_dir, disk)
     info = cli("cache", "info", "--disk-tier", str(disk))
     assert info.returncode == 0, info.stderr
-    assert json.loads(info.stdout)["blocks"] == len(block_files(disk)) > 0
+    shown = json.loads(info.stdout)
+    assert shown["files"] == len(block_files(disk)) > 0 and shown["blocks"] >= shown["files"]
     cleared = cli("cache", "clear", "--disk-tier", str(disk))
     assert cleared.returncode == 0 and f"removed {len(block_files(disk)) or ''}" in cleared.stdout
     assert block_files(disk) == []

@@ -106,14 +106,45 @@ def test_engine_drops_a_sequence_mirror_when_it_ends(model_dirs):
 
 def test_hydrate_writes_runs_and_scattered_blocks():
     from mlxkv.connectors.base import BlockKV
-    from mlxkv.kv_pool import _runs
+    from mlxkv.kv_pool import _segments
 
-    assert _runs([4, 5, 6, 9, 2, 3]) == [(4, 0, 3), (9, 3, 1), (2, 4, 2)]
-    pool = KVPool(LAYOUT, num_blocks=10)
     ids = [4, 5, 6, 9, 2, 3]
     blocks = [BlockKV(mx.full((2, 2, 4, 8), float(i)), mx.full((2, 2, 4, 8), -float(i))) for i in range(6)]
+    # Blocks of no run are stacked into one; stretches follow the block ids.
+    assert [(d, s, n) for d, _, s, n in _segments(ids, blocks)] == [(4, 0, 3), (9, 3, 1), (2, 4, 2)]
+    pool = KVPool(LAYOUT, num_blocks=10)
     pool.write_blocks(ids, blocks)
     for i, block_id in enumerate(ids):
         assert np.all(np.array(pool.keys[1][block_id]) == i)
         assert np.all(np.array(pool.values[0][block_id]) == -i)
     assert not np.any(np.array(pool.keys[0][[0, 1, 7, 8]]))
+
+
+def test_blocks_of_one_run_are_copied_a_stretch_at_a_time():
+    from mlxkv.kv_pool import _segments
+
+    src = KVPool(LAYOUT, num_blocks=8)
+    for i in range(8):
+        src.keys[0][i] = mx.full((2, 4, 8), float(i))
+        src.values[1][i] = mx.full((2, 4, 8), -float(i))
+    blocks = src.read_blocks([1, 2, 3, 6])  # views of one layer-major run
+    assert blocks[0].run is blocks[3].run and blocks[0].run.keys.shape == (2, 4, 2, 4, 8)
+    ids = [0, 1, 2, 5]
+    assert [(d, s, n) for d, _, s, n in _segments(ids, blocks)] == [(0, 0, 3), (5, 3, 1)]
+    assert [(d, s, n) for d, _, s, n in _segments([0, 1, 5, 6], blocks)] == [(0, 0, 2), (5, 2, 2)]
+    dst = KVPool(LAYOUT, num_blocks=8)
+    dst.write_blocks([7, 0, 1, 2], blocks)
+    for block_id, value in zip([7, 0, 1, 2], [1, 2, 3, 6]):
+        assert np.all(np.array(dst.keys[0][block_id]) == value)
+        assert np.all(np.array(dst.values[1][block_id]) == -value)
+
+
+def test_hydrate_writes_in_place():
+    layout = KVLayout(num_layers=2, n_kv_heads=8, head_dim=128, v_head_dim=128, block_size=16, dtype=mx.float32)
+    pool = KVPool(layout, num_blocks=256)  # 16 MiB per layer for K and for V
+    blocks = KVPool(layout, num_blocks=4).read_blocks([0, 1, 2, 3])
+    mx.synchronize()
+    mx.reset_peak_memory()
+    base = mx.get_active_memory()
+    pool.write_blocks([10, 11, 12, 13], blocks)
+    assert mx.get_peak_memory() - base < pool.keys[0].nbytes / 4  # no copy of any layer's pool

@@ -4,12 +4,16 @@
   back from the SSD tier (a new engine on the same directory, as after a
   restart) against the same prompt with the prefix recomputed.
 - SSD read: `DiskKvCacheConnector.load_blocks` throughput (checksums and
-  all) against a raw sequential read of one file of the same size on the
-  same disk. Both sides first drop the files from the page cache with
+  all, files of block runs as a prefill writes them) against a raw
+  sequential read of one file of the same size on the same disk. Both
+  sides first drop the files from the page cache with
   posix_fadvise(DONTNEED) after an fsync, so both read the device (where
-  the OS honours the advice; a tmpfs cannot drop its pages).
-- memory hydrate: memory tier -> pool throughput against a plain MLX copy
-  of the same bytes.
+  the OS honours the advice; a tmpfs cannot drop its pages). Best of a few
+  reads each, so a process's first touch of fresh memory is not counted as
+  disk time (the restore row counts it).
+- memory hydrate: memory tier -> pool throughput (the tier filled by
+  evictions, one block at a time, as the engine fills it) against a plain
+  MLX copy of the same bytes.
 - 8-bit memory tier: a prefix's KV through the quantized tier against the
   exact KV, continued by mlx-lm's own generate_step: how far the next-token
   log-probs move and how many greedy tokens stay the same.
@@ -26,7 +30,7 @@ import mlx.core as mx
 
 from mlxkv.benchmarks.engine import _tokens, bench_model_path, describe_model
 from mlxkv.benchmarks.rows import format_rows, row  # noqa: F401  (format_rows: the suite's printer)
-from mlxkv.config import CacheConfig
+from mlxkv.config import DEFAULT_MEMORY_TIER_BYTES, CacheConfig
 from mlxkv.connectors.memory import InMemoryKvCacheConnector
 from mlxkv.engine import Engine
 from mlxkv.model_loader import load_model
@@ -34,6 +38,7 @@ from mlxkv.model_loader import load_model
 RESTORE_TOKENS = 4096
 SUFFIX = 16
 READ_BLOCKS = 256
+READ_REPEATS = 3
 RESTORE_GOAL, READ_GOAL, HYDRATE_GOAL = 0.10, 0.70, 0.50
 QUANT_TOKENS = 32
 
@@ -100,37 +105,45 @@ def _ssd_read_row(engine: Engine, block_ids: list[int], directory: Path, log) ->
                                 num_layers=engine.layout.num_layers, dtype=engine.layout.dtype, min_free_bytes=0)
     kvs = engine.kv_pool.read_blocks(block_ids)
     hashes = [bytes([i % 256, i // 256]) * 16 for i in range(len(kvs))]
-    for h, kv in zip(hashes, kvs):
-        disk.store(h, kv)
+    disk.cache_blocks(hashes, lambda: kvs)  # as the engine registers a prefill: files of runs
     disk.flush()
     files = list((directory / "tier").rglob("*.safetensors"))
     total = sum(f.stat().st_size for f in files)
     raw = directory / "raw.bin"
     with open(raw, "wb") as f:
         f.write(os.urandom(total))
-    _drop_page_cache(files + [raw])
-    start = time.perf_counter()
-    loaded = disk.load_blocks(hashes)
-    mx.eval([b.kv.keys for b in loaded], [b.kv.values for b in loaded])
-    tier_rate = total / (time.perf_counter() - start)
-    start = time.perf_counter()
-    with open(raw, "rb", buffering=0) as f:
-        while f.read(1 << 20):
-            pass
-    raw_rate = total / (time.perf_counter() - start)
+    best_tier = best_raw = float("inf")
+    for _ in range(READ_REPEATS):
+        _drop_page_cache(files)
+        start = time.perf_counter()
+        loaded = disk.load_blocks(hashes)
+        mx.eval(list({id(b.kv.run): b.kv.run.keys for b in loaded}.values()),
+                list({id(b.kv.run): b.kv.run.values for b in loaded}.values()))  # the arrays holding them
+        best_tier = min(best_tier, time.perf_counter() - start)
+        del loaded  # as after a hydrate: the buffers go back to MLX's cache
+        _drop_page_cache([raw])
+        start = time.perf_counter()
+        with open(raw, "rb", buffering=0) as f:
+            while f.read(1 << 20):
+                pass
+        best_raw = min(best_raw, time.perf_counter() - start)
     disk.close()
+    tier_rate, raw_rate = total / best_tier, total / best_raw
     return row("SSD tier read", "MB/s", tier_rate / 1e6, raw_rate / 1e6, "raw sequential read",
                f">= {READ_GOAL}", tier_rate / raw_rate >= READ_GOAL,
-               note=f"{len(loaded)} files, {total / 1e6:.0f} MB, checksums verified; page cache dropped with fadvise")
+               note=f"{len(hashes)} blocks in {len(files)} files, {total / 1e6:.0f} MB, checksums verified; "
+                    f"page cache dropped with fadvise before each read, best of {READ_REPEATS}")
 
 
 def _memory_hydrate_row(engine: Engine, block_ids: list[int], log) -> dict:
     log("memory hydrate ...")
     kvs = engine.kv_pool.read_blocks(block_ids)
-    tier = InMemoryKvCacheConnector(1 << 40, engine.layout.block_size)
+    tier = InMemoryKvCacheConnector(DEFAULT_MEMORY_TIER_BYTES, engine.layout.block_size)
     hashes = [bytes([i % 256, i // 256]) * 16 for i in range(len(kvs))]
-    for h, kv in zip(hashes, kvs):
-        tier.store(h, kv)
+    # Filled as the engine fills it: the pool evicts a freed sequence's
+    # blocks one at a time, last block first.
+    for h, block_id in reversed(list(zip(hashes, block_ids))):
+        tier.evict_block(h, lambda block_id=block_id: engine.kv_pool.read_blocks([block_id]))
     nbytes = sum(kv.nbytes for kv in kvs)
     source = mx.stack([kv.keys for kv in kvs])
     mx.eval(source)
