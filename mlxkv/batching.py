@@ -76,7 +76,7 @@ class BatchLoop:
         if plan.decode:
             last = [self._last_sampled.get(r) for r in plan.decode]
             inputs = mx.concatenate(
-                [t if t is not None else mx.array(r.seq.tokens[-1:]) for t, r in zip(last, plan.decode)]
+                [t if t is not None else mx.array([r.seq.last_token]) for t, r in zip(last, plan.decode)]
             )[:, None]
         sampled = run_step(plan, self.engine.runner, inputs)
         if sampled is None:

@@ -112,12 +112,13 @@ class KVCacheManager:
         """Register the blocks that are now full of computed, known tokens."""
         if seq.hash_root is None:
             return
-        tokens = seq.tokens
-        known = min(seq.num_computed, len(tokens))
+        # Runs after every decode step: only a block that just filled up
+        # pays for the token list, so a long context costs no copy per token.
+        known = min(seq.num_computed, seq.num_tokens)
         full = known // self.block_size
         if full <= seq.num_cached_blocks:
             return
-        extend_block_hashes(seq.block_hashes, seq.hash_root, tokens[:known], self.block_size)
+        extend_block_hashes(seq.block_hashes, seq.hash_root, seq.tokens[:known], self.block_size)
         start = seq.num_cached_blocks
         newly = self.pool.cache_blocks(seq.blocks[start:full], seq.block_hashes[start:full])
         seq.num_cached_blocks = full

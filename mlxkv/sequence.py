@@ -26,7 +26,16 @@ class Sequence:
 
     @property
     def tokens(self) -> list[int]:
+        """A new list of every token: O(length), so not for per-step code (see num_tokens)."""
         return self.prompt + self.output
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    @property
+    def last_token(self) -> int:
+        return self.output[-1] if self.output else self.prompt[-1]
 
     @property
     def block_table(self) -> list[int]:
