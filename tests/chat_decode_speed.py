@@ -4,11 +4,15 @@ Not a test (it takes minutes and needs a quiet machine): run it by hand,
 
     python tests/chat_decode_speed.py --model demo --max-tokens 500 --runs 7
 
+`--model` takes any model `mlxkv generate` takes; the README reports the
+demo model (a toy: ~1.5 ms a token, so per-token thread hand-offs show)
+and the bench model (decode bound by memory bandwidth, as real models are).
 Each run starts both commands fresh, on the same model, prompt and cache
 flags (SSD tier on, in a new directory), alternating which goes first. The
 app's number is the engine's own decode_tokens_per_s for the turn, read from
 the chat database; generate's comes from its --json line. Prints per-run
-numbers, the medians and their ratio.
+numbers (rate and tokens generated, so a reply cut short by EOS shows),
+the medians and their ratio.
 """
 
 from __future__ import annotations
@@ -33,14 +37,15 @@ def mlxkv() -> list[str]:
     return [str(script)] if script.exists() else [sys.executable, "-m", "mlxkv.cli"]
 
 
-def generate(model: str, max_tokens: int, work: Path) -> float:
+def generate(model: str, max_tokens: int, work: Path) -> tuple[float, int]:
     out = subprocess.run([*mlxkv(), "generate", "--model", model, "--prompt", PROMPT, "--json",
                           "--max-tokens", str(max_tokens), "--disk-tier", str(work / "kv-generate")],
                          capture_output=True, text=True, check=True)
-    return json.loads(out.stdout.splitlines()[-1])["decode_tokens_per_s"]
+    result = json.loads(out.stdout.splitlines()[-1])
+    return result["decode_tokens_per_s"], len(result["tokens"])
 
 
-def chat(model: str, max_tokens: int, work: Path, timeout: float = 600) -> float:
+def chat(model: str, max_tokens: int, work: Path, timeout: float = 600) -> tuple[float, int]:
     session, db = f"mlxkv-speed-{os.getpid()}", work / "data" / "chats.sqlite3"
     command = shlex.join(["env", "-u", "COLUMNS", "-u", "LINES", f"MLXKV_DATA_DIR={work / 'data'}",
                           *mlxkv(), "chat", "--model", model, "--max-tokens", str(max_tokens),
@@ -60,7 +65,8 @@ def chat(model: str, max_tokens: int, work: Path, timeout: float = 600) -> float
             time.sleep(0.5)
             rows = sqlite3.connect(db).execute("SELECT stats FROM messages WHERE role = 'assistant'").fetchall()
             if rows:
-                return json.loads(rows[0][0])["decode_tokens_per_s"]
+                stats = json.loads(rows[0][0])
+                return stats["decode_tokens_per_s"], stats["generation_tokens"]
     finally:
         subprocess.run(["tmux", "send-keys", "-t", session, "C-q"])
         time.sleep(1)
@@ -80,9 +86,11 @@ def main() -> None:
             with tempfile.TemporaryDirectory() as work:
                 measure = generate if name == "generate" else chat
                 results[name].append(measure(args.model, args.max_tokens, Path(work)))
-        print(f"run {run + 1}: generate {results['generate'][-1]:.1f} tok/s, chat {results['chat'][-1]:.1f} tok/s",
-              flush=True)
-    g, c = statistics.median(results["generate"]), statistics.median(results["chat"])
+        (g_rate, g_tokens), (c_rate, c_tokens) = results["generate"][-1], results["chat"][-1]
+        print(f"run {run + 1}: generate {g_rate:.1f} tok/s ({g_tokens} tokens), "
+              f"chat {c_rate:.1f} tok/s ({c_tokens} tokens)", flush=True)
+    g = statistics.median(rate for rate, _ in results["generate"])
+    c = statistics.median(rate for rate, _ in results["chat"])
     print(f"median: generate {g:.1f} tok/s, chat {c:.1f} tok/s, chat/generate = {c / g:.3f}")
 
 
