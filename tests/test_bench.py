@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 import pytest
 
@@ -57,14 +58,32 @@ def test_bad_sizes_are_user_errors(llama_dir):
         bench.run_engine_benchmark(context=10**6, decode_tokens=4, model=llama_dir)
 
 
+def _has_direct_io(directory) -> bool:
+    if not hasattr(os, "O_DIRECT"):
+        return False
+    probe = directory / "direct-probe"
+    probe.write_bytes(b"\0" * 4096)
+    try:
+        os.close(os.open(probe, os.O_RDONLY | os.O_DIRECT))
+    except OSError:
+        return False
+    return True
+
+
 def test_tiers_benchmark_rows(tmp_path):
     from mlxkv.benchmarks.tiers import run_tiers_benchmark
     from mlxkv.tiny_model import TinyModelSpec, write_tiny_model
 
     model = write_tiny_model(tmp_path / "hd32", TinyModelSpec(head_dim=32, seed=3))
-    rows = run_tiers_benchmark(model=str(model), restore_tokens=64, read_blocks=8, log=lambda *_: None)
+    rows = run_tiers_benchmark(model=str(model), restore_tokens=64, read_blocks=8, directory=str(tmp_path),
+                               log=lambda *_: None)
     assert [r["name"] for r in rows] == ["restore 64 tok from SSD", "SSD tier read", "memory tier hydrate",
                                          "memory tier 8-bit"]
     for r in rows:
         assert math.isfinite(r["ratio"]) and r["ratio"] > 0
     assert "64 tokens hydrated from disk" in rows[0]["note"]
+    read = rows[1]
+    # The O_DIRECT raw read is measured where the directory's file system has O_DIRECT.
+    assert (read["raw_direct_mb_s"] > 0) == ("O_DIRECT read" in read["note"])
+    if _has_direct_io(tmp_path):
+        assert read["raw_direct_mb_s"] > 0
