@@ -303,6 +303,24 @@ def test_a_run_written_by_another_instance_is_found_without_restart(tmp_path):
     reader.close()
 
 
+def test_part_of_a_run_written_by_another_instance_is_found_without_restart(tmp_path):
+    hashes = chain(8)
+    reader = open_disk(tmp_path)
+    reader.rescan_interval = 3600  # one look, then none for an hour
+    other = chain(2, "other")
+    assert reader.get_computed_blocks(hashes[:3] + other) == 0  # the first miss looks: nothing yet
+    with open_disk(tmp_path) as writer:
+        write_runs(writer, hashes)
+    # The prompt leaves the run before its last block, so the run's name
+    # is never probed; only listing the changed shard finds it.
+    assert reader.get_computed_blocks(hashes[:3] + other) == 0  # rate-limited: no second look yet
+    reader._next_rescan = 0.0  # the hour has passed
+    assert reader.get_computed_blocks(hashes[:3] + other) == 3
+    assert [same_bits(b.kv, make_kv(i)) for i, b in enumerate(reader.load_blocks(hashes[:3]))] == [True] * 3
+    assert disk_stats(reader)["blocks_held"] == 8
+    reader.close()
+
+
 @pytest.mark.parametrize("io", ["as the OS allows", "no O_DIRECT", "no preadv"])
 def test_every_read_path_is_bit_exact(tmp_path, monkeypatch, io):
     from mlxkv.connectors import run_file

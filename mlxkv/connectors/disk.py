@@ -22,7 +22,9 @@ and a block is only ever taken from a file whose header lists its hash.
 Restart. The index (file -> size and block hashes, in LRU order, and block
 hash -> file) is rebuilt from names, sizes, mtimes and headers; contents are
 verified lazily on read. Hits touch the mtime so the next process starts
-from about the same LRU order.
+from about the same LRU order. Files another process writes meanwhile are
+found on a lookup miss: by name when the lookup reaches a run's last
+block, else by listing the shard directories whose mtime changed.
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ DEFAULT_MIN_FREE_BYTES = 1 << 30
 DEFAULT_MAX_PENDING_BYTES = 256 << 20
 BUDGET_SHARE = 4  # a file is at most a quarter of the byte budget
 STALE_TEMP_SECONDS = 3600  # a temp file this old is dead even if its pid lives
+RESCAN_INTERVAL_S = 1.0  # a lookup miss looks for other processes' new files at most this often
 
 HASH_LEN = 32
 _HEX64 = re.compile(r"[0-9a-f]{64}")
@@ -223,6 +226,9 @@ class DiskKvCacheConnector:
         self.reason: str | None = None
         self._closed = False
         self._direct_io: bool | None = None  # reads bypass the page cache (learnt on the first read)
+        self._shard_mtimes: dict[str, int] = {}  # shard dir -> mtime_ns when last listed
+        self._next_rescan = 0.0
+        self.rescan_interval = RESCAN_INTERVAL_S
 
         self._open_directory()
         self._queue: SimpleQueue[_Write | None] = SimpleQueue()
@@ -289,13 +295,56 @@ class DiskKvCacheConnector:
             if entry.is_file(follow_symlinks=False):
                 self._maybe_remove_temp(Path(entry.path), entry.name)
             elif entry.is_dir(follow_symlinks=False) and len(entry.name) == 2:
+                self._shard_mtimes[entry.name] = entry.stat(follow_symlinks=False).st_mtime_ns
                 found.extend(self._scan_shard(entry.path, entry.name))
+        self._index_found(found)
+
+    def _index_found(self, found: list[tuple[float, BlockHash, int]]) -> None:
+        """Index files (mtime, name, size), oldest first, from their headers (read on the reader threads)."""
         found.sort(key=lambda f: f[0])
         names = [name for _, name, _ in found]
         for (_, name, size), hashes in zip(found, self._readers.map(self._file_hashes, names)):
             self._add(name, size, hashes or (name,))
 
-    def _scan_shard(self, path: str, prefix: str) -> list[tuple[float, BlockHash, int]]:
+    def _rescan(self) -> bool:
+        """Index the files other processes added since we last looked; True if any.
+
+        A run is named after its last block, so a lookup that stops inside
+        another process's run cannot guess its name (`_adopt`). Creating a
+        file changes its shard directory's mtime: only changed shards are
+        listed again, at most once per `rescan_interval`, on a miss.
+        """
+        now = time.monotonic()
+        if now < self._next_rescan:
+            return False
+        self._next_rescan = now + self.rescan_interval
+        found = []
+        try:
+            entries = list(os.scandir(self.dir))
+        except OSError:
+            return False
+        for entry in entries:
+            if len(entry.name) != 2 or not entry.is_dir(follow_symlinks=False):
+                continue
+            try:
+                mtime = entry.stat(follow_symlinks=False).st_mtime_ns
+            except OSError:
+                continue
+            if self._shard_mtimes.get(entry.name) != mtime:
+                self._shard_mtimes[entry.name] = mtime
+                try:
+                    found += self._scan_shard(entry.path, entry.name, known=self._indexed)
+                except OSError:
+                    continue  # unreadable now: a miss, as before
+        self._index_found(found)
+        return bool(found)
+
+    def _indexed(self, name: BlockHash) -> bool:
+        with self._lock:
+            return name in self._index
+
+    def _scan_shard(self, path: str, prefix: str, known=lambda name: False) -> list[tuple[float, BlockHash, int]]:
+        """(mtime, name, size) of the block files in a shard, but those `known` (no stat for them)."""
         found = []
         try:
             entries = list(os.scandir(path))
@@ -305,7 +354,7 @@ class DiskKvCacheConnector:
             m = _BLOCK_NAME.fullmatch(entry.name)
             if m is None:
                 self._maybe_remove_temp(Path(entry.path), entry.name)
-            elif m.group(1).startswith(prefix):
+            elif m.group(1).startswith(prefix) and not known(bytes.fromhex(m.group(1))):
                 try:
                     st = entry.stat(follow_symlinks=False)
                 except FileNotFoundError:
@@ -392,7 +441,10 @@ class DiskKvCacheConnector:
             return 0
         n = 0
         for i, block_hash in enumerate(block_hashes):
-            if not (self.contains(block_hash) or self._adopt(block_hashes, i)):
+            found = self.contains(block_hash) or self._adopt(block_hashes, i)
+            if not found and self._rescan():
+                found = self.contains(block_hash)
+            if not found:
                 break
             n += 1
         with self._lock:
@@ -406,7 +458,7 @@ class DiskKvCacheConnector:
 
         Runs are consecutive blocks named after their last, so such a file is
         named after one of the next MAX_RUN_BLOCKS hashes: a stat each. A run
-        that ends past the lookup's last hash is found at the next start.
+        that ends past the lookup's last hash is left to `_rescan`.
         """
         for name in block_hashes[i : i + MAX_RUN_BLOCKS]:
             with self._lock:
