@@ -48,7 +48,7 @@ def postprocess(plan: StepPlan, sampled: list[int], scheduler: Scheduler, eos) -
             continue  # it ended on its previous token; this row was speculative
         request.seq.output.append(token)
         request.output.append(token)
-        manager.cache_blocks(request.seq)
+        manager.cache_blocks(request.seq, store_now=False)
         if request.first_token_at is None:
             _first_token(request, now)
         finish = _finish_reason(request, token, eos)

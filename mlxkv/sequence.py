@@ -21,6 +21,9 @@ class Sequence:
     num_computed: int = 0
     # Leading blocks registered in the pool's hash map.
     num_cached_blocks: int = 0
+    # Registered blocks not yet offered to the connector (cache_manager.py
+    # batches the ones decode fills).
+    unstored: list[Block] = field(default_factory=list)
     # Prompt tokens reused instead of computed, by where they came from.
     cached_tokens: dict[str, int] = field(default_factory=lambda: {"pool": 0, "memory": 0, "disk": 0})
 

@@ -214,6 +214,40 @@ def test_a_failing_spill_costs_the_cached_copy_not_the_request(llama_dir):
     assert usage["in_use"] == 0 and usage["free"] + usage["cached_free"] == usage["num_blocks"]
 
 
+class Offers(NoopKvCacheConnector):
+    """Keeps what each cache_blocks call offered: the hashes and the K/V it read."""
+
+    def __init__(self):
+        self.offers = []
+
+    def cache_blocks(self, hashes, read):
+        self.offers.append((list(hashes), read()))
+
+
+def test_decode_blocks_reach_the_connector_in_batches_with_their_kv(llama_dir):
+    from mlxkv.cache_manager import STORE_BATCH_BLOCKS
+
+    offers = Offers()
+    engine = Engine.load(llama_dir, CacheConfig(block_size=BLOCK, num_blocks=64, connector=offers))
+    result = engine.generate(tokens(9, 5), max_tokens=100)
+    prefill, *decode = offers.offers
+    assert len(prefill[0]) == 2  # the prompt's full blocks go at once
+    chain = [h for hashes, _ in offers.offers for h in hashes]
+    decode_blocks = len(chain) - 2
+    assert decode_blocks == (9 + len(result.tokens) - 1) // BLOCK - 2 >= STORE_BATCH_BLOCKS + 1
+    # Full batches while decoding, the rest when the request let go of its blocks.
+    assert [len(h) for h, _ in decode] == [STORE_BATCH_BLOCKS] * (decode_blocks // STORE_BATCH_BLOCKS) + (
+        [decode_blocks % STORE_BATCH_BLOCKS] if decode_blocks % STORE_BATCH_BLOCKS else []
+    )
+    # Each block was offered once, with the K/V the pool holds for it.
+    blocks = engine.block_pool.get_computed_blocks(chain)
+    assert len(blocks) == len(chain) == len(set(chain))
+    held = engine.kv_pool.read_blocks([b.block_id for b in blocks])
+    offered = [kv for _, kvs in offers.offers for kv in kvs]
+    for got, want in zip(offered, held):
+        assert mx.array_equal(got.keys, want.keys) and mx.array_equal(got.values, want.values)
+
+
 class MemoryTierMachine(RuleBasedStateMachine):
     """Random evict / store-a-run / load programs over a memory tier that packs runs of 3.
 

@@ -67,6 +67,19 @@ def test_restart_reuses_the_prefix_from_disk(llama_dir, tmp_path):
     assert second["connector"]["disk"]["hydrations"] > 0
 
 
+def test_a_reply_comes_back_from_disk_after_a_restart(llama_dir, tmp_path, cold):
+    """Decode offers its blocks in batches (cache_manager.py); all of them must land."""
+    prompt = tokens(9, 7)
+    with disk_engine(llama_dir, tmp_path / "kv", memory_tier_bytes=0) as engine:
+        reply = engine.generate(prompt, max_tokens=100).tokens
+    follow_up = prompt + reply + tokens(5, 8)
+    with disk_engine(llama_dir, tmp_path / "kv", memory_tier_bytes=0) as engine:
+        again = engine.generate(follow_up, max_tokens=6)
+    written = (len(prompt) + len(reply) - 1) // BLOCK * BLOCK  # the last token's KV was never computed
+    assert written > 100 and again.stats.cached_tokens["disk"] == written
+    assert again.tokens == cold(follow_up)
+
+
 def test_other_weights_same_architecture_get_no_disk_hits(llama_dir, tmp_path):
     other = write_tiny_model(tmp_path / "other", TinyModelSpec(family="llama", seed=99))
     generate_json(llama_dir, tmp_path / "kv")
