@@ -298,3 +298,36 @@ def test_the_pacer_slows_updates_when_rendering_costs_more_than_the_budget(monke
     clock[0] += 5.0  # however slow, an update at least every SLOWEST_INTERVAL_S
     pacer.tick()
     assert pacer.interval == replies.SLOWEST_INTERVAL_S
+
+
+def test_a_reply_starts_at_the_interval_the_last_one_learned(monkeypatch):
+    import tui.replies as replies
+
+    clock = [0.0]
+    monkeypatch.setattr(replies.time, "thread_time", lambda: clock[0])
+    pacer = replies.Pacer()
+    for _ in range(10):
+        clock[0] += 0.010
+        pacer.tick()
+    learned = pacer.interval
+    assert learned == pytest.approx(0.010 / replies.UI_BUDGET, rel=0.01)
+    clock[0] += 3.0  # drawing the finished reply, the next message: no update's cost
+    pacer.start()
+    pacer.tick()
+    assert pacer.interval == learned
+    clock[0] += 0.010
+    pacer.tick()
+    assert pacer.interval == pytest.approx(learned, rel=0.01)
+
+
+@pilot_test
+async def test_replies_of_a_screen_share_its_pacer(tmp_path):
+    app, store, engines = make_app(tmp_path, auto=False)
+    async with app.run_test(size=SIZE) as pilot:
+        screen = app.chat_screen
+        for n, text in enumerate(("one", "two")):
+            await type_and_send(pilot, text)
+            await wait_until(pilot, lambda: len(engines[0].handles) == n + 1)
+            assert screen.reply.pacer is screen.pacer
+            engines[0].handles[n]._put(GenerationChunk("ok", 0, "length", fixed_stats()))
+            await idle(pilot)

@@ -14,7 +14,7 @@ from textual.widgets import Footer, Header, OptionList
 from mlxkv.pool_view import PoolSnapshot
 from tui.cache_stats import as_dict
 from tui.messages import ReplyDelta, ReplyEnded
-from tui.replies import ActiveReply, relay
+from tui.replies import ActiveReply, Pacer, relay
 from tui.screens.confirm import ConfirmScreen
 from tui.screens.rename import RenameScreen
 from tui.screens.system_prompt import SystemPromptScreen
@@ -53,6 +53,7 @@ class ChatScreen(Screen[None]):
         self._snapshot_shown_at = 0.0
         self._starting = False  # a reply is about to start (after the next refresh)
         self._pending_snapshot: PoolSnapshot | None = None
+        self.pacer = Pacer()
 
     def compose(self) -> ComposeResult:
         yield Header(icon="")
@@ -167,7 +168,8 @@ class ChatScreen(Screen[None]):
         if self.store.get(conversation_id) is None:
             return  # deleted before it could start
         handle = self.app.engine.submit(messages=self.store.prompt_messages(conversation_id), **options)
-        reply = ActiveReply(handle, conversation_id, kind, view)
+        self.pacer.start()
+        reply = ActiveReply(handle, conversation_id, kind, view, pacer=self.pacer)
         self.replies[reply.id] = reply
         self._relay(reply)
         self.refresh_bindings()
