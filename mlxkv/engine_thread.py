@@ -210,12 +210,18 @@ class EngineThread:
     def _main(self) -> None:
         import mlx.core as mx
 
-        with mx.stream(mx.new_thread_local_stream(mx.default_device())):
+        stream = mx.new_thread_local_stream(mx.default_device())
+        with mx.stream(stream):
             if self._start_engine():
                 self._serve()
                 self.engine.close()
             else:
                 self._refuse_all()
+        # A stream outliving its thread made the interpreter's exit abort
+        # ("terminate called without an active exception", exit code 134)
+        # after any request; MLX asks threads to free their streams first.
+        mx.synchronize(stream)
+        mx.clear_streams()
         self.on_event(EngineEvent("closed"))
 
     def _start_engine(self) -> bool:
