@@ -141,8 +141,12 @@ class KVCacheManager:
 
     def _store(self, seq: Sequence) -> None:
         blocks, seq.unstored = seq.unstored, []
-        if blocks:
+        if not blocks:
+            return
+        try:
             self.connector.cache_blocks([b.block_hash for b in blocks], self._reader([b.block_id for b in blocks]))
+        except Exception as e:  # a lost copy, as with a spill; free() must still free
+            warnings.warn(f"mlxkv: connector could not store blocks: {e}", RuntimeWarning, stacklevel=2)
 
     def free(self, seq: Sequence) -> None:
         """Release the sequence's blocks, last first, so they are evicted first."""

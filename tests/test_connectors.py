@@ -248,6 +248,21 @@ def test_decode_blocks_reach_the_connector_in_batches_with_their_kv(llama_dir):
         assert mx.array_equal(got.keys, want.keys) and mx.array_equal(got.values, want.values)
 
 
+class FailingStore(NoopKvCacheConnector):
+    def cache_blocks(self, hashes, read):
+        raise OSError("disk gone")
+
+
+def test_a_failing_store_costs_the_copy_not_the_request_or_the_blocks(llama_dir):
+    engine = Engine.load(llama_dir, CacheConfig(block_size=BLOCK, num_blocks=64, connector=FailingStore()))
+    alone = Engine.load(llama_dir, CacheConfig(block_size=BLOCK, num_blocks=64, memory_tier_bytes=0))
+    prompt = tokens(9, 6)
+    with pytest.warns(RuntimeWarning, match="could not store"):
+        result = engine.generate(prompt, max_tokens=40)
+    assert result.tokens == alone.generate(prompt, max_tokens=40).tokens
+    assert engine.stats()["pool"]["in_use"] == 0
+
+
 class MemoryTierMachine(RuleBasedStateMachine):
     """Random evict / store-a-run / load programs over a memory tier that packs runs of 3.
 
