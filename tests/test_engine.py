@@ -118,6 +118,19 @@ def test_decode_writes_do_not_copy_the_pool(model_dirs):
     assert extra < engine.kv_pool.nbytes / 8
 
 
+def test_every_decode_step_evaluates_its_pool_writes(model_dirs, monkeypatch):
+    """A lone sequence attends to its mirror, so nothing else makes a step write the pool."""
+    engine = Engine.load(model_dirs["llama"], CacheConfig(block_size=16, memory_tier_bytes=0))
+    evaluated = []
+    real = mx.async_eval
+    monkeypatch.setattr(mx, "async_eval", lambda *arrays: (evaluated.append(arrays), real(*arrays))[1])
+    engine.generate(tokens(40), max_tokens=12)
+    pool = engine.kv_pool
+    assert len(evaluated) >= 11
+    for arrays in evaluated:
+        assert all(any(a is p for a in arrays) for p in pool.keys + pool.values)
+
+
 def test_stats_describe_the_pool(engine):
     s = engine.stats()
     assert s["block_size"] == 8 and s["pool"]["num_blocks"] == 32
