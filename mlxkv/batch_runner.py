@@ -25,7 +25,7 @@ def run_step(plan: StepPlan, runner: ModelRunner, decode_inputs: mx.array | None
         seq = request.seq
         chunk = seq.prompt[seq.num_computed : seq.num_computed + n]
         runner.forward([seq], mx.array([chunk]), mirror=False)
-        mx.eval(runner.kv_pool.keys, runner.kv_pool.values)
+        mx.eval(runner.kv_pool.arrays)
     if not plan.decode:
         return None
     seqs = [r.seq for r in plan.decode]

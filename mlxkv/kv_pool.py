@@ -49,6 +49,11 @@ class KVPool:
         self._heads = mx.arange(layout.n_kv_heads)
 
     @property
+    def arrays(self) -> list[mx.array]:
+        """Every layer's K and V pool: what to evaluate so queued writes land."""
+        return [*self.keys, *self.values]
+
+    @property
     def nbytes(self) -> int:
         return self.num_blocks * self.layout.bytes_per_block
 

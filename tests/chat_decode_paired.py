@@ -17,7 +17,6 @@ UI turn's first token and its last, the cost the UI puts on decode.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -29,9 +28,8 @@ import mlxkv  # noqa: F401  (BLAS before mlx)
 from mlxkv.cli import main as mlxkv_main
 from tui import app as chat_app
 from tui.screens.chat import ChatScreen
+from chat_decode_speed import PROMPT  # the same message as the cross-process measure
 from tui.widgets.prompt_input import PromptInput
-
-PROMPT = "Hello there"
 
 
 class DecodeWindow:
@@ -83,12 +81,7 @@ def ui_turn(app, window: DecodeWindow) -> float:
     app.call_from_thread(send)
     if not window.ended.wait(600):
         raise RuntimeError("no reply")
-    return json.loads(app.call_from_thread(lambda: _last_stats(screen)))["decode_tokens_per_s"]
-
-
-def _last_stats(screen) -> str:
-    messages = screen.store.messages(screen.conversation_id)
-    return json.dumps(messages[-1].stats)
+    return app.call_from_thread(lambda: screen.store.messages(screen.conversation_id)[-1].stats)["decode_tokens_per_s"]
 
 
 def drive(app, window: DecodeWindow, args) -> None:
