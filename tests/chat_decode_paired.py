@@ -118,6 +118,10 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=10)
     parser.add_argument("--out", default="chat_decode_paired.txt", help="where the result goes (the app owns the screen)")
     args = parser.parse_args()
+    if args.pairs < 1 or args.max_tokens < 1:
+        parser.error("--pairs and --max-tokens must be at least 1")
+    if os.path.exists(args.out):
+        os.remove(args.out)  # never report an earlier run's result
     work = tempfile.mkdtemp(prefix="mlxkv-paired-")
     os.environ["MLXKV_DATA_DIR"] = os.path.join(work, "data")
     window = DecodeWindow()
@@ -131,7 +135,9 @@ def main() -> None:
     chat_app.ChatApp.on_mount = start_driver
     sys.argv = ["mlxkv", "chat", "--model", args.model, "--max-tokens", str(args.max_tokens),
                 "--disk-tier", os.path.join(work, "kv")]
-    mlxkv_main()
+    code = mlxkv_main()
+    if not os.path.exists(args.out):
+        sys.exit(f"chat_decode_paired: no result (mlxkv chat exited with {code}; the model did not load?)")
     print(open(args.out).read(), end="")
 
 
