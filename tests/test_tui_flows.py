@@ -193,6 +193,25 @@ async def test_escape_stops_and_a_send_while_streaming_is_refused(tmp_path):
 
 
 @pilot_test
+async def test_a_reply_does_not_rebuild_the_footer(tmp_path):
+    # Rebuilding it is UI work that would share the CPU with decoding.
+    from textual.widgets._footer import FooterKey
+
+    app, store, engines = make_app(tmp_path, auto=False)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_until(pilot, lambda: app.chat_screen.engine_ready)
+        await pilot.pause()
+        keys = set(app.chat_screen.query(FooterKey))
+        assert any(k.action == "stop" and not k.has_class("-disabled") for k in keys)
+        await type_and_send(pilot, "go")
+        await wait_until(pilot, lambda: engines[0].handles, what="the request")
+        engines[0].handles[0]._put(GenerationChunk("done", 0, "length", fixed_stats()))
+        await idle(pilot)
+        await pilot.pause()
+        assert set(app.chat_screen.query(FooterKey)) == keys
+
+
+@pilot_test
 async def test_a_refused_request_is_a_notification_not_a_crash(tmp_path):
     from mlxkv.engine_thread import RequestFailed
 
