@@ -9,8 +9,11 @@ The batches come `UPDATE_HZ` times a second, unless rendering them costs
 the UI thread more than `UI_BUDGET` of a core: then they come less often.
 The UI shares the GIL (and, on a small machine, the cores) with the engine,
 so a slow terminal or a slow machine gets fewer, bigger updates instead of
-a slower model. (On a 2-core Linux box an update costs the UI 15-40 ms, so
-replies there update 2-4 times a second; where it costs 2 ms, 20 times.)
+a slower model. (On a 2-core Linux box an update costs the UI 30-60 ms
+while the engine decodes, so replies there update about 1-2 times a second;
+where it costs 2 ms, 20 times.) The slowest rate is once a second: with a
+cap at 2 a second, the cap and not the budget set the rate there, and the UI
+took 0.09-0.135 of a core while the engine decoded.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from tui.widgets.message_view import MessageView
 
 UPDATE_HZ = 20
 UI_BUDGET = 0.05  # of one core, for everything the UI does while a reply streams
-SLOWEST_INTERVAL_S = 0.5
+SLOWEST_INTERVAL_S = 1.0
 # The panel's live token count: fewer updates than the text needs.
 LIVE_STATS_INTERVAL_S = 0.25
 
