@@ -306,14 +306,18 @@ def test_the_pacer_slows_updates_when_rendering_costs_more_than_the_budget(monke
     clock = [0.0]
     monkeypatch.setattr(replies.time, "thread_time", lambda: clock[0])
     pacer = replies.Pacer()
-    for spent in (0.0, 0.001, 0.001):  # cheap updates: the full rate
-        clock[0] += spent
+    assert pacer.interval == replies.FIRST_INTERVAL_S  # nothing measured yet
+    pacer.tick()
+    intervals = []
+    for _ in range(8):  # cheap updates: up to the full rate, by halves
+        clock[0] += 0.001
         pacer.tick()
-    assert pacer.interval == 1 / replies.UPDATE_HZ
-    for _ in range(10):  # 20 ms of UI work per update: slower, within the budget
-        clock[0] += 0.020
-        pacer.tick()
-    assert pacer.interval == pytest.approx(0.020 / replies.UI_BUDGET, rel=0.01)
+        intervals.append(pacer.interval)
+    assert intervals == sorted(intervals, reverse=True) and intervals[0] < replies.FIRST_INTERVAL_S
+    assert intervals[-1] == 1 / replies.UPDATE_HZ
+    clock[0] += 0.020  # one update with 20 ms of UI work: slower at once, within the budget
+    pacer.tick()
+    assert pacer.interval == pytest.approx(0.020 / replies.UI_BUDGET)
     clock[0] += 5.0  # however slow, an update at least every SLOWEST_INTERVAL_S
     pacer.tick()
     assert pacer.interval == replies.SLOWEST_INTERVAL_S
