@@ -12,7 +12,10 @@ flags (SSD tier on, in a new directory), alternating which goes first. The
 app's number is the engine's own decode_tokens_per_s for the turn, read from
 the chat database; generate's comes from its --json line. Prints per-run
 numbers (rate and tokens generated, so a reply cut short by EOS shows),
-the medians and their ratio.
+the medians and their ratio. With `--replies N` the app answers N chats per
+run and the Nth reply is reported too: the first reply of a fresh app is
+also the first time the UI draws a reply (on a 2-core VM the second reply
+decoded about 10% faster than the first, median of 12 runs).
 """
 
 from __future__ import annotations
@@ -45,7 +48,8 @@ def generate(model: str, max_tokens: int, work: Path) -> tuple[float, int]:
     return result["decode_tokens_per_s"], len(result["tokens"])
 
 
-def chat(model: str, max_tokens: int, work: Path, timeout: float = 600) -> tuple[float, int]:
+def chat(model: str, max_tokens: int, work: Path, replies: int = 1, timeout: float = 600) -> list[tuple[float, int]]:
+    """Rate and tokens of each of `replies` replies, each to the prompt in a new chat."""
     session, db = f"mlxkv-speed-{os.getpid()}", work / "data" / "chats.sqlite3"
     command = shlex.join(["env", "-u", "COLUMNS", "-u", "LINES", f"MLXKV_DATA_DIR={work / 'data'}",
                           *mlxkv(), "chat", "--model", model, "--max-tokens", str(max_tokens),
@@ -57,20 +61,38 @@ def chat(model: str, max_tokens: int, work: Path, timeout: float = 600) -> tuple
                                                   capture_output=True, text=True).stdout:
             assert time.monotonic() < deadline, "the app did not load"
             time.sleep(0.2)
-        subprocess.run(["tmux", "send-keys", "-t", session, "-l", PROMPT], check=True)
-        time.sleep(0.3)
-        subprocess.run(["tmux", "send-keys", "-t", session, "Enter"], check=True)
-        while True:
-            assert time.monotonic() < deadline, "no reply"
-            time.sleep(0.5)
-            rows = sqlite3.connect(db).execute("SELECT stats FROM messages WHERE role = 'assistant'").fetchall()
-            if rows:
-                stats = json.loads(rows[0][0])
-                return stats["decode_tokens_per_s"], stats["generation_tokens"]
+        for n in range(1, replies + 1):
+            if n > 1:
+                subprocess.run(["tmux", "send-keys", "-t", session, "C-n"], check=True)  # a new chat
+                time.sleep(1.0)
+            subprocess.run(["tmux", "send-keys", "-t", session, "-l", PROMPT], check=True)
+            time.sleep(0.3)
+            subprocess.run(["tmux", "send-keys", "-t", session, "Enter"], check=True)
+            while len(rows := _reply_stats(db)) < n:
+                assert time.monotonic() < deadline, "no reply"
+                time.sleep(0.5)
+        return [(stats["decode_tokens_per_s"], stats["generation_tokens"]) for stats in rows]
     finally:
         subprocess.run(["tmux", "send-keys", "-t", session, "C-q"])
         time.sleep(1)
         subprocess.run(["tmux", "kill-session", "-t", session], capture_output=True)
+
+
+def _reply_stats(db: Path) -> list[dict]:
+    rows = sqlite3.connect(db).execute("SELECT stats FROM messages WHERE role = 'assistant' ORDER BY id").fetchall()
+    return [json.loads(row[0]) for row in rows]
+
+
+def _summary(label: str, generate_runs: list, chat_runs: list) -> None:
+    g = statistics.median(rate for rate, _ in generate_runs)
+    c = statistics.median(rate for rate, _ in chat_runs)
+    print(f"{label}median: generate {g:.1f} tok/s, chat {c:.1f} tok/s, chat/generate = {c / g:.3f}")
+    # The pairs' own ratios show the noise: on a 2-core VM single runs of
+    # the demo model were seen from 0.5x to 1.6x.
+    pairs = sorted(c / g for (g, _), (c, _) in zip(generate_runs, chat_runs))
+    if len(pairs) >= 4:
+        low, _, high = statistics.quantiles(pairs, n=4)
+        print(f"{label}per-run chat/generate: min {pairs[0]:.3f}, quartiles {low:.3f}-{high:.3f}, max {pairs[-1]:.3f}")
 
 
 def main() -> None:
@@ -78,26 +100,29 @@ def main() -> None:
     parser.add_argument("--model", default="demo")
     parser.add_argument("--max-tokens", type=int, default=500)
     parser.add_argument("--runs", type=int, default=9)
+    parser.add_argument("--replies", type=int, default=1,
+                        help="replies per app run, each in a new chat; the first and the last are reported")
     args = parser.parse_args()
-    results = {"generate": [], "chat": []}
+    if min(args.runs, args.replies, args.max_tokens) < 1:
+        parser.error("--runs, --replies and --max-tokens must be at least 1")
+    generated, first, last = [], [], []
     for run in range(args.runs):
         order = ["generate", "chat"] if run % 2 == 0 else ["chat", "generate"]
         for name in order:
             with tempfile.TemporaryDirectory() as work:
-                measure = generate if name == "generate" else chat
-                results[name].append(measure(args.model, args.max_tokens, Path(work)))
-        (g_rate, g_tokens), (c_rate, c_tokens) = results["generate"][-1], results["chat"][-1]
+                if name == "generate":
+                    generated.append(generate(args.model, args.max_tokens, Path(work)))
+                else:
+                    replies = chat(args.model, args.max_tokens, Path(work), args.replies)
+                    first.append(replies[0])
+                    last.append(replies[-1])
+        (g_rate, g_tokens), (c_rate, c_tokens) = generated[-1], first[-1]
+        later = f", its reply {args.replies} {last[-1][0]:.1f} tok/s" if args.replies > 1 else ""
         print(f"run {run + 1}: generate {g_rate:.1f} tok/s ({g_tokens} tokens), "
-              f"chat {c_rate:.1f} tok/s ({c_tokens} tokens)", flush=True)
-    g = statistics.median(rate for rate, _ in results["generate"])
-    c = statistics.median(rate for rate, _ in results["chat"])
-    print(f"median: generate {g:.1f} tok/s, chat {c:.1f} tok/s, chat/generate = {c / g:.3f}")
-    # The pairs' own ratios show the noise: on a 2-core VM single runs of
-    # the demo model were seen from 0.5x to 1.6x.
-    pairs = sorted(c / g for (g, _), (c, _) in zip(results["generate"], results["chat"]))
-    if len(pairs) >= 4:
-        low, _, high = statistics.quantiles(pairs, n=4)
-        print(f"per-run chat/generate: min {pairs[0]:.3f}, quartiles {low:.3f}-{high:.3f}, max {pairs[-1]:.3f}")
+              f"chat {c_rate:.1f} tok/s ({c_tokens} tokens){later}", flush=True)
+    _summary("", generated, first)
+    if args.replies > 1:
+        _summary(f"reply {args.replies}: ", generated, last)
 
 
 if __name__ == "__main__":
