@@ -19,7 +19,7 @@ took 0.09-0.135 of a core while the engine decoded.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from mlxkv.engine_thread import RequestHandle, is_last
 from mlxkv.records import GenerationChunk
@@ -75,11 +75,11 @@ class ActiveReply:
     handle: RequestHandle
     conversation_id: int
     kind: str  # "reply", or "prefill" when a reopened chat's prefix is loaded
+    pacer: Pacer  # the screen's own, shared by its replies
     view: MessageView | None = None
     tokens: int = 0
     first_token_at: float | None = None
     live_shown_at: float = 0.0
-    pacer: Pacer = field(default_factory=Pacer)  # the screen's own, shared by its replies
 
     @property
     def id(self) -> int:

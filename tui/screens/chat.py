@@ -169,7 +169,7 @@ class ChatScreen(Screen[None]):
             return  # deleted before it could start
         handle = self.app.engine.submit(messages=self.store.prompt_messages(conversation_id), **options)
         self.pacer.start()
-        reply = ActiveReply(handle, conversation_id, kind, view, pacer=self.pacer)
+        reply = ActiveReply(handle, conversation_id, kind, self.pacer, view)
         self.replies[reply.id] = reply
         self._relay(reply)
 
