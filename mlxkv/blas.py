@@ -22,6 +22,8 @@ import sys
 import warnings
 from dataclasses import dataclass
 
+from mlxkv.errors import MlxkvWarning
+
 ENV_VAR = "MLXKV_BLAS"
 OFF_VALUES = frozenset({"off", "0", "none", "false", "no"})
 
@@ -64,7 +66,7 @@ class BlasStatus:
         return self.state in (LOADED, PRELOADED)
 
 
-class BlasOrderWarning(RuntimeWarning):
+class BlasOrderWarning(MlxkvWarning):
     """mlx.core was imported before mlxkv, so the real BLAS can't be used."""
 
 

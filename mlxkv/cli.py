@@ -10,8 +10,20 @@ import argparse
 import json
 import os
 import sys
+import warnings
 
-from mlxkv.errors import MlxkvError
+from mlxkv.errors import MlxkvError, MlxkvWarning
+
+
+def _megabytes(text: str) -> int:
+    """A budget in MiB: a whole number, 0 or more."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number of MB, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
 
 
 def _add_cache_flags(p: argparse.ArgumentParser, model_help: str | None = None) -> None:
@@ -20,10 +32,10 @@ def _add_cache_flags(p: argparse.ArgumentParser, model_help: str | None = None) 
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (power of two)")
     p.add_argument("--num-blocks", type=int, default=None, help="KV pool size in blocks (default: a share of memory)")
     p.add_argument("--no-prefix-cache", action="store_true", help="do not share blocks between prompts")
-    p.add_argument("--memory-tier-mb", type=int, default=256, help="unified-memory tier budget (0 turns it off)")
+    p.add_argument("--memory-tier-mb", type=_megabytes, default=256, help="unified-memory tier budget (0 turns it off)")
     p.add_argument("--memory-tier-bits", type=int, default=None, choices=[4, 8], help="quantize memory-tier blocks")
     p.add_argument("--disk-tier", default=None, metavar="DIR", help="SSD tier directory (persists across runs)")
-    p.add_argument("--disk-tier-mb", type=int, default=None, help="SSD tier budget")
+    p.add_argument("--disk-tier-mb", type=_megabytes, default=None, help="SSD tier budget")
     p.add_argument("--no-disk-tier", action="store_true", help="turn the SSD tier off")
 
 
@@ -260,12 +272,27 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        return args.func(args)
+        with warnings.catch_warnings():
+            warnings.showwarning = _show_warning
+            return args.func(args)
     except MlxkvError as e:
         print(f"mlxkv: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """Our warnings as one line, like our errors (Python's own format adds the
+    file, the line number and a line of our source)."""
+    if issubclass(category, MlxkvWarning):
+        text = str(message).removeprefix("mlxkv: ")
+        print(f"mlxkv: warning: {text}", file=file or sys.stderr)
+    else:
+        _python_showwarning(message, category, filename, lineno, file, line)
+
+
+_python_showwarning = warnings.showwarning
 
 
 if __name__ == "__main__":

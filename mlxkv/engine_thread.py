@@ -18,16 +18,18 @@ the engine thread; it must not block (a UI posts a message and returns).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import queue
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from mlxkv.config import CacheConfig
-from mlxkv.errors import MlxkvError
+from mlxkv.errors import MlxkvError, MlxkvWarning
 from mlxkv.records import GenerationChunk, RequestFailed, is_last  # noqa: F401  (re-exported)
 
 # Pool snapshots during a reply: at most this often (they cost O(blocks)).
@@ -43,6 +45,7 @@ class EngineEvent:
     fraction: float | None = None  # of a download, when known
     info: dict = field(default_factory=dict)  # "ready": engine.stats()
     snapshot: object = None  # "snapshot" and "ready": a pool_view.PoolSnapshot
+    warnings: list[str] = field(default_factory=list)  # "ready": MlxkvWarnings raised while loading
 
 
 class RequestHandle:
@@ -129,6 +132,28 @@ def load_engine(model: str, cache: CacheConfig, report: Callable[[str, float | N
 
 
 _CLOSE = object()
+
+
+@contextlib.contextmanager
+def _mlxkv_warnings():
+    """Collect the MlxkvWarnings raised inside (e.g. an SSD tier left off), for
+    the ready event: a UI owns the terminal, so a line on stderr would be lost.
+    Other warnings are shown as usual.
+
+    warnings.catch_warnings is process-wide: a warning another thread raises
+    meanwhile is caught here too, and so still shown, or still reported.
+    """
+    caught: list[warnings.WarningMessage] = []
+    try:
+        with warnings.catch_warnings(record=True) as recorded:
+            warnings.simplefilter("always", MlxkvWarning)
+            yield caught
+    finally:
+        for w in recorded:
+            if issubclass(w.category, MlxkvWarning):
+                caught.append(w)
+            else:
+                warnings.showwarning(w.message, w.category, w.filename, w.lineno, w.file, w.line)
 
 
 class EngineThread:
@@ -231,7 +256,8 @@ class EngineThread:
             self.on_event(EngineEvent("progress", text, fraction))
 
         try:
-            self.engine = self._load(self.model, self.cache, report)
+            with _mlxkv_warnings() as caught:
+                self.engine = self._load(self.model, self.cache, report)
             self.watcher = PoolWatcher(self.engine)
         except Exception as e:  # any load failure becomes one line for the user
             self.error = str(e) if isinstance(e, MlxkvError) else f"could not load model {self.model!r}: {e}"
@@ -239,7 +265,8 @@ class EngineThread:
             self.on_event(EngineEvent("failed", self.error))
             return False
         self._ready.set()
-        self.on_event(EngineEvent("ready", self.model, info=self.engine.stats(), snapshot=self.watcher.snapshot()))
+        self.on_event(EngineEvent("ready", self.model, info=self.engine.stats(), snapshot=self.watcher.snapshot(),
+                                  warnings=[str(w.message).removeprefix("mlxkv: ") for w in caught]))
         return True
 
     def _serve(self) -> None:

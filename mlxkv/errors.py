@@ -11,3 +11,12 @@ class MlxkvError(Exception):
 
 class PoolExhaustedError(MlxkvError):
     """Every block in the pool is referenced by a running sequence."""
+
+
+class MlxkvWarning(RuntimeWarning):
+    """Something the user should know that does not stop the work (a cache
+    tier left off, a slow BLAS), in one line that starts with "mlxkv: ".
+
+    The CLI prints these as one line; the chat app shows them on screen,
+    where a line on stderr would be lost under the UI.
+    """

@@ -75,6 +75,28 @@ def test_bad_input_is_one_line_and_exit_2(llama_dir, args, message):
     assert len(lines) == 1 and message in lines[0], out.stderr
 
 
+@pytest.mark.parametrize("flag", ["--memory-tier-mb", "--disk-tier-mb"])
+@pytest.mark.parametrize("value, message", [("-5", "must be 0 or more, got -5"), ("lots", "whole number of MB")])
+def test_tier_budgets_are_checked_in_the_units_given(flag, value, message):
+    out = mlxkv("generate", "--model", "demo", "--prompt", "hi", flag, value)
+    assert out.returncode == 2
+    assert f"argument {flag}: " in out.stderr and message in out.stderr, out.stderr
+
+
+def test_unusable_disk_tier_is_one_warning_line_and_left_out(llama_dir, tmp_path):
+    not_a_dir = tmp_path / "a-file"
+    not_a_dir.write_text("")
+    args = ["generate", "--model", llama_dir, "--raw", "--json", "--max-tokens", "4", "--prompt", "some words"]
+    plain = mlxkv(*args, "--no-disk-tier")
+    out = mlxkv(*args, "--disk-tier", str(not_a_dir))
+    assert out.returncode == 0, out.stderr
+    [line] = out.stderr.strip().splitlines()
+    assert line == f"mlxkv: warning: SSD tier disabled: Not a directory: {not_a_dir}"
+    row = json.loads(out.stdout)
+    assert row["tokens"] == json.loads(plain.stdout)["tokens"]
+    assert "disk" not in row["connector"]  # no tier that looks empty but is not there
+
+
 def test_unknown_model_and_unsupported_family(tmp_path):
     out = mlxkv("generate", "--model", str(tmp_path / "missing"), "--prompt", "hi")
     assert out.returncode == 2 and "model not found" in out.stderr

@@ -121,6 +121,20 @@ def test_load_failure_is_reported_not_raised_on_the_thread(tmp_path):
     assert not thread.alive and events[-1].kind == "closed"
 
 
+def test_warnings_while_loading_ride_on_the_ready_event(llama_dir, tmp_path, recwarn):
+    not_a_dir = tmp_path / "a-file"
+    not_a_dir.write_text("")
+    events = []
+    thread = EngineThread(llama_dir, CacheConfig(**CONFIG, disk_tier=str(not_a_dir)), on_event=events.append).start()
+    thread.wait_ready(timeout=120)
+    thread.close()
+    [ready] = [e for e in events if e.kind == "ready"]
+    [warning] = ready.warnings
+    assert warning == f"SSD tier disabled: Not a directory: {not_a_dir}"
+    assert "disk" not in ready.info["connector"]
+    assert not [w for w in recwarn if "SSD tier" in str(w.message)]  # reported, not also printed
+
+
 def test_close_cancels_open_requests_and_refuses_new_ones(llama_dir):
     thread = EngineThread(llama_dir, CacheConfig(**CONFIG)).start()
     handle = thread.submit(tokens(12), max_tokens=500)

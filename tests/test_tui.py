@@ -10,14 +10,15 @@ from tui.screens.error import ErrorScreen
 from tui.store import ChatStore
 from tui.widgets.message_view import MessageView
 from tui.widgets.prompt_input import PromptInput
+from tui.widgets.tier_table import TierTable
 from tui.widgets.turn_stats import TurnStats
 from tui_support import pilot_test, shown, wait_until
 
 SIZE = (140, 44)
 
 
-def make_app(tmp_path, model, max_tokens=48, num_blocks=512):
-    cache = CacheConfig(block_size=8, num_blocks=num_blocks, disk_tier=str(tmp_path / "kv"))
+def make_app(tmp_path, model, max_tokens=48, num_blocks=512, disk_tier=None):
+    cache = CacheConfig(block_size=8, num_blocks=num_blocks, disk_tier=str(disk_tier or tmp_path / "kv"))
 
     def start(on_event):
         return EngineThread(model, cache, on_event=on_event).start()
@@ -182,3 +183,23 @@ async def test_a_model_that_fails_to_load_shows_an_error_screen(tmp_path):
         assert "model not found" in shown(app.screen.query_one("#error-message"))
         await pilot.press("q")
     assert app.return_code == 2
+
+
+@pilot_test
+async def test_an_unusable_ssd_tier_is_shown_as_off_with_the_reason(tmp_path, llama_dir):
+    not_a_dir = tmp_path / "a-file"
+    not_a_dir.write_text("")
+    app, _ = make_app(tmp_path, llama_dir, disk_tier=not_a_dir)
+
+    def toasts() -> str:
+        return "\n".join(shown(toast) for toast in app.screen.query("Toast"))
+
+    async with app.run_test(size=SIZE, notifications=True) as pilot:
+        await ready(pilot)
+        await wait_until(pilot, lambda: "SSD tier disabled" in toasts(), what="a notification")
+        assert "Not a directory" in toasts()
+        ssd_row = next(line for line in app.chat_screen.query_one(TierTable).shown_text.splitlines() if "SSD" in line)
+        assert ssd_row.split() == ["SSD", "off"]
+        await send(pilot, "still chatting")  # the app works on without the tier
+        await reply_done(pilot)
+        assert assistant_views(app)[-1].text

@@ -24,6 +24,10 @@ from tui.store import ChatStore
 # on_event -> a started engine (an EngineThread, or a stand-in in tests)
 EngineFactory = Callable[[Callable[[EngineEvent], None]], object]
 
+# Long enough to read a path and a reason; a toast at the usual 5 s is gone
+# before the eye gets to it on a screen that just appeared.
+NOTE_TIMEOUT_S = 20
+
 
 class ChatApp(App[None]):
     CSS_PATH = "chat.tcss"
@@ -77,6 +81,8 @@ class ChatApp(App[None]):
             if isinstance(self.screen, LoadingScreen):
                 self.pop_screen()
             self.chat_screen.engine_started(event.snapshot)
+            for warning in event.warnings:  # e.g. the SSD tier left off, and why
+                self.notify(warning, title="Cache", severity="warning", timeout=NOTE_TIMEOUT_S, markup=False)
         elif event.kind == "failed":
             if isinstance(self.screen, LoadingScreen):
                 self.pop_screen()

@@ -47,7 +47,7 @@ from queue import SimpleQueue
 import mlx.core as mx
 import numpy as np
 
-from mlxkv.errors import MlxkvError
+from mlxkv.errors import MlxkvError, MlxkvWarning
 from mlxkv.connectors import run_file
 from mlxkv.connectors.base import BlockKV, KVRun, LoadedBlock, ReadKV, TierStats
 from mlxkv.connectors.run_file import FORMAT_VERSION, MAX_RUN_BLOCKS, CorruptBlockError, FileSpec  # noqa: F401
@@ -80,7 +80,7 @@ _DTYPES = {
 }
 
 
-class DiskCacheWarning(RuntimeWarning):
+class DiskCacheWarning(MlxkvWarning):
     """The disk tier could not use its directory and runs read-only or disabled."""
 
 
@@ -244,27 +244,30 @@ class DiskKvCacheConnector:
             _make_private_dirs(self.dir)
         except OSError as e:
             if not self.dir.is_dir():
-                self._degrade(disabled=True, why=f"cannot create {self.dir}: {e.strerror or e}")
+                self._degrade(e, disabled=True)
                 return
         try:
             self._probe_write()
         except OSError as e:
-            self._degrade(disabled=False, why=f"{self.dir} is not writable: {e.strerror or e}")
+            self._degrade(e, disabled=False)
         try:
             self._scan()
         except OSError as e:
-            self._degrade(disabled=True, why=f"cannot read {self.dir}: {e.strerror or e}")
+            self._degrade(e, disabled=True)
             return
         if not self.read_only:
             self._write_marker()
         self._enforce_budget()
 
-    def _degrade(self, *, disabled: bool, why: str) -> None:
+    def _degrade(self, error: OSError, *, disabled: bool) -> None:
         self.read_only = True
         self.disabled = disabled
-        self.reason = why
+        # The OS's reason first, then the directory the user gave, not the
+        # fingerprint one under it: 64 hex digits would push the reason off
+        # the chat app's notification.
+        self.reason = f"{error.strerror or error}: {self.root}"
         mode = "disabled" if disabled else "read-only"
-        warnings.warn(f"mlxkv: disk KV cache {mode}: {why}", DiskCacheWarning, stacklevel=4)
+        warnings.warn(f"mlxkv: SSD tier {mode}: {self.reason}", DiskCacheWarning, stacklevel=4)
 
     def _probe_write(self) -> None:
         probe = self.dir / f".{'0' * 64}.{os.getpid()}.{secrets.token_hex(4)}.tmp"

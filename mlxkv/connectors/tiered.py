@@ -72,6 +72,9 @@ def build_connector(cache_config, fingerprint: bytes, layout):
             dtype=str(layout.dtype).removeprefix("mlx.core."),
             budget_bytes=cache_config.disk_tier_bytes,
         )
+        if disk.disabled:  # it warned why; left in, it would show as an empty tier
+            disk.close()
+            disk = None
     if memory and disk:
         return TieredKvCacheConnector(memory, disk)
     return memory or disk or NoopKvCacheConnector()
