@@ -23,7 +23,7 @@ from tui.app import ChatApp
 from tui.screens.confirm import ConfirmScreen
 from tui.screens.rename import RenameScreen
 from tui.screens.system_prompt import SystemPromptScreen
-from tui.store import SCHEMA_VERSION, ChatStore, Message
+from tui.store import MIGRATIONS, SCHEMA_VERSION, ChatStore, Message
 from tui.widgets.chat_log import ChatLog
 from tui.widgets.conversation_list import ConversationList
 from tui.widgets.message_view import MessageView, printable
@@ -142,6 +142,43 @@ async def test_delete_asks_first_and_chats_survive_a_restart(tmp_path):
 
 
 @pilot_test
+async def test_a_chat_deleted_by_another_window_is_noticed_not_a_crash(tmp_path):
+    app, store, engines = make_app(tmp_path)
+    other = ChatStore(tmp_path / "chats.sqlite3")  # a second `mlxkv chat` on the same database
+    async with app.run_test(size=SIZE) as pilot:
+        await type_and_send(pilot, "first chat")
+        await idle(pilot)
+        await pilot.press("ctrl+n")
+        await type_and_send(pilot, "second chat")
+        await idle(pilot)
+        second = app.chat_screen.conversation_id
+        other.delete(second)
+        await type_and_send(pilot, "unsent")
+        await wait_until(pilot, lambda: app.chat_screen.conversation_id != second, what="another chat to open")
+        assert any("deleted in another window" in n.message for n in app._notifications)
+        assert app.chat_screen.query_one(PromptInput).text == "unsent"  # kept, to send again
+        assert [v.text for v in app.chat_screen.query(MessageView)][0] == "first chat"
+        for key in ("f2", "f4", "f8"):  # each action on a chat deleted meanwhile
+            other.delete(app.chat_screen.conversation_id)
+            gone = app.chat_screen.conversation_id
+            app._notifications.clear()
+            await pilot.press(key)
+            await wait_until(pilot, lambda: app.chat_screen.conversation_id != gone, what=f"{key}: another chat")
+            assert app.screen is app.chat_screen
+            assert any("deleted in another window" in n.message for n in app._notifications)
+        # Picking a chat from a list drawn before another window deleted it.
+        listed = other.create("listed").id
+        app.chat_screen._show_list()
+        other.delete(listed)
+        await app.chat_screen.open_conversation(listed)
+        assert app.chat_screen.conversation_id != listed and store.get(app.chat_screen.conversation_id)
+        await type_and_send(pilot, " and still works")  # after the text kept from before
+        await idle(pilot)
+        assert store.messages(app.chat_screen.conversation_id)[0].content == "unsent and still works"
+    other.close()
+
+
+@pilot_test
 async def test_the_view_follows_the_stream_only_at_the_bottom(tmp_path):
     app, store, engines = make_app(tmp_path, auto=False)
     async with app.run_test(size=SIZE) as pilot:
@@ -237,7 +274,7 @@ def test_every_binding_has_an_id_and_a_tooltip():
 def test_store_schema_version_and_refusing_a_newer_file(tmp_path):
     path = tmp_path / "chats.sqlite3"
     store = ChatStore(path)
-    assert store.schema_version == SCHEMA_VERSION == 1
+    assert store.schema_version == SCHEMA_VERSION == 2
     cid = store.create("t", system_prompt="be brief").id
     store.add_message(cid, Message("user", "hi"))
     store.add_message(cid, Message("assistant", "yo", "length", {"prompt_tokens": 3}))
@@ -253,6 +290,46 @@ def test_store_schema_version_and_refusing_a_newer_file(tmp_path):
     db.close()
     with pytest.raises(MlxkvError, match="newer"):
         ChatStore(path)
+
+
+def test_a_version_1_database_is_upgraded_in_place_and_ids_are_never_reused(tmp_path):
+    path = tmp_path / "chats.sqlite3"
+    db = sqlite3.connect(path)
+    db.executescript(f"BEGIN; {MIGRATIONS[0]}; PRAGMA user_version = 1; COMMIT;")
+    for cid, title in ((1, "kept"), (2, "newest")):
+        db.execute("INSERT INTO conversations (id, title, created_at, updated_at) VALUES (?, ?, 0, 0)", (cid, title))
+        db.execute("INSERT INTO messages (conversation_id, role, content, created_at) VALUES (?, 'user', ?, 0)",
+                   (cid, f"hello {title}"))
+    db.commit()
+    db.close()
+    store = ChatStore(path)
+    assert store.schema_version == 2
+    assert [(c.id, c.title) for c in store.conversations()] == [(2, "newest"), (1, "kept")]
+    assert [m.content for m in store.messages(1)] == ["hello kept"]
+    store.delete(2)  # the newest id: version 1 gave it to the next new chat
+    assert store.messages(2) == []  # foreign keys on again: its messages went with it
+    assert store.create("new").id == 3
+    assert [m.content for m in store.messages(1)] == ["hello kept"]
+    store.close()
+
+
+@pilot_test
+async def test_deleting_a_chat_mid_reply_does_not_put_the_reply_in_the_next_one(tmp_path):
+    app, store, engines = make_app(tmp_path, auto=False)
+    async with app.run_test(size=SIZE) as pilot:
+        await type_and_send(pilot, "the only chat")
+        await wait_until(pilot, lambda: engines[0].handles, what="the request")
+        handle = engines[0].handles[0]
+        handle._put(GenerationChunk(text="a partial reply", token=1))
+        await wait_until(pilot, lambda: "partial" in app.chat_screen.query(MessageView).last().text)
+        await pilot.press("f8")
+        await wait_until(pilot, lambda: isinstance(app.screen, ConfirmScreen))
+        await pilot.press("y")
+        await wait_until(pilot, lambda: store.conversations() and store.conversations()[0].title == "New chat")
+        handle._put(GenerationChunk(text="", token=2, finish_reason="cancelled"))  # the cancel lands
+        await idle(pilot)
+        [new_chat] = store.conversations()
+        assert store.messages(new_chat.id) == []
 
 
 def test_unprintable_model_output_is_shown_safely():

@@ -37,6 +37,25 @@ MIGRATIONS = [
     );
     CREATE INDEX messages_by_conversation ON messages(conversation_id, id);
     """,
+    # AUTOINCREMENT: a deleted chat's id is never given to a new one. With
+    # ids reused, a reply still streaming into a chat deleted (here, or in
+    # another window) was saved into the next new chat, which got its id.
+    # SQLite adds AUTOINCREMENT only by rebuilding the table; foreign keys
+    # are off meanwhile, so dropping the old table keeps the messages.
+    """
+    CREATE TABLE conversations_v2 (
+        id INTEGER PRIMARY KEY AUTOINCREMENT,
+        title TEXT NOT NULL,
+        system_prompt TEXT NOT NULL DEFAULT '',
+        model TEXT NOT NULL DEFAULT '',
+        created_at REAL NOT NULL,
+        updated_at REAL NOT NULL
+    );
+    INSERT INTO conversations_v2 (id, title, system_prompt, model, created_at, updated_at)
+        SELECT id, title, system_prompt, model, created_at, updated_at FROM conversations;
+    DROP TABLE conversations;
+    ALTER TABLE conversations_v2 RENAME TO conversations;
+    """,
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
 
@@ -67,12 +86,14 @@ class ChatStore:
 
     def __init__(self, path: str | Path | None = None):
         self.path = Path(path) if path is not None else default_db_path()
-        if str(self.path) != ":memory:":
-            self.path.parent.mkdir(parents=True, exist_ok=True)
         try:
+            if str(self.path) != ":memory:":
+                self.path.parent.mkdir(parents=True, exist_ok=True)
             self.db = sqlite3.connect(self.path)
+            self._migrate()  # before foreign keys are on: a migration may rebuild a table
             self.db.execute("PRAGMA foreign_keys = ON")
-            self._migrate()
+        except OSError as e:  # the data directory is a file, or cannot be made
+            raise MlxkvError(f"cannot open the chat database {self.path}: {e.strerror or e}") from None
         except sqlite3.DatabaseError as e:
             raise MlxkvError(f"cannot open the chat database {self.path}: {e}") from None
 

@@ -104,8 +104,12 @@ class ChatScreen(Screen[None]):
 
     async def open_conversation(self, conversation_id: int) -> None:
         """Show a chat. Replies streaming in other chats go on (the engine batches them)."""
-        self.conversation_id = conversation_id
         conversation = self.store.get(conversation_id)
+        if conversation is None:  # listed here, deleted by another window since
+            self.notify("That chat was deleted in another window.", severity="warning")
+            await self._open_any()
+            return
+        self.conversation_id = conversation_id
         messages = self.store.messages(conversation_id)
         views = [MessageView("system", conversation.system_prompt)] if conversation.system_prompt else []
         views += [MessageView(m.role, m.content, m.finish_reason) for m in messages]
@@ -118,6 +122,20 @@ class ChatScreen(Screen[None]):
         self._show_list()
         if streaming is None:
             self._prefill()
+
+    async def _open_any(self) -> None:
+        """The most recent chat, or a new one when there is none left."""
+        rest = self.store.conversations()
+        await self.open_conversation(rest[0].id if rest else self.store.create(NEW_CHAT_TITLE).id)
+
+    async def _still_here(self) -> bool:
+        """Whether the open chat still exists. A second `mlxkv chat` on the same
+        database may have deleted it; then say so and open another."""
+        if self.store.get(self.conversation_id) is not None:
+            return True
+        self.notify("This chat was deleted in another window.", severity="warning")
+        await self._open_any()
+        return False
 
     def _show_list(self) -> None:
         conversation = self.store.get(self.conversation_id)
@@ -142,6 +160,8 @@ class ChatScreen(Screen[None]):
         if self.reply is not None or self._starting:
             self.notify("A reply is still streaming; press Esc to stop it.", severity="warning")
             return
+        if not await self._still_here():
+            return  # the text stays in the box, to send again here
         text = event.text.strip()
         event.prompt_input.clear()
         cid = self.conversation_id
@@ -225,7 +245,9 @@ class ChatScreen(Screen[None]):
         await self.open_conversation(self.store.create(NEW_CHAT_TITLE).id)
         self.query_one(PromptInput).focus()
 
-    def action_rename(self) -> None:
+    async def action_rename(self) -> None:
+        if not await self._still_here():
+            return
         cid = self.conversation_id
 
         def rename(title: str | None) -> None:
@@ -235,7 +257,9 @@ class ChatScreen(Screen[None]):
 
         self.app.push_screen(RenameScreen(self.store.get(cid).title), rename)
 
-    def action_system_prompt(self) -> None:
+    async def action_system_prompt(self) -> None:
+        if not await self._still_here():
+            return
         cid = self.conversation_id
 
         async def save(text: str | None) -> None:
@@ -248,7 +272,9 @@ class ChatScreen(Screen[None]):
 
         self.app.push_screen(SystemPromptScreen(self.store.get(cid).system_prompt), save)
 
-    def action_delete(self) -> None:
+    async def action_delete(self) -> None:
+        if not await self._still_here():
+            return
         cid = self.conversation_id
 
         async def delete(yes: bool | None) -> None:
@@ -256,7 +282,6 @@ class ChatScreen(Screen[None]):
                 return
             self._cancel(cid)
             self.store.delete(cid)
-            rest = self.store.conversations()
-            await self.open_conversation(rest[0].id if rest else self.store.create(NEW_CHAT_TITLE).id)
+            await self._open_any()
 
         self.app.push_screen(ConfirmScreen(f"Delete the chat {self.store.get(cid).title!r}?"), delete)
