@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
 import pytest
 
 
-def mlxkv(*args, input=None):
+def mlxkv(*args, input=None, env=None):
     return subprocess.run(
         [sys.executable, "-m", "mlxkv.cli", *args],
-        capture_output=True, text=True, input=input, timeout=300,
+        capture_output=True, text=True, input=input, timeout=300, env=env,
     )
 
 
@@ -95,6 +96,15 @@ def test_unusable_disk_tier_is_one_warning_line_and_left_out(llama_dir, tmp_path
     row = json.loads(out.stdout)
     assert row["tokens"] == json.loads(plain.stdout)["tokens"]
     assert "disk" not in row["connector"]  # no tier that looks empty but is not there
+
+
+def test_chat_with_an_unusable_data_dir_is_one_line_and_exit_2(tmp_path):
+    a_file = tmp_path / "data"
+    a_file.write_text("")
+    out = mlxkv("chat", "--model", "demo", env={**os.environ, "MLXKV_DATA_DIR": str(a_file)})
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == [
+        f"mlxkv: error: cannot open the chat database {a_file / 'chats.sqlite3'}: File exists"]
 
 
 def test_unknown_model_and_unsupported_family(tmp_path):
