@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import warnings
@@ -15,15 +16,25 @@ import warnings
 from mlxkv.errors import MlxkvError, MlxkvWarning
 
 
-def _megabytes(text: str) -> int:
-    """A budget in MiB: a whole number, 0 or more."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number of MB, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
-    return value
+def _number(kind: type, low: float, high: float | None = None):
+    """An argparse type: an int or a finite float from `low` (to `high`), or
+    argparse's one-line error naming the flag."""
+    if high is not None:
+        wanted = f"between {low} and {high}"
+    else:
+        wanted = f"at least {low}" if low > 0 else f"{low} or more"
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected {'a whole number' if kind is int else 'a number'}, got {text!r}") from None
+        if not (math.isfinite(value) and low <= value and (high is None or value <= high)):
+            raise argparse.ArgumentTypeError(f"must be {wanted}, got {text}")
+        return value
+
+    return parse
 
 
 def _add_cache_flags(p: argparse.ArgumentParser, model_help: str | None = None) -> None:
@@ -32,10 +43,10 @@ def _add_cache_flags(p: argparse.ArgumentParser, model_help: str | None = None) 
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (power of two)")
     p.add_argument("--num-blocks", type=int, default=None, help="KV pool size in blocks (default: a share of memory)")
     p.add_argument("--no-prefix-cache", action="store_true", help="do not share blocks between prompts")
-    p.add_argument("--memory-tier-mb", type=_megabytes, default=256, help="unified-memory tier budget (0 turns it off)")
+    p.add_argument("--memory-tier-mb", type=_number(int, 0), default=256, help="unified-memory tier budget (0 turns it off)")
     p.add_argument("--memory-tier-bits", type=int, default=None, choices=[4, 8], help="quantize memory-tier blocks")
     p.add_argument("--disk-tier", default=None, metavar="DIR", help="SSD tier directory (persists across runs)")
-    p.add_argument("--disk-tier-mb", type=_megabytes, default=None, help="SSD tier budget")
+    p.add_argument("--disk-tier-mb", type=_number(int, 0), default=None, help="SSD tier budget")
     p.add_argument("--no-disk-tier", action="store_true", help="turn the SSD tier off")
 
 
@@ -45,9 +56,9 @@ def _add_generate(sub) -> None:
     p.add_argument("--prompt", action="append", default=[], help="a prompt; repeat to run several in order")
     p.add_argument("--prompt-file", action="append", default=[], help="read a prompt from a file (- for stdin)")
     p.add_argument("--raw", action="store_true", help="send prompts as-is, without the chat template")
-    p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0 = greedy)")
-    p.add_argument("--top-p", type=float, default=0.0)
+    p.add_argument("--max-tokens", type=_number(int, 1), default=256)
+    p.add_argument("--temp", type=_number(float, 0), default=0.0, help="sampling temperature (0 = greedy)")
+    p.add_argument("--top-p", type=_number(float, 0, 1), default=0.0, help="nucleus sampling (0 = off)")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     p.add_argument("--concurrent", action="store_true",
@@ -61,8 +72,8 @@ def _add_chat(sub) -> None:
     p = sub.add_parser("chat", help="chat in a terminal app with a live view of the KV cache")
     _add_cache_flags(p, model_help=f'model path, Hugging Face id, or "demo" (offline); default: '
                                    f'{DEFAULT_CHAT_MODEL}, downloaded once')
-    p.add_argument("--max-tokens", type=int, default=1024, help="longest reply")
-    p.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0 = greedy)")
+    p.add_argument("--max-tokens", type=_number(int, 1), default=1024, help="longest reply")
+    p.add_argument("--temp", type=_number(float, 0), default=0.0, help="sampling temperature (0 = greedy)")
     p.set_defaults(func=cmd_chat)
 
 
@@ -77,9 +88,9 @@ def _add_tiny_model(sub) -> None:
 def _add_bench(sub) -> None:
     p = sub.add_parser("bench", help="side-by-side benchmark ratios")
     p.add_argument("suite", nargs="?", default="engine", choices=["engine", "batch", "tiers", "kernels", "blas", "all"])
-    p.add_argument("--context", type=int, default=2048, help="context length for the engine benchmark")
-    p.add_argument("--decode-tokens", type=int, default=64)
-    p.add_argument("--prefix", type=int, default=1024, help="shared prefix length for the batch benchmark")
+    p.add_argument("--context", type=_number(int, 1), default=2048, help="context length for the engine benchmark")
+    p.add_argument("--decode-tokens", type=_number(int, 2), default=64)
+    p.add_argument("--prefix", type=_number(int, 0), default=1024, help="shared prefix length for the batch benchmark")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_bench)
 
@@ -116,9 +127,11 @@ def _read_prompts(args) -> list[str]:
     prompts = list(args.prompt)
     for path in args.prompt_file:
         try:
-            prompts.append(sys.stdin.read() if path == "-" else open(path, encoding="utf-8").read())
+            prompts.append(_read_text(path))
         except OSError as e:
             raise MlxkvError(f"cannot read prompt file {path!r}: {e.strerror}") from None
+        except UnicodeDecodeError as e:
+            raise MlxkvError(f"cannot read prompt file {path!r}: not UTF-8 text (byte {e.start})") from None
     if not prompts:
         raise MlxkvError("no prompt given; use --prompt TEXT or --prompt-file PATH")
     return prompts
@@ -213,6 +226,17 @@ def _print_stats(stats) -> None:
     )
 
 
+def _read_text(path: str) -> str:
+    """A prompt file's text, strictly UTF-8. Stdin too: Python reads a pipe with
+    surrogate escapes under a C locale, which the tokenizer then rejected with
+    a TypeError."""
+    if path != "-":
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    stdin = getattr(sys.stdin, "buffer", None)
+    return sys.stdin.read() if stdin is None else stdin.read().decode("utf-8")
+
+
 def cmd_chat(args) -> int:
     from mlxkv.model_fetch import DEFAULT_CHAT_MODEL
     from mlxkv.paths import default_disk_tier_dir
@@ -221,8 +245,6 @@ def cmd_chat(args) -> int:
     config = _cache_config(args)
     if not args.no_disk_tier and args.disk_tier is None:
         config.disk_tier = str(default_disk_tier_dir())  # chats persist, so their KV does too
-    if args.max_tokens < 1:
-        raise MlxkvError(f"--max-tokens must be at least 1, got {args.max_tokens}")
     return run(args.model or DEFAULT_CHAT_MODEL, config, max_tokens=args.max_tokens, temperature=args.temp)
 
 

@@ -190,18 +190,16 @@ class Engine:
     ):
         """A request's checked prompt tokens, its sampler and its hash root."""
         prompt_tokens = self._prompt_tokens(prompt)
-        self._check_request(prompt_tokens, max_tokens, temperature)
-        sampler = make_request_sampler(temperature, top_p, min_p, top_k, seed)
+        sampler = make_request_sampler(temperature, top_p, min_p, top_k, seed)  # checks those options
+        self._check_request(prompt_tokens, max_tokens)
         root = root_hash(self.fingerprint, cache_salt) if self.cache_config.prefix_cache else None
         return prompt_tokens, sampler, root
 
-    def _check_request(self, prompt: list[int], max_tokens: int, temperature: float) -> None:
+    def _check_request(self, prompt: list[int], max_tokens: int) -> None:
         if not prompt:
             raise MlxkvError("prompt is empty")
         if max_tokens < 1:
             raise MlxkvError(f"max_tokens must be at least 1, got {max_tokens}")
-        if temperature < 0:
-            raise MlxkvError(f"temperature must be >= 0, got {temperature}")
         limit = self.loaded.max_context
         if limit is not None and len(prompt) > limit:
             raise MlxkvError(f"prompt has {len(prompt)} tokens but the model's context is {limit}")

@@ -10,19 +10,41 @@ request leaves every other request's randomness alone.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_sampler
+
+from mlxkv.errors import MlxkvError
 
 
 def make_request_sampler(
     temperature: float, top_p: float, min_p: float, top_k: int, seed: int | None
 ) -> Callable[[mx.array], mx.array]:
     """logprobs `[1, vocab]` -> token `[1]`: greedy at temperature 0."""
+    check_sampling(temperature, top_p, min_p, top_k, seed)
     if temperature == 0 or seed is None:
         return make_sampler(temp=temperature, top_p=top_p, min_p=min_p, top_k=top_k)
     return SeededSampler(temperature, top_p, min_p, top_k, seed)
+
+
+MAX_SEED = 2**64 - 1  # MLX keys are 64 bits
+
+
+def check_sampling(temperature: float, top_p: float, min_p: float, top_k: int, seed: int | None = None) -> None:
+    """Raise MlxkvError for options a sampler would silently misread (a top_p
+    of 2 turned top-p off; a NaN temperature passed every comparison) or fail
+    on (a negative seed was a TypeError from mx.random.key)."""
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise MlxkvError(f"temperature must be >= 0, got {temperature}")
+    for name, value in (("top_p", top_p), ("min_p", min_p)):
+        if not 0 <= value <= 1:
+            raise MlxkvError(f"{name} must be between 0 and 1 (0 turns it off), got {value}")
+    if top_k < 0:
+        raise MlxkvError(f"top_k must be >= 0 (0 turns it off), got {top_k}")
+    if seed is not None and not 0 <= seed <= MAX_SEED:
+        raise MlxkvError(f"seed must be between 0 and {MAX_SEED}, got {seed}")
 
 
 class SeededSampler:

@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from mlxkv.errors import MlxkvError
+
 
 def mlxkv(*args, input=None, env=None):
     return subprocess.run(
@@ -76,12 +78,51 @@ def test_bad_input_is_one_line_and_exit_2(llama_dir, args, message):
     assert len(lines) == 1 and message in lines[0], out.stderr
 
 
-@pytest.mark.parametrize("flag", ["--memory-tier-mb", "--disk-tier-mb"])
-@pytest.mark.parametrize("value, message", [("-5", "must be 0 or more, got -5"), ("lots", "whole number of MB")])
-def test_tier_budgets_are_checked_in_the_units_given(flag, value, message):
-    out = mlxkv("generate", "--model", "demo", "--prompt", "hi", flag, value)
+@pytest.mark.parametrize(
+    "command, flag, value, message",
+    [
+        ("generate", "--memory-tier-mb", "-5", "must be 0 or more, got -5"),  # not "-5242880" bytes
+        ("generate", "--disk-tier-mb", "lots", "expected a whole number, got 'lots'"),
+        ("generate", "--top-p", "2", "must be between 0 and 1, got 2"),  # was top-p off, silently
+        ("generate", "--temp", "nan", "must be 0 or more, got nan"),
+        ("generate", "--max-tokens", "0", "must be at least 1, got 0"),
+        ("chat", "--temp", "-1", "must be 0 or more, got -1"),  # was refused only once the app was up
+        ("bench", "--prefix", "-1", "must be 0 or more, got -1"),  # was run as a "-1-token prefix"
+    ],
+)
+def test_numeric_flags_are_checked_before_anything_runs(command, flag, value, message):
+    out = mlxkv(command, flag, value)
     assert out.returncode == 2
-    assert f"argument {flag}: " in out.stderr and message in out.stderr, out.stderr
+    [line] = [line for line in out.stderr.splitlines() if "error" in line]
+    assert line.endswith(f"error: argument {flag}: {message}"), out.stderr
+
+
+def test_a_seed_mlx_cannot_take_is_one_line(llama_dir):
+    out = mlxkv("generate", "--model", llama_dir, "--prompt", "hi", "--temp", "0.5", "--seed", "-1")
+    assert out.returncode == 2  # was a TypeError traceback from mx.random.key
+    assert out.stderr.strip().splitlines() == ["mlxkv: error: seed must be between 0 and 18446744073709551615, got -1"]
+
+
+def test_a_prompt_file_that_is_not_text_is_one_line(tmp_path):
+    binary = tmp_path / "blob"
+    binary.write_bytes(b"ok\xd1\x00\xff")
+    for args, name in ((["--prompt-file", str(binary)], str(binary)), (["--prompt-file", "-"], "-")):
+        out = subprocess.run([sys.executable, "-m", "mlxkv.cli", "generate", *args], input=binary.read_bytes(),
+                             capture_output=True, timeout=300)
+        assert out.returncode == 2
+        assert out.stderr.decode().strip().splitlines() == [
+            f"mlxkv: error: cannot read prompt file {name!r}: not UTF-8 text (byte 2)"]
+
+
+def test_sampling_options_the_sampler_would_misread_are_refused():
+    from mlxkv.sampling import check_sampling
+
+    check_sampling(0.7, 0.9, 0.05, 40)
+    for bad, match in (((-1, 0, 0, 0), "temperature"), ((float("nan"), 0, 0, 0), "temperature"),
+                       ((1, 1.5, 0, 0), "top_p"), ((1, 0, -0.1, 0), "min_p"), ((1, 0, 0, -1), "top_k"),
+                       ((1, 0, 0, 0, -1), "seed"), ((1, 0, 0, 0, 2**64), "seed")):
+        with pytest.raises(MlxkvError, match=match):
+            check_sampling(*bad)
 
 
 def test_unusable_disk_tier_is_one_warning_line_and_left_out(llama_dir, tmp_path):
