@@ -258,6 +258,18 @@ async def test_a_refused_request_is_a_notification_not_a_crash(tmp_path):
         engines[0].handles[0]._put(RequestFailed("prompt (5000 tokens) needs 400 blocks"))
         await idle(pilot)
         assert any("400 blocks" in n.message for n in app._notifications)
+        # Unsent: kept, it would be resent (and refused) with every later message.
+        box = app.chat_screen.query_one(PromptInput)
+        assert box.text == "go" and not app.chat_screen.query(MessageView)
+        cid = app.chat_screen.conversation_id
+        assert store.messages(cid) == []
+        await pilot.press("enter")  # sent again as it is, and refused again, with text typed meanwhile
+        await wait_until(pilot, lambda: len(engines[0].handles) == 2, what="the second request")
+        await pilot.press(*"draft")
+        engines[0].handles[1]._put(RequestFailed("prompt (5000 tokens) needs 400 blocks"))
+        await idle(pilot)
+        assert box.text == "draft"  # the box is not overwritten: the message stays in the chat
+        assert [m.content for m in store.messages(cid)] == ["go"]
         assert [v.role for v in app.chat_screen.query(MessageView)] == ["user"]
 
 

@@ -77,6 +77,10 @@ class ActiveReply:
     kind: str  # "reply", or "prefill" when a reopened chat's prefix is loaded
     pacer: Pacer  # the screen's own, shared by its replies
     view: MessageView | None = None
+    # The user's message this reply answers (its row and view), taken back
+    # if the engine refuses it: see ChatScreen._take_back.
+    question_id: int | None = None
+    question_view: MessageView | None = None
     tokens: int = 0
     first_token_at: float | None = None
     live_shown_at: float = 0.0

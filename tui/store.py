@@ -158,16 +158,22 @@ class ChatStore:
 
     # -- messages ---------------------------------------------------------
 
-    def add_message(self, conversation_id: int, message: Message) -> None:
+    def add_message(self, conversation_id: int, message: Message) -> int:
+        """Append `message`; returns its id."""
         now = time.time()
         stats = json.dumps(message.stats) if message.stats is not None else None
         with self.db:
-            self.db.execute(
+            cur = self.db.execute(
                 "INSERT INTO messages (conversation_id, role, content, finish_reason, stats, created_at) "
                 "VALUES (?, ?, ?, ?, ?, ?)",
                 (conversation_id, message.role, message.content, message.finish_reason, stats, now),
             )
             self.db.execute("UPDATE conversations SET updated_at = ? WHERE id = ?", (now, conversation_id))
+        return cur.lastrowid
+
+    def delete_message(self, message_id: int) -> None:
+        with self.db:
+            self.db.execute("DELETE FROM messages WHERE id = ?", (message_id,))
 
     def messages(self, conversation_id: int) -> list[Message]:
         rows = self.db.execute(

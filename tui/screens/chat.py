@@ -167,29 +167,31 @@ class ChatScreen(Screen[None]):
         cid = self.conversation_id
         if self.store.get(cid).title == NEW_CHAT_TITLE and not self.store.messages(cid):
             self.store.rename(cid, text.splitlines()[0][:48])
-        self.store.add_message(cid, Message("user", text))
+        question_id = self.store.add_message(cid, Message("user", text))
         self._show_list()
         log = self.query_one(ChatLog)
-        await log.add(MessageView("user", text))
+        question = await log.add(MessageView("user", text))
         view = await log.add(MessageView("assistant"))
         log.anchor()  # sending takes the view back to the end
         # Start once the new messages are drawn: that drawing is then done
         # before the first token, not while the engine decodes.
         self._starting = True
-        self.call_after_refresh(self._start, "reply", cid, view, **self.app.generation)
+        self.call_after_refresh(self._start, "reply", cid, view, question_id=question_id, question_view=question,
+                                **self.app.generation)
 
     def _prefill(self) -> None:
         """Load a reopened chat's prefix into the pool now (from a tier if it is there)."""
         if self.engine_ready and self.store.messages(self.conversation_id):
             self._start("prefill", self.conversation_id, None, max_tokens=1)
 
-    def _start(self, kind: str, conversation_id: int, view: MessageView | None, **options) -> None:
+    def _start(self, kind: str, conversation_id: int, view: MessageView | None,
+               question_id: int | None = None, question_view: MessageView | None = None, **options) -> None:
         self._starting = False
         if self.store.get(conversation_id) is None:
             return  # deleted before it could start
         handle = self.app.engine.submit(messages=self.store.prompt_messages(conversation_id), **options)
         self.pacer.start()
-        reply = ActiveReply(handle, conversation_id, kind, self.pacer, view)
+        reply = ActiveReply(handle, conversation_id, kind, self.pacer, view, question_id, question_view)
         self.replies[reply.id] = reply
         self._relay(reply)
 
@@ -215,13 +217,32 @@ class ChatScreen(Screen[None]):
         record = message.record
         stats = None if record.stats is None else as_dict(record.stats)
         if record.finish_reason == "error":
-            self.notify(record.message, title="The engine could not answer", severity="error", timeout=8)
+            taken_back = reply.tokens == 0 and await self._take_back(reply)
+            note = "\nYour message is back in the box, to edit." if taken_back else ""
+            self.notify(record.message + note, title="The engine could not answer", severity="error",
+                        timeout=8, markup=False)
         if reply.view is not None:
             await self._keep_reply(reply, record.finish_reason, stats)
         if stats is not None and reply.conversation_id == self.conversation_id:
             self.query_one(CachePanel).show_turn(stats, reply.kind)
         del self.replies[reply.id]  # last: the reply counts as running until it is kept
         self._draw_snapshot(force=True)
+
+    async def _take_back(self, reply: ActiveReply) -> bool:
+        """Unsend the message the engine refused (e.g. a paste longer than the
+        context): kept, it would be resent, and refused, with every later
+        message of the chat. Only into an empty box of its own open chat;
+        otherwise it stays where it is."""
+        box = self.query_one(PromptInput)
+        question = reply.question_view
+        if question is None or reply.conversation_id != self.conversation_id or box.text:
+            return False
+        self.store.delete_message(reply.question_id)
+        if question.is_attached:
+            await question.remove()
+        box.text = question.text
+        box.move_cursor(box.document.end)
+        return True
 
     async def _keep_reply(self, reply: ActiveReply, finish_reason: str, stats: dict | None) -> None:
         view = reply.view
