@@ -46,7 +46,7 @@ def _add_cache_flags(p: argparse.ArgumentParser, model_help: str | None = None) 
     p.add_argument("--memory-tier-mb", type=_number(int, 0), default=256, help="unified-memory tier budget (0 turns it off)")
     p.add_argument("--memory-tier-bits", type=int, default=None, choices=[4, 8], help="quantize memory-tier blocks")
     p.add_argument("--disk-tier", default=None, metavar="DIR", help="SSD tier directory (persists across runs)")
-    p.add_argument("--disk-tier-mb", type=_number(int, 0), default=None, help="SSD tier budget")
+    p.add_argument("--disk-tier-mb", type=_number(int, 1), default=None, help="SSD tier budget")
     p.add_argument("--no-disk-tier", action="store_true", help="turn the SSD tier off")
 
 

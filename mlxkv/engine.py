@@ -41,7 +41,22 @@ def _physical_memory() -> int:
 
 
 def size_pool(cfg: CacheConfig, layout: KVLayout, max_context: int | None) -> int:
-    """Number of blocks: asked for, from a byte budget, or a share of memory."""
+    """Number of blocks: asked for, from a byte budget, or a share of memory;
+    never more than the machine's memory holds."""
+    blocks = _pool_blocks(cfg, layout, max_context)
+    need, memory = blocks * layout.bytes_per_block, _physical_memory()
+    if need > memory:
+        # MLX does not fail an allocation it cannot make: the process died
+        # with a segmentation fault.
+        raise MlxkvError(
+            f"a KV pool of {blocks:,} block{'s' * (blocks != 1)} of {layout.block_size:,} tokens needs "
+            f"{need / 2**30:,.1f} GiB, "
+            f"more than this machine's {memory / 2**30:,.1f} GiB; lower --num-blocks or --block-size"
+        )
+    return blocks
+
+
+def _pool_blocks(cfg: CacheConfig, layout: KVLayout, max_context: int | None) -> int:
     if cfg.num_blocks is not None:
         return cfg.num_blocks
     if cfg.memory_budget_bytes is not None:
@@ -98,7 +113,24 @@ class Engine:
     def _prompt_tokens(self, prompt) -> list[int]:
         if isinstance(prompt, str):
             return self.encode(prompt) if prompt else []
-        return [int(t) for t in prompt]
+        return self._check_token_ids(prompt)
+
+    def _check_token_ids(self, prompt) -> list[int]:
+        """Token ids as ints, each a row of the embedding table. MLX does not
+        bounds-check the embedding lookup: id 5000 in a 1024-token vocabulary
+        was a segmentation fault, not an error."""
+        try:
+            tokens = [int(t) for t in prompt]
+        except (TypeError, ValueError):
+            raise MlxkvError("a prompt is text or a list of token ids (whole numbers)") from None
+        if any(t != original for t, original in zip(tokens, prompt)):
+            raise MlxkvError("token ids must be whole numbers")
+        vocab = self.loaded.vocab_size
+        bad = next((t for t in tokens if t < 0 or (vocab is not None and t >= vocab)), None)
+        if bad is not None:
+            size = f" of {vocab} tokens" if vocab is not None else ""
+            raise MlxkvError(f"token id {bad} is outside the model's vocabulary{size}")
+        return tokens
 
     # -- generation -------------------------------------------------------
 

@@ -32,6 +32,11 @@ class LoadedModel:
         return self.config.get("max_position_embeddings")
 
     @property
+    def vocab_size(self) -> int | None:
+        """Rows of the embedding table: a token id must be below it."""
+        return self.config.get("vocab_size") or self.config.get("text_config", {}).get("vocab_size")
+
+    @property
     def num_layers(self) -> int:
         return len(self.model.layers)
 

@@ -66,6 +66,9 @@ def test_no_prefix_cache_flag(llama_dir):
         (["--prompt", ""], "prompt is empty"),
         (["--prompt", "hi", "--block-size", "12"], "power of two"),
         (["--prompt", "hi", "--num-blocks", "2", "--max-tokens", "64"], "pool has 2"),
+        # More KV than the machine has: MLX's failed allocation was a segfault.
+        (["--prompt", "hi", "--num-blocks", str(10**9)], "GiB, more than this machine's"),
+        (["--prompt", "hi", "--block-size", str(2**30)], "a KV pool of 1 block of 1,073,741,824 tokens"),
         (["--prompt", "hi " * 2100, "--raw"], "context is 4096"),
         (["--prompt-file", "/no/such/file"], "cannot read prompt file"),
         ([], "no prompt given"),

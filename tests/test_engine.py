@@ -144,6 +144,11 @@ def test_stats_describe_the_pool(engine):
         ("", {}, "prompt is empty"),
         (tokens(5), {"max_tokens": 0}, "max_tokens"),
         (tokens(5), {"temperature": -1.0}, "temperature"),
+        # MLX does not bounds-check the embedding: these were a segfault.
+        ([3, 10**6], {}, "token id 1000000 is outside the model's vocabulary of"),
+        ([-1, 3], {}, "token id -1 is outside"),
+        ([3, 1.5], {}, "whole numbers"),
+        ([3, "a"], {}, "list of token ids"),
         (tokens(300), {"max_tokens": 10}, "pool has 32"),
     ],
 )
