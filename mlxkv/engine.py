@@ -23,7 +23,7 @@ from mlxkv.model_loader import LoadedModel, load_model, probe_kv_layout
 from mlxkv.model_runner import ModelRunner
 from mlxkv.records import GenerationChunk, GenerationResult, RequestFailed, RequestStats
 from mlxkv.request import Request
-from mlxkv.sampling import make_request_sampler
+from mlxkv.sampling import make_request_sampler, whole
 from mlxkv.sequence import Sequence
 
 # Same prefill chunk as mlx-lm's generate_step, so both compute the same
@@ -220,9 +220,14 @@ class Engine:
         seed: int | None = None,
         cache_salt: str | None = None,
     ):
-        """A request's checked prompt tokens, its sampler and its hash root."""
+        """A request's checked prompt tokens, its sampler and its hash root.
+
+        Options are checked before the pool fit, so a bad one is named
+        rather than a pool too small for it."""
         prompt_tokens = self._prompt_tokens(prompt)
         sampler = make_request_sampler(temperature, top_p, min_p, top_k, seed)  # checks those options
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise MlxkvError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
         self._check_request(prompt_tokens, max_tokens)
         root = root_hash(self.fingerprint, cache_salt) if self.cache_config.prefix_cache else None
         return prompt_tokens, sampler, root
@@ -230,8 +235,8 @@ class Engine:
     def _check_request(self, prompt: list[int], max_tokens: int) -> None:
         if not prompt:
             raise MlxkvError("prompt is empty")
-        if max_tokens < 1:
-            raise MlxkvError(f"max_tokens must be at least 1, got {max_tokens}")
+        if not whole(max_tokens) or max_tokens < 1:
+            raise MlxkvError(f"max_tokens must be a whole number, at least 1, got {max_tokens!r}")
         limit = self.loaded.max_context
         if limit is not None and len(prompt) > limit:
             raise MlxkvError(f"prompt has {len(prompt)} tokens but the model's context is {limit}")

@@ -11,6 +11,7 @@ request leaves every other request's randomness alone.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable
 
 import mlx.core as mx
@@ -41,10 +42,15 @@ def check_sampling(temperature: float, top_p: float, min_p: float, top_k: int, s
     for name, value in (("top_p", top_p), ("min_p", min_p)):
         if not 0 <= value <= 1:
             raise MlxkvError(f"{name} must be between 0 and 1 (0 turns it off), got {value}")
-    if top_k < 0:
-        raise MlxkvError(f"top_k must be >= 0 (0 turns it off), got {top_k}")
-    if seed is not None and not 0 <= seed <= MAX_SEED:
-        raise MlxkvError(f"seed must be between 0 and {MAX_SEED}, got {seed}")
+    if not whole(top_k) or top_k < 0:
+        raise MlxkvError(f"top_k must be a whole number >= 0 (0 turns it off), got {top_k!r}")
+    if seed is not None and not (whole(seed) and 0 <= seed <= MAX_SEED):
+        raise MlxkvError(f"seed must be a whole number from 0 to {MAX_SEED}, got {seed!r}")
+
+
+def whole(value) -> bool:
+    """An integer (numpy's too), not a bool or a float."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 class SeededSampler:
@@ -52,7 +58,7 @@ class SeededSampler:
 
     def __init__(self, temperature: float, top_p: float, min_p: float, top_k: int, seed: int):
         self.temperature, self.top_p, self.min_p, self.top_k = temperature, top_p, min_p, top_k
-        self.key = mx.random.key(seed)
+        self.key = mx.random.key(int(seed))
 
     def __call__(self, logprobs: mx.array) -> mx.array:
         if 0 < self.top_p < 1:

@@ -103,7 +103,7 @@ def test_numeric_flags_are_checked_before_anything_runs(command, flag, value, me
 def test_a_seed_mlx_cannot_take_is_one_line(llama_dir):
     out = mlxkv("generate", "--model", llama_dir, "--prompt", "hi", "--temp", "0.5", "--seed", "-1")
     assert out.returncode == 2  # was a TypeError traceback from mx.random.key
-    assert out.stderr.strip().splitlines() == ["mlxkv: error: seed must be between 0 and 18446744073709551615, got -1"]
+    assert out.stderr.strip().splitlines() == ["mlxkv: error: seed must be a whole number from 0 to 18446744073709551615, got -1"]
 
 
 def test_a_prompt_file_that_is_not_text_is_one_line(tmp_path):

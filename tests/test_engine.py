@@ -149,6 +149,9 @@ def test_stats_describe_the_pool(engine):
         ([-1, 3], {}, "token id -1 is outside"),
         ([3, 1.5], {}, "whole numbers"),
         ([3, "a"], {}, "list of token ids"),
+        (tokens(5), {"max_tokens": 1.5}, "whole number"),  # was 2 tokens, silently
+        (tokens(5), {"cache_salt": 5}, "cache_salt must be a string"),  # was an AttributeError
+        (tokens(5), {"temperature": 1.0, "top_k": 1.5}, "top_k must be a whole number"),  # failed mid-step
         (tokens(300), {"max_tokens": 10}, "pool has 32"),
     ],
 )
