@@ -16,6 +16,7 @@ import json
 import mlxkv  # noqa: F401  (first: loads the real BLAS before mlx)
 from mlxkv.config import CacheConfig
 from mlxkv.engine import Engine
+from mlxkv.errors import MlxkvError
 
 BLOCK = 16
 
@@ -56,4 +57,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except MlxkvError as e:  # a bad --model or --disk-tier: one line, as the CLI says it
+        raise SystemExit(f"kv_cache_connector.py: error: {e}") from None
