@@ -273,6 +273,21 @@ async def test_a_refused_request_is_a_notification_not_a_crash(tmp_path):
         assert [v.role for v in app.chat_screen.query(MessageView)] == ["user"]
 
 
+@pilot_test
+async def test_an_engine_error_with_brackets_is_shown_as_text(tmp_path):
+    from mlxkv.engine_thread import RequestFailed
+
+    app, store, engines = make_app(tmp_path, auto=False)
+    async with app.run_test(size=SIZE, notifications=True) as pilot:  # toasts drawn, as in a terminal
+        await type_and_send(pilot, "go")
+        # MLX's messages look like this; read as markup, "[/]" crashed the toast.
+        engines[0].handles[0]._put(RequestFailed("ValueError: [convert] Only length-1 arrays [/]"))
+        await idle(pilot)
+        toasts = "\n".join(shown(toast) for toast in app.screen.query("Toast"))
+        assert "[convert] Only length-1 arrays [/]" in toasts
+        assert app.is_running
+
+
 def test_every_binding_has_an_id_and_a_tooltip():
     modules = [tui.app, tui.screens.chat, tui.screens.confirm, tui.screens.error, tui.screens.rename,
                tui.screens.system_prompt, tui.widgets.prompt_input]
