@@ -17,14 +17,14 @@ from tui_support import pilot_test, shown, wait_until
 SIZE = (140, 44)
 
 
-def make_app(tmp_path, model, max_tokens=48, num_blocks=512, disk_tier=None):
+def make_app(tmp_path, model, max_tokens=48, num_blocks=512, disk_tier=None, model_name="tiny"):
     cache = CacheConfig(block_size=8, num_blocks=num_blocks, disk_tier=str(disk_tier or tmp_path / "kv"))
 
     def start(on_event):
         return EngineThread(model, cache, on_event=on_event).start()
 
     store = ChatStore(tmp_path / "chats.sqlite3")
-    app = ChatApp(start, store, model_name="tiny", generation={"max_tokens": max_tokens}, cursor_blink=False)
+    app = ChatApp(start, store, model_name=model_name, generation={"max_tokens": max_tokens}, cursor_blink=False)
     return app, store
 
 
@@ -177,12 +177,15 @@ async def test_a_reply_streams_on_while_another_chat_is_opened_and_its_prefix_hy
 
 @pilot_test
 async def test_a_model_that_fails_to_load_shows_an_error_screen(tmp_path):
-    app, _ = make_app(tmp_path, str(tmp_path / "no-such-model"))
-    async with app.run_test(size=SIZE) as pilot:
-        await wait_until(pilot, lambda: isinstance(app.screen, ErrorScreen), what="the error screen")
-        assert "model not found" in shown(app.screen.query_one("#error-message"))
-        await pilot.press("q")
-    assert app.return_code == 2
+    for name in ("no-such-model", "[/]x"):  # a name is text: read as markup, "[/]" crashed two screens
+        app, _ = make_app(tmp_path, str(tmp_path / name), model_name=name)
+        async with app.run_test(size=SIZE) as pilot:
+            await wait_until(pilot, lambda: isinstance(app.screen, ErrorScreen)
+                             and "model not found" in shown(app.screen.query_one("#error-message")),
+                             what="the error screen")
+            assert name in shown(app.screen.query_one("#error-title"))
+            await pilot.press("q")
+        assert app.return_code == 2
 
 
 @pilot_test

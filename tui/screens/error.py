@@ -26,7 +26,7 @@ class ErrorScreen(Screen[None]):
 
     def compose(self) -> ComposeResult:
         with Vertical(id="error-box", classes="dialog"):
-            yield Label(self.error_title, id="error-title")
+            yield Label(self.error_title, id="error-title", markup=False)  # it names the model
             yield Static(self.message, id="error-message", markup=False)
             yield Static(HINT, id="error-hint")
         yield Footer()

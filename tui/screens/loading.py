@@ -5,6 +5,7 @@ from __future__ import annotations
 from textual.app import ComposeResult
 from textual.containers import Vertical
 from textual.screen import ModalScreen
+from textual.markup import escape
 from textual.widgets import Label, ProgressBar
 
 
@@ -15,8 +16,10 @@ class LoadingScreen(ModalScreen[None]):
 
     def compose(self) -> ComposeResult:
         with Vertical(id="loading-box", classes="dialog"):
-            yield Label(f"Loading [b]{self.model}[/b]", id="loading-title")
-            yield Label("starting the engine thread", id="loading-status")
+            # Model names and progress lines are text, not markup: a path
+            # with "[/]" in it crashed the app before the error screen.
+            yield Label(f"Loading [b]{escape(self.model)}[/b]", id="loading-title")
+            yield Label("starting the engine thread", id="loading-status", markup=False)
             yield ProgressBar(total=None, show_eta=False, id="loading-progress")
 
     def show_progress(self, text: str, fraction: float | None) -> None:
