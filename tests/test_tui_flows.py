@@ -179,6 +179,46 @@ async def test_a_chat_deleted_by_another_window_is_noticed_not_a_crash(tmp_path)
 
 
 @pilot_test
+async def test_a_chat_database_that_cannot_be_written_is_a_notification(tmp_path):
+    app, store, engines = make_app(tmp_path, auto=False)
+
+    def not_saved() -> bool:
+        found = any("cannot save to the chat database" in n.message for n in app._notifications)
+        app._notifications.clear()
+        return found
+
+    async with app.run_test(size=SIZE) as pilot:
+        await type_and_send(pilot, "saved")
+        await wait_until(pilot, lambda: engines[0].handles, what="the request")
+        store.db.execute("PRAGMA query_only = ON")  # every write fails, as on a full disk
+        engines[0].handles[0]._put(GenerationChunk("a reply", 0, "length", fixed_stats()))
+        await idle(pilot)
+        assert not_saved() and app.chat_screen.query(MessageView).last().text == "a reply"  # still shown
+        await type_and_send(pilot, "unsaved")
+        await pilot.pause()
+        assert not_saved() and app.chat_screen.query_one(PromptInput).text == "unsaved"  # nothing lost
+        assert len(engines[0].handles) == 1  # and nothing sent
+        await pilot.press("ctrl+n")
+        await pilot.pause()
+        assert not_saved() and len(store.conversations()) == 1
+        await pilot.press("f2")
+        await wait_until(pilot, lambda: isinstance(app.screen, RenameScreen))
+        await pilot.press("x", "enter")
+        await wait_until(pilot, lambda: app.screen is app.chat_screen)
+        assert not_saved()
+        await pilot.press("f8")
+        await wait_until(pilot, lambda: isinstance(app.screen, ConfirmScreen))
+        await pilot.press("y")
+        await wait_until(pilot, lambda: app.screen is app.chat_screen)
+        assert not_saved() and len(store.conversations()) == 1
+        store.db.execute("PRAGMA query_only = OFF")  # space again: the kept text goes out
+        app.chat_screen.query_one(PromptInput).focus()
+        await pilot.press("enter")
+        await wait_until(pilot, lambda: len(engines[0].handles) == 2, what="the resent message")
+        assert [m.content for m in store.messages(app.chat_screen.conversation_id)] == ["saved", "unsaved"]
+
+
+@pilot_test
 async def test_the_view_follows_the_stream_only_at_the_bottom(tmp_path):
     app, store, engines = make_app(tmp_path, auto=False)
     async with app.run_test(size=SIZE) as pilot:

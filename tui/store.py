@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import sqlite3
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -115,11 +116,21 @@ class ChatStore:
     def close(self) -> None:
         self.db.close()
 
+    @contextmanager
+    def _writing(self):
+        """One write transaction. A write that fails (disk full, an I/O error,
+        a read-only file) is an MlxkvError the app can show, not a crash."""
+        try:
+            with self.db:
+                yield
+        except sqlite3.Error as e:
+            raise MlxkvError(f"cannot save to the chat database {self.path}: {e}") from None
+
     # -- conversations ----------------------------------------------------
 
     def create(self, title: str = "New chat", system_prompt: str = "", model: str = "") -> Conversation:
         now = time.time()
-        with self.db:
+        with self._writing():
             cur = self.db.execute(
                 "INSERT INTO conversations (title, system_prompt, model, created_at, updated_at) "
                 "VALUES (?, ?, ?, ?, ?)",
@@ -143,17 +154,17 @@ class ChatStore:
         return Conversation(*row) if row else None
 
     def rename(self, conversation_id: int, title: str) -> None:
-        with self.db:
+        with self._writing():
             self.db.execute("UPDATE conversations SET title = ? WHERE id = ?", (title, conversation_id))
 
     def set_system_prompt(self, conversation_id: int, system_prompt: str) -> None:
-        with self.db:
+        with self._writing():
             self.db.execute(
                 "UPDATE conversations SET system_prompt = ? WHERE id = ?", (system_prompt, conversation_id)
             )
 
     def delete(self, conversation_id: int) -> None:
-        with self.db:
+        with self._writing():
             self.db.execute("DELETE FROM conversations WHERE id = ?", (conversation_id,))
 
     # -- messages ---------------------------------------------------------
@@ -162,7 +173,7 @@ class ChatStore:
         """Append `message`; returns its id."""
         now = time.time()
         stats = json.dumps(message.stats) if message.stats is not None else None
-        with self.db:
+        with self._writing():
             cur = self.db.execute(
                 "INSERT INTO messages (conversation_id, role, content, finish_reason, stats, created_at) "
                 "VALUES (?, ?, ?, ?, ?, ?)",
@@ -172,7 +183,7 @@ class ChatStore:
         return cur.lastrowid
 
     def delete_message(self, message_id: int) -> None:
-        with self.db:
+        with self._writing():
             self.db.execute("DELETE FROM messages WHERE id = ?", (message_id,))
 
     def messages(self, conversation_id: int) -> list[Message]:

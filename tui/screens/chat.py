@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 
 from textual import work
 from textual.app import ComposeResult
@@ -11,6 +12,7 @@ from textual.containers import Horizontal, Vertical
 from textual.screen import Screen
 from textual.widgets import Footer, Header, OptionList
 
+from mlxkv.errors import MlxkvError
 from mlxkv.pool_view import PoolSnapshot
 from tui.cache_stats import as_dict
 from tui.messages import ReplyDelta, ReplyEnded
@@ -26,6 +28,16 @@ from tui.widgets.message_view import MessageView
 from tui.widgets.prompt_input import PromptInput
 
 NEW_CHAT_TITLE = "New chat"
+
+
+class _Saved:
+    """Whether a `ChatScreen._saving()` block ran to its end."""
+
+    ok = False
+
+    def __bool__(self) -> bool:
+        return self.ok
+
 # While a reply streams, the pool view is redrawn with the reply's updates,
 # at most this often (the first snapshot of a turn, with its prefix hits,
 # comes with the first token and is drawn at once).
@@ -163,11 +175,14 @@ class ChatScreen(Screen[None]):
         if not await self._still_here():
             return  # the text stays in the box, to send again here
         text = event.text.strip()
-        event.prompt_input.clear()
         cid = self.conversation_id
-        if self.store.get(cid).title == NEW_CHAT_TITLE and not self.store.messages(cid):
-            self.store.rename(cid, text.splitlines()[0][:48])
-        question_id = self.store.add_message(cid, Message("user", text))
+        with self._saving() as saved:
+            if self.store.get(cid).title == NEW_CHAT_TITLE and not self.store.messages(cid):
+                self.store.rename(cid, text.splitlines()[0][:48])
+            question_id = self.store.add_message(cid, Message("user", text))
+        if not saved:
+            return  # the text stays in the box
+        event.prompt_input.clear()
         self._show_list()
         log = self.query_one(ChatLog)
         question = await log.add(MessageView("user", text))
@@ -237,7 +252,10 @@ class ChatScreen(Screen[None]):
         question = reply.question_view
         if question is None or reply.conversation_id != self.conversation_id or box.text:
             return False
-        self.store.delete_message(reply.question_id)
+        with self._saving() as saved:
+            self.store.delete_message(reply.question_id)
+        if not saved:
+            return False
         if question.is_attached:
             await question.remove()
         box.text = question.text
@@ -251,7 +269,21 @@ class ChatScreen(Screen[None]):
             if not view.text:
                 await view.remove()
         if view.text and self.store.get(reply.conversation_id) is not None:
-            self.store.add_message(reply.conversation_id, Message("assistant", view.text, finish_reason, stats))
+            with self._saving():  # if not, the reply stays on screen, and the notification says why
+                self.store.add_message(reply.conversation_id, Message("assistant", view.text, finish_reason, stats))
+
+    @contextmanager
+    def _saving(self):
+        """Around chat database writes: one that fails (disk full, a read-only
+        file) is a notification, the rest of the block is skipped, and the
+        app goes on. `saved` says whether the block ran to its end."""
+        saved = _Saved()
+        try:
+            yield saved
+        except MlxkvError as e:
+            self.notify(str(e), title="Not saved", severity="error", timeout=10, markup=False)
+            return
+        saved.ok = True
 
     # -- actions ---------------------------------------------------------
 
@@ -263,7 +295,11 @@ class ChatScreen(Screen[None]):
             self.reply.handle.cancel()
 
     async def action_new_chat(self) -> None:
-        await self.open_conversation(self.store.create(NEW_CHAT_TITLE).id)
+        with self._saving() as saved:
+            conversation = self.store.create(NEW_CHAT_TITLE)
+        if not saved:
+            return
+        await self.open_conversation(conversation.id)
         self.query_one(PromptInput).focus()
 
     async def action_rename(self) -> None:
@@ -273,7 +309,8 @@ class ChatScreen(Screen[None]):
 
         def rename(title: str | None) -> None:
             if title:
-                self.store.rename(cid, title)
+                with self._saving():
+                    self.store.rename(cid, title)
                 self._show_list()
 
         self.app.push_screen(RenameScreen(self.store.get(cid).title), rename)
@@ -285,7 +322,10 @@ class ChatScreen(Screen[None]):
 
         async def save(text: str | None) -> None:
             if text is not None and self.store.get(cid) is not None:
-                self.store.set_system_prompt(cid, text)
+                with self._saving() as saved:
+                    self.store.set_system_prompt(cid, text)
+                if not saved:
+                    return
                 if cid == self.conversation_id:
                     self.conversation_id = None
                     await self.open_conversation(cid)
@@ -301,8 +341,11 @@ class ChatScreen(Screen[None]):
         async def delete(yes: bool | None) -> None:
             if not yes:
                 return
+            with self._saving() as saved:
+                self.store.delete(cid)
+            if not saved:
+                return
             self._cancel(cid)
-            self.store.delete(cid)
             await self._open_any()
 
         self.app.push_screen(ConfirmScreen(f"Delete the chat {self.store.get(cid).title!r}?"), delete)
