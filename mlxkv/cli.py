@@ -13,7 +13,7 @@ import os
 import sys
 import warnings
 
-from mlxkv.errors import MlxkvError, MlxkvWarning
+from mlxkv.errors import MlxkvError, MlxkvWarning, warning_text
 
 
 def _number(kind: type, low: float, high: float | None = None):
@@ -308,8 +308,7 @@ def _show_warning(message, category, filename, lineno, file=None, line=None) -> 
     """Our warnings as one line, like our errors (Python's own format adds the
     file, the line number and a line of our source)."""
     if issubclass(category, MlxkvWarning):
-        text = str(message).removeprefix("mlxkv: ")
-        print(f"mlxkv: warning: {text}", file=file or sys.stderr)
+        print(f"mlxkv: warning: {warning_text(message)}", file=file or sys.stderr)
     else:
         _python_showwarning(message, category, filename, lineno, file, line)
 

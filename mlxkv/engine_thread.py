@@ -29,7 +29,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from mlxkv.config import CacheConfig
-from mlxkv.errors import MlxkvError, MlxkvWarning
+from mlxkv.errors import MlxkvError, MlxkvWarning, warning_text
 from mlxkv.records import GenerationChunk, RequestFailed, is_last  # noqa: F401  (re-exported)
 
 # Pool snapshots during a reply: at most this often (they cost O(blocks)).
@@ -266,7 +266,7 @@ class EngineThread:
             return False
         self._ready.set()
         self.on_event(EngineEvent("ready", self.model, info=self.engine.stats(), snapshot=self.watcher.snapshot(),
-                                  warnings=[str(w.message).removeprefix("mlxkv: ") for w in caught]))
+                                  warnings=[warning_text(w.message) for w in caught]))
         return True
 
     def _serve(self) -> None:

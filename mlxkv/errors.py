@@ -20,3 +20,8 @@ class MlxkvWarning(RuntimeWarning):
     The CLI prints these as one line; the chat app shows them on screen,
     where a line on stderr would be lost under the UI.
     """
+
+
+def warning_text(message) -> str:
+    """An MlxkvWarning's message without its "mlxkv: " (the CLI and the app add their own)."""
+    return str(message).removeprefix("mlxkv: ")

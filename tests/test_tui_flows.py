@@ -50,6 +50,15 @@ async def type_and_send(pilot, text):
     await pilot.press(*text, "enter")
 
 
+async def two_chats(pilot, first, second):
+    """Send `first`, then `second` in a new chat; both replies done."""
+    await type_and_send(pilot, first)
+    await idle(pilot)
+    await pilot.press("ctrl+n")
+    await type_and_send(pilot, second)
+    await idle(pilot)
+
+
 async def idle(pilot):
     await wait_until(pilot, lambda: not pilot.app.chat_screen.replies, what="replies to end")
     await pilot.app.workers.wait_for_complete()
@@ -117,11 +126,7 @@ async def test_each_chat_has_its_own_system_prompt(tmp_path):
 async def test_delete_asks_first_and_chats_survive_a_restart(tmp_path):
     app, store, engines = make_app(tmp_path)
     async with app.run_test(size=SIZE) as pilot:
-        await type_and_send(pilot, "keep me")
-        await idle(pilot)
-        await pilot.press("ctrl+n")
-        await type_and_send(pilot, "delete me")
-        await idle(pilot)
+        await two_chats(pilot, "keep me", "delete me")
         assert [c.title for c in store.conversations()] == ["delete me", "keep me"]
         await pilot.press("f8")
         await wait_until(pilot, lambda: isinstance(app.screen, ConfirmScreen))
@@ -146,11 +151,7 @@ async def test_a_chat_deleted_by_another_window_is_noticed_not_a_crash(tmp_path)
     app, store, engines = make_app(tmp_path)
     other = ChatStore(tmp_path / "chats.sqlite3")  # a second `mlxkv chat` on the same database
     async with app.run_test(size=SIZE) as pilot:
-        await type_and_send(pilot, "first chat")
-        await idle(pilot)
-        await pilot.press("ctrl+n")
-        await type_and_send(pilot, "second chat")
-        await idle(pilot)
+        await two_chats(pilot, "first chat", "second chat")
         second = app.chat_screen.conversation_id
         other.delete(second)
         await type_and_send(pilot, "unsent")

@@ -29,6 +29,11 @@ from tui.widgets.prompt_input import PromptInput
 
 NEW_CHAT_TITLE = "New chat"
 
+# While a reply streams, the pool view is redrawn with the reply's updates,
+# at most this often (the first snapshot of a turn, with its prefix hits,
+# comes with the first token and is drawn at once).
+SNAPSHOT_INTERVAL_WHILE_STREAMING_S = 1.0
+
 
 class _Saved:
     """Whether a `ChatScreen._saving()` block ran to its end."""
@@ -37,11 +42,6 @@ class _Saved:
 
     def __bool__(self) -> bool:
         return self.ok
-
-# While a reply streams, the pool view is redrawn with the reply's updates,
-# at most this often (the first snapshot of a turn, with its prefix hits,
-# comes with the first token and is drawn at once).
-SNAPSHOT_INTERVAL_WHILE_STREAMING_S = 1.0
 
 
 class ChatScreen(Screen[None]):
@@ -118,8 +118,7 @@ class ChatScreen(Screen[None]):
         """Show a chat. Replies streaming in other chats go on (the engine batches them)."""
         conversation = self.store.get(conversation_id)
         if conversation is None:  # listed here, deleted by another window since
-            self.notify("That chat was deleted in another window.", severity="warning")
-            await self._open_any()
+            await self._chat_gone()
             return
         self.conversation_id = conversation_id
         messages = self.store.messages(conversation_id)
@@ -145,9 +144,12 @@ class ChatScreen(Screen[None]):
         database may have deleted it; then say so and open another."""
         if self.store.get(self.conversation_id) is not None:
             return True
+        await self._chat_gone()
+        return False
+
+    async def _chat_gone(self) -> None:
         self.notify("This chat was deleted in another window.", severity="warning")
         await self._open_any()
-        return False
 
     def _show_list(self) -> None:
         conversation = self.store.get(self.conversation_id)
