@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from mlxkv.config import CacheConfig
 from mlxkv.engine_thread import EngineThread
 from tui.app import ChatApp
@@ -47,6 +49,27 @@ async def ready(pilot) -> None:
     await wait_until(pilot, lambda: pilot.app.chat_screen.engine_ready, what="the model to load")
 
 
+def stream_slowly(app, seconds_per_step: float = 0.01) -> None:
+    """Make the next reply outlast the test's steps, on any machine.
+
+    A random-weight model may say EOS at once, and on a fast machine the
+    tiny model writes 3000 tokens before a loaded CI runner's UI gets to
+    press Esc. With no EOS and a floor on each engine step, 3000 tokens
+    take at least 30 s; the sleep releases the GIL, so the UI is not slowed.
+    """
+    def slow(engine):
+        engine.tokenizer.eos_token_ids.clear()
+        forward = engine.runner.forward
+
+        def slowed(*args, **kwargs):
+            time.sleep(seconds_per_step)
+            return forward(*args, **kwargs)
+
+        engine.runner.forward = slowed
+
+    app.engine.call(slow).result(10)
+
+
 async def reply_done(pilot) -> None:
     await wait_until(pilot, lambda: not pilot.app.chat_screen.replies, what="the reply to end")
     await pilot.app.workers.wait_for_complete()
@@ -86,6 +109,7 @@ async def test_escape_mid_reply_keeps_the_partial_reply_and_the_app_usable(tmp_p
     app, store = make_app(tmp_path, llama_dir, max_tokens=3000)
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot)
+        stream_slowly(app)
         await send(pilot, "a long story please")
         await wait_until(pilot, lambda: assistant_views(app) and assistant_views(app)[-1].text, what="text")
         await pilot.press("escape")
@@ -149,8 +173,7 @@ async def test_a_reply_streams_on_while_another_chat_is_opened_and_its_prefix_hy
         await ready(pilot)
         await reply_done(pilot)  # A's own prefill
         assert screen.conversation_id == chat_a
-        # A random-weight model may say EOS early; this reply must stream for a while.
-        app.engine.call(lambda engine: engine.tokenizer.eos_token_ids.clear()).result(10)
+        stream_slowly(app)
         await send(pilot, "a long story please")
         await wait_until(pilot, lambda: screen.reply is not None and screen.reply.tokens > 0, what="A's reply")
         streaming = screen.reply
