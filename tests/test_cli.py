@@ -8,8 +8,10 @@ import subprocess
 import sys
 
 import pytest
+from faults import remount_read_only
 
 from mlxkv.errors import MlxkvError
+from tui.store import ChatStore
 
 
 def mlxkv(*args, input=None, env=None):
@@ -149,6 +151,17 @@ def test_chat_with_an_unusable_data_dir_is_one_line_and_exit_2(tmp_path):
     assert out.returncode == 2
     assert out.stderr.strip().splitlines() == [
         f"mlxkv: error: cannot open the chat database {a_file / 'chats.sqlite3'}: File exists"]
+
+
+def test_chat_on_a_database_that_cannot_be_written_is_one_line_and_exit_2(tmpfs):
+    data = tmpfs("1m")
+    ChatStore(data / "chats.sqlite3").close()  # no chat yet: the first one cannot be saved
+    remount_read_only(data)
+    out = mlxkv("chat", "--model", "demo", input="", env={**os.environ, "MLXKV_DATA_DIR": str(data)})
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == [
+        f"mlxkv: error: cannot save to the chat database {data / 'chats.sqlite3'}: "
+        "attempt to write a readonly database"]
 
 
 def test_unknown_model_and_unsupported_family(tmp_path):

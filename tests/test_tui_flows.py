@@ -220,6 +220,26 @@ async def test_a_chat_database_that_cannot_be_written_is_a_notification(tmp_path
 
 
 @pilot_test
+async def test_the_last_chat_deleted_elsewhere_while_writes_fail_is_not_a_crash(tmp_path):
+    app, store, engines = make_app(tmp_path)
+    other = ChatStore(tmp_path / "chats.sqlite3")
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_until(pilot, lambda: app.chat_screen.conversation_id is not None, what="the first chat")
+        gone = app.chat_screen.conversation_id
+        other.delete(gone)  # no chat left, and this window cannot make one
+        store.db.execute("PRAGMA query_only = ON")
+        await pilot.press("f2")
+        await wait_until(pilot, lambda: any("cannot save to the chat database" in n.message
+                                            for n in app._notifications), what="the notification")
+        assert app.screen is app.chat_screen and app.chat_screen.conversation_id == gone
+        store.db.execute("PRAGMA query_only = OFF")
+        await pilot.press("f2")  # the next action tries again
+        await wait_until(pilot, lambda: app.chat_screen.conversation_id != gone, what="a new chat")
+        assert [c.id for c in store.conversations()] == [app.chat_screen.conversation_id]
+    other.close()
+
+
+@pilot_test
 async def test_the_view_follows_the_stream_only_at_the_bottom(tmp_path):
     app, store, engines = make_app(tmp_path, auto=False)
     async with app.run_test(size=SIZE) as pilot:

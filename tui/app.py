@@ -16,7 +16,7 @@ from textual.screen import Screen
 from mlxkv.config import CacheConfig
 from mlxkv.engine_thread import EngineEvent, EngineThread
 from tui.messages import EngineNews
-from tui.screens.chat import ChatScreen
+from tui.screens.chat import NEW_CHAT_TITLE, ChatScreen
 from tui.screens.error import ErrorScreen
 from tui.screens.loading import LoadingScreen
 from tui.store import ChatStore
@@ -112,9 +112,12 @@ def run(model: str, cache: CacheConfig, *, max_tokens: int, temperature: float) 
     def start_engine(on_event):
         return EngineThread(model, cache, on_event=on_event).start()
 
-    app = ChatApp(start_engine, store, model_name=model,
-                  generation={"max_tokens": max_tokens, "temperature": temperature})
     try:
+        # An empty database gets its first chat now, so one that cannot be
+        # written is a one-line error here rather than a crash in the app.
+        store.most_recent(NEW_CHAT_TITLE)
+        app = ChatApp(start_engine, store, model_name=model,
+                      generation={"max_tokens": max_tokens, "temperature": temperature})
         app.run()
     finally:
         store.close()

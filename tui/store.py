@@ -146,6 +146,11 @@ class ChatStore:
         )
         return [Conversation(*row) for row in rows]
 
+    def most_recent(self, new_title: str) -> Conversation:
+        """The most recently used chat, or a new one (titled `new_title`) when there is none."""
+        found = self.conversations()
+        return found[0] if found else self.create(new_title)
+
     def get(self, conversation_id: int) -> Conversation | None:
         row = self.db.execute(
             "SELECT id, title, system_prompt, model, updated_at FROM conversations WHERE id = ?",

@@ -78,9 +78,8 @@ class ChatScreen(Screen[None]):
         yield Footer()
 
     async def on_mount(self) -> None:
-        conversations = self.store.conversations()
-        first = conversations[0] if conversations else self.store.create(NEW_CHAT_TITLE)
-        await self.open_conversation(first.id)
+        # `run` made sure there is a chat, or that the database cannot be written.
+        await self.open_conversation(self.store.most_recent(NEW_CHAT_TITLE).id)
         self.query_one(PromptInput).focus()
 
     @property
@@ -135,9 +134,14 @@ class ChatScreen(Screen[None]):
             self._prefill()
 
     async def _open_any(self) -> None:
-        """The most recent chat, or a new one when there is none left."""
-        rest = self.store.conversations()
-        await self.open_conversation(rest[0].id if rest else self.store.create(NEW_CHAT_TITLE).id)
+        """The most recent chat, or a new one when there is none left.
+
+        If that new chat cannot be saved, the deleted one stays on screen and
+        the next action on it tries again."""
+        with self._saving() as saved:
+            conversation = self.store.most_recent(NEW_CHAT_TITLE)
+        if saved:
+            await self.open_conversation(conversation.id)
 
     async def _still_here(self) -> bool:
         """Whether the open chat still exists. A second `mlxkv chat` on the same
