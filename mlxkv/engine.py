@@ -14,6 +14,7 @@ from mlxkv.batching import BatchLoop, generate_batch
 from mlxkv.block_pool import BlockPool
 from mlxkv.cache_manager import KVCacheManager, blocks_for
 from mlxkv.connectors.tiered import build_connector
+from mlxkv.context_window import fit_messages
 from mlxkv.config import DEFAULT_MEMORY_SHARE, CacheConfig
 from mlxkv.errors import MlxkvError
 from mlxkv.fingerprint import model_fingerprint
@@ -26,6 +27,7 @@ from mlxkv.request import Request
 from mlxkv.sampling import make_request_sampler, whole
 from mlxkv.sequence import Sequence
 
+DEFAULT_MAX_TOKENS = 256
 # Same prefill chunk as mlx-lm's generate_step, so both compute the same
 # matmul shapes and greedy output matches token for token.
 PREFILL_STEP = 2048
@@ -109,6 +111,18 @@ class Engine:
             raise MlxkvError(f"model {self.loaded.name!r} has no chat template; use raw prompts")
         tokens = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
         return list(tokens)
+
+    def fit_chat(self, messages: list[dict], max_tokens: int | None = None) -> tuple[list[dict], int]:
+        """`messages` with the oldest turns left out to fit the context
+        (context_window.py), and how many were left out."""
+        max_tokens = DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
+        if not whole(max_tokens) or max_tokens < 1:
+            return messages, 0  # the request's own check names the bad option
+        return fit_messages(
+            messages, self.prompt_limit(max_tokens),
+            measure=lambda m: len(self.apply_chat_template(m)),
+            count=lambda m: len(self.encode(str(m.get("content", "")))),
+        )
 
     def _prompt_tokens(self, prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -202,7 +216,7 @@ class Engine:
 
     def make_request(self, prompt, sink, should_stop: Callable[[], bool] | None = None, **options) -> Request:
         """A checked `Request` for the batch loop (options as for `stream`); raises MlxkvError on bad input."""
-        max_tokens = options.get("max_tokens", 256)
+        max_tokens = options.get("max_tokens", DEFAULT_MAX_TOKENS)
         prompt_tokens, sampler, root = self._prepare(prompt, **options)
         return Request(
             next(self._request_ids), prompt_tokens, max_tokens, sampler,
@@ -212,7 +226,7 @@ class Engine:
     def _prepare(
         self,
         prompt,
-        max_tokens: int = 256,
+        max_tokens: int = DEFAULT_MAX_TOKENS,
         temperature: float = 0.0,
         top_p: float = 0.0,
         top_k: int = 0,
@@ -231,6 +245,13 @@ class Engine:
         self._check_request(prompt_tokens, max_tokens)
         root = root_hash(self.fingerprint, cache_salt) if self.cache_config.prefix_cache else None
         return prompt_tokens, sampler, root
+
+    def prompt_limit(self, max_tokens: int) -> int:
+        """The longest prompt `_check_request` accepts with `max_tokens`: the
+        model's context, and room in the pool for the prompt and the reply."""
+        pool = self.kv_pool.num_blocks * self.layout.block_size - max_tokens
+        context = self.loaded.max_context
+        return pool if context is None else min(pool, context)
 
     def _check_request(self, prompt: list[int], max_tokens: int) -> None:
         if not prompt:

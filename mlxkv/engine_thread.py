@@ -56,6 +56,9 @@ class RequestHandle:
         self._records: queue.Queue = queue.Queue()
         self._cancel = threading.Event()
         self._finished = threading.Event()  # the last record is in the queue
+        # Chat messages left out of the prompt to fit the context (submit's
+        # fit_context); set before the first record.
+        self.left_out = 0
 
     def cancel(self) -> None:
         """Stop after the next token; the reply so far is kept and ends "cancelled"."""
@@ -115,6 +118,7 @@ class _Request:
     prompt: object  # text or token ids; None when messages are given
     messages: list[dict] | None
     options: dict
+    fit_context: bool = False
 
 
 def load_engine(model: str, cache: CacheConfig, report: Callable[[str, float | None], None]):
@@ -195,10 +199,14 @@ class EngineThread:
         if self.error is not None:
             raise MlxkvError(self.error)
 
-    def submit(self, prompt=None, *, messages: list[dict] | None = None, **options) -> RequestHandle:
+    def submit(self, prompt=None, *, messages: list[dict] | None = None, fit_context: bool = False,
+               **options) -> RequestHandle:
         """Queue a request: a prompt (text or token ids) or chat messages.
 
-        `options` go to `Engine.stream` (max_tokens, temperature, ...).
+        `fit_context` leaves out a chat's oldest turns when the messages are
+        longer than the context (see context_window.py); the handle's
+        `left_out` says how many. `options` go to `Engine.stream`
+        (max_tokens, temperature, ...).
         """
         if (prompt is None) == (messages is None):
             raise ValueError("give a prompt or messages, not both")
@@ -206,7 +214,7 @@ class EngineThread:
             raise MlxkvError("the engine is closed")
         handle = RequestHandle(next(self._ids))
         self._open[handle.id] = handle
-        self._queue.put(_Request(handle, prompt, messages, options))
+        self._queue.put(_Request(handle, prompt, messages, options, fit_context))
         return handle
 
     def call(self, fn: Callable) -> Future:
@@ -316,7 +324,10 @@ class EngineThread:
         try:
             prompt = request.prompt
             if request.messages is not None:
-                prompt = self.engine.apply_chat_template(request.messages)
+                messages = request.messages
+                if request.fit_context:
+                    messages, handle.left_out = self.engine.fit_chat(messages, request.options.get("max_tokens"))
+                prompt = self.engine.apply_chat_template(messages)
             sink = self._sink(handle)
             queued = self.engine.make_request(prompt, sink, should_stop=handle._cancel.is_set, **request.options)
         except Exception as e:  # one request's failure never ends the thread

@@ -204,3 +204,29 @@ def test_a_process_that_used_the_engine_thread_exits_cleanly(llama_dir):
     for _ in range(4):
         out = subprocess.run([sys.executable, "-c", EXITER, llama_dir], capture_output=True, text=True, timeout=120)
         assert out.returncode == 0, out.stderr[-500:]
+
+
+def long_chat(turns: int) -> list[dict]:
+    words = "the ships sail on the sea and the wind is strong tonight".split()
+    return [{"role": "system", "content": "You are brief."}] + [
+        {"role": "user" if i % 2 == 0 else "assistant", "content": " ".join(words[i % 5:] + [str(i)])}
+        for i in range(turns)
+    ]
+
+
+def test_a_chat_longer_than_the_context_leaves_out_its_oldest_turns_and_keeps_its_prefix(engine):
+    messages = long_chat(41)  # about 900 tokens; the pool holds 512, less 8 for the reply
+    refused = run(engine, messages=messages, max_tokens=8)
+    assert isinstance(refused[-1], RequestFailed) and "blocks" in refused[-1].message
+
+    first = engine.submit(messages=messages, fit_context=True, max_tokens=8)
+    first_stats = list(first)[-1].stats
+    assert first.left_out > 0 and first_stats.prompt_tokens <= 504
+    # The next turn keeps the same start, so this prompt is the next one's cached prefix.
+    following = messages + [{"role": "assistant", "content": "a fixed reply"}, {"role": "user", "content": "more?"}]
+    second = engine.submit(messages=following, fit_context=True, max_tokens=8)
+    second_stats = list(second)[-1].stats
+    assert second.left_out == first.left_out
+    assert second_stats.cached_tokens["pool"] >= first_stats.prompt_tokens - CONFIG["block_size"]
+    short = engine.submit(messages=QUESTION, fit_context=True, max_tokens=2)
+    assert list(short)[-1].finish_reason == "length" and short.left_out == 0  # fits: nothing left out

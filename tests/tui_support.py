@@ -85,10 +85,12 @@ class ScriptedEngine:
         self.handles: list[RequestHandle] = []
         self.requests: list[tuple[list[dict] | None, dict]] = []
         self.closed = False
+        self.left_out = 0  # what a fitted request's handle says was left out (the real engine: fit_chat)
         on_event(EngineEvent("ready", "scripted", info={}, snapshot=self.snapshot))
 
-    def submit(self, prompt=None, *, messages=None, **options) -> RequestHandle:
+    def submit(self, prompt=None, *, messages=None, fit_context=False, **options) -> RequestHandle:
         handle = RequestHandle(len(self.handles))
+        handle.left_out = self.left_out if fit_context else 0
         self.handles.append(handle)
         self.requests.append((messages, options))
         if self.auto:

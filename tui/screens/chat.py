@@ -210,7 +210,8 @@ class ChatScreen(Screen[None]):
         self._starting = False
         if self.store.get(conversation_id) is None:
             return  # deleted before it could start
-        handle = self.app.engine.submit(messages=self.store.prompt_messages(conversation_id), **options)
+        handle = self.app.engine.submit(messages=self.store.prompt_messages(conversation_id), fit_context=True,
+                                        **options)
         self.pacer.start()
         reply = ActiveReply(handle, conversation_id, kind, self.pacer, view, question_id, question_view)
         self.replies[reply.id] = reply
@@ -242,6 +243,9 @@ class ChatScreen(Screen[None]):
             note = "\nYour message is back in the box, to edit." if taken_back else ""
             self.notify(record.message + note, title="The engine could not answer", severity="error",
                         timeout=8, markup=False)
+        elif reply.kind == "reply" and reply.handle.left_out:
+            self.notify(f"This chat is longer than the model's context: its first {reply.handle.left_out} "
+                        "messages were left out of this reply's prompt.", title="Context full", timeout=8)
         if reply.view is not None:
             await self._keep_reply(reply, record.finish_reason, stats)
         if stats is not None and reply.conversation_id == self.conversation_id:
