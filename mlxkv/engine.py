@@ -112,17 +112,27 @@ class Engine:
         tokens = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
         return list(tokens)
 
-    def fit_chat(self, messages: list[dict], max_tokens: int | None = None) -> tuple[list[dict], int]:
-        """`messages` with the oldest turns left out to fit the context
-        (context_window.py), and how many were left out."""
+    def chat_prompt(self, messages: list[dict], max_tokens: int | None = None,
+                    fit: bool = False) -> tuple[list[int], int]:
+        """The prompt of chat `messages`, and how many messages were left out.
+
+        With `fit`, a chat longer than the context loses its oldest turns
+        (context_window.py); otherwise nothing is left out, and the request
+        check refuses a prompt that is too long.
+        """
+        tokens = self.apply_chat_template(messages)
         max_tokens = DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
-        if not whole(max_tokens) or max_tokens < 1:
-            return messages, 0  # the request's own check names the bad option
-        return fit_messages(
-            messages, self.prompt_limit(max_tokens),
+        if not fit or not whole(max_tokens) or max_tokens < 1:  # a bad option is named by the request check
+            return tokens, 0
+        limit = self.prompt_limit(max_tokens)
+        if len(tokens) <= limit:
+            return tokens, 0
+        kept, left_out = fit_messages(
+            messages, limit,
             measure=lambda m: len(self.apply_chat_template(m)),
             count=lambda m: len(self.encode(str(m.get("content", "")))),
         )
+        return (self.apply_chat_template(kept) if left_out else tokens), left_out
 
     def _prompt_tokens(self, prompt) -> list[int]:
         if isinstance(prompt, str):

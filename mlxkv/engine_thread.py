@@ -324,10 +324,8 @@ class EngineThread:
         try:
             prompt = request.prompt
             if request.messages is not None:
-                messages = request.messages
-                if request.fit_context:
-                    messages, handle.left_out = self.engine.fit_chat(messages, request.options.get("max_tokens"))
-                prompt = self.engine.apply_chat_template(messages)
+                prompt, handle.left_out = self.engine.chat_prompt(
+                    request.messages, request.options.get("max_tokens"), fit=request.fit_context)
             sink = self._sink(handle)
             queued = self.engine.make_request(prompt, sink, should_stop=handle._cancel.is_set, **request.options)
         except Exception as e:  # one request's failure never ends the thread
