@@ -243,18 +243,25 @@ async def test_the_last_chat_deleted_elsewhere_while_writes_fail_is_not_a_crash(
 async def test_a_reply_whose_prompt_left_out_the_oldest_turns_says_so(tmp_path):
     app, store, engines = make_app(tmp_path)
 
-    def told() -> bool:
-        found = any("its first 4 messages were left out" in n.message for n in app._notifications)
+    def told(n: int) -> int:
+        found = sum(f"its first {n} messages are left out" in m.message for m in app._notifications)
         app._notifications.clear()
         return found
 
     async with app.run_test(size=SIZE) as pilot:
         engines[0].left_out = 4  # what the engine thread says when the chat is longer than the context
         await two_chats(pilot, "first chat", "second chat")
-        assert told()
+        assert told(4) == 2  # once for each chat
+        await type_and_send(pilot, "more")
+        await idle(pilot)
+        assert told(4) == 0  # the same start: said already
+        engines[0].left_out = 6
+        await type_and_send(pilot, "and more")
+        await idle(pilot)
+        assert told(6) == 1  # the start moved
         await app.chat_screen.open_conversation(store.conversations()[1].id)
         await idle(pilot)  # reopening loads the prefix (a fitted request too): nothing to say then
-        assert len(engines[0].handles) == 3 and not told()
+        assert len(engines[0].handles) == 5 and told(6) == 0
 
 
 @pilot_test

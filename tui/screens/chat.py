@@ -66,6 +66,7 @@ class ChatScreen(Screen[None]):
         self._starting = False  # a reply is about to start (after the next refresh)
         self._pending_snapshot: PoolSnapshot | None = None
         self.pacer = Pacer()
+        self._left_out: dict[int, int] = {}  # per chat: messages its last reply's prompt left out
 
     def compose(self) -> ComposeResult:
         yield Header(icon="")
@@ -243,15 +244,23 @@ class ChatScreen(Screen[None]):
             note = "\nYour message is back in the box, to edit." if taken_back else ""
             self.notify(record.message + note, title="The engine could not answer", severity="error",
                         timeout=8, markup=False)
-        elif reply.kind == "reply" and reply.handle.left_out:
-            self.notify(f"This chat is longer than the model's context: its first {reply.handle.left_out} "
-                        "messages were left out of this reply's prompt.", title="Context full", timeout=8)
+        elif reply.kind == "reply":
+            self._tell_left_out(reply)
         if reply.view is not None:
             await self._keep_reply(reply, record.finish_reason, stats)
         if stats is not None and reply.conversation_id == self.conversation_id:
             self.query_one(CachePanel).show_turn(stats, reply.kind)
         del self.replies[reply.id]  # last: the reply counts as running until it is kept
         self._draw_snapshot(force=True)
+
+    def _tell_left_out(self, reply: ActiveReply) -> None:
+        """Say when a chat's prompt starts leaving out its oldest turns, and
+        each time that start moves (not on every reply in between)."""
+        left_out = reply.handle.left_out
+        if left_out and left_out != self._left_out.get(reply.conversation_id):
+            self.notify(f"This chat is longer than the model's context: its first {left_out} "
+                        "messages are left out of the prompt from now on.", title="Context full", timeout=8)
+        self._left_out[reply.conversation_id] = left_out
 
     async def _take_back(self, reply: ActiveReply) -> bool:
         """Unsend the message the engine refused (e.g. a paste longer than the
