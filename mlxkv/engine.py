@@ -74,6 +74,21 @@ def _pool_blocks(cfg: CacheConfig, layout: KVLayout, max_context: int | None) ->
     return max(1, min(share, contexts))
 
 
+def _check_messages(messages) -> None:
+    """Chat messages as chat templates take them; the templates' own errors
+    ("'dict object' has no attribute 'content'") do not say which message."""
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise MlxkvError("chat messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
+    for i, m in enumerate(messages, 1):
+        if not isinstance(m, dict):
+            raise MlxkvError(f"chat message {i} is a {type(m).__name__}, not a dict with 'role' and 'content'")
+        for key in ("role", "content"):
+            if key not in m:
+                raise MlxkvError(f"chat message {i} has no {key!r}")
+            if not isinstance(m[key], str):
+                raise MlxkvError(f"chat message {i}'s {key!r} must be text, got {type(m[key]).__name__}")
+
+
 class Engine:
     def __init__(self, loaded: LoadedModel, cache: CacheConfig):
         self.loaded = loaded
@@ -109,6 +124,7 @@ class Engine:
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         if not getattr(self.tokenizer, "has_chat_template", False):
             raise MlxkvError(f"model {self.loaded.name!r} has no chat template; use raw prompts")
+        _check_messages(messages)
         tokens = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
         return list(tokens)
 

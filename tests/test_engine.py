@@ -164,6 +164,24 @@ def test_bad_requests_get_one_line_errors(engine, prompt, kwargs, message):
     assert engine.stats()["pool"]["in_use"] == 0
 
 
+@pytest.mark.parametrize(
+    "messages, message",
+    [
+        # The chat template's own errors named no message ("'dict object' has no attribute 'content'").
+        ("hi", "non-empty list"),
+        ([], "non-empty list"),
+        ([1], "chat message 1 is a int"),
+        ([{"role": "user", "content": "hi"}, {"role": "user"}], "chat message 2 has no 'content'"),
+        ([{"content": "hi"}], "chat message 1 has no 'role'"),
+        ([{"role": "user", "content": None}], "chat message 1's 'content' must be text, got NoneType"),
+    ],
+)
+def test_bad_chat_messages_get_one_line_errors(engine, messages, message):
+    with pytest.raises(MlxkvError, match=message):
+        engine.chat(messages, max_tokens=1)
+    assert engine.chat([{"role": "user", "content": "hi"}], max_tokens=1).tokens
+
+
 def test_prompt_longer_than_context(model_dirs, tmp_path):
     spec = TinyModelSpec(max_position_embeddings=32)
     engine = Engine.load(str(write_tiny_model(tmp_path / "short", spec)), CacheConfig(num_blocks=64))
