@@ -38,10 +38,10 @@ def fit_messages(
     turns = messages[len(head):]
     starts = list(itertools.accumulate((count(t) + MESSAGE_OVERHEAD for t in turns), initial=0))
     users = [i for i, t in enumerate(turns) if i > 0 and t.get("role") == "user"]
+    if not users:
+        return messages, 0
     step = max(1, limit // 2)
     for k in itertools.count(1):
-        if not users:
-            break
         first = next((i for i in users if starts[i] >= k * step), users[-1])
         kept = head + turns[first:]
         if measure(kept) <= limit:

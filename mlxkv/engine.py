@@ -13,9 +13,9 @@ from mlxkv.attention import resolve_attention
 from mlxkv.batching import BatchLoop, generate_batch
 from mlxkv.block_pool import BlockPool
 from mlxkv.cache_manager import KVCacheManager, blocks_for
+from mlxkv.config import DEFAULT_MEMORY_SHARE, CacheConfig
 from mlxkv.connectors.tiered import build_connector
 from mlxkv.context_window import fit_messages
-from mlxkv.config import DEFAULT_MEMORY_SHARE, CacheConfig
 from mlxkv.errors import MlxkvError
 from mlxkv.fingerprint import model_fingerprint
 from mlxkv.hashing import root_hash
@@ -146,7 +146,7 @@ class Engine:
         kept, left_out = fit_messages(
             messages, limit,
             measure=lambda m: len(self.apply_chat_template(m)),
-            count=lambda m: len(self.encode(str(m.get("content", "")))),
+            count=lambda m: len(self.encode(m["content"])),
         )
         return (self.apply_chat_template(kept) if left_out else tokens), left_out
 

@@ -79,7 +79,7 @@ class ChatScreen(Screen[None]):
         yield Footer()
 
     async def on_mount(self) -> None:
-        # `run` made sure there is a chat, or that the database cannot be written.
+        # `run` already made an empty database's first chat (a write error there is one line).
         await self.open_conversation(self.store.most_recent(NEW_CHAT_TITLE).id)
         self.query_one(PromptInput).focus()
 
