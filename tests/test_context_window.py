@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from mlxkv.context_window import MESSAGE_OVERHEAD, fit_messages
 
 OVERHEAD = 3  # what this test's "template" adds per message
@@ -78,3 +81,24 @@ def test_the_steps_fall_on_estimated_positions_and_the_fit_is_measured_exactly()
     messages = chat(40)
     kept, left_out = fit_messages(messages, 100, measure, lambda m: 0)
     assert measure(kept) <= 100 and left_out > 0 and MESSAGE_OVERHEAD > 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(sizes=st.lists(st.integers(1, 60), min_size=1, max_size=40), limit=st.integers(20, 300),
+       system=st.booleans())
+def test_any_growing_chat_fits_and_its_start_only_moves_forward(sizes, limit, system):
+    head = [turn("system", 4, "s")] if system else []
+    previous_left_out, previous = 0, None
+    for n in range(1, len(sizes) + 1, 2):  # the chat as it grows, each time ending on a user message
+        messages = head + [turn("user" if i % 2 == 0 else "assistant", w, f"t{i}") for i, w in enumerate(sizes[:n])]
+        kept, left_out = fit_messages(messages, limit, measure, count)
+        if left_out == 0:
+            assert kept == messages  # fits, or nothing fits and the engine refuses it
+        else:
+            assert measure(kept) <= limit and kept == head + messages[len(head) + left_out:]
+            assert kept[len(head)]["role"] == "user"
+        if left_out and previous_left_out:  # (0 after a start: a last message too long to send at all)
+            assert left_out >= previous_left_out  # never back to a start already left behind
+            if left_out == previous_left_out:
+                assert kept[: len(previous)] == previous  # the last prompt is this one's prefix
+        previous_left_out, previous = left_out, kept
