@@ -645,6 +645,20 @@ def test_directory_going_read_only_under_a_running_tier(tmpfs):
         assert len(disk.load_blocks(hashes)) == 1
 
 
+def test_a_cache_cleared_by_another_process_is_started_again_not_left_unwritable(tmp_path):
+    hashes = chain(4)
+    with open_disk(tmp_path, min_free_bytes=1) as disk:  # a floor, so writes check the space first
+        fill(disk, hashes[:2])
+        assert cache_clear(tmp_path) == 2  # `mlxkv cache clear`, while this process runs
+        fill(disk, hashes[2:], start=2)  # the space check failed on the missing directory: no write ever again
+        s = disk_stats(disk)
+        assert s["write_errors"] == 0 and s["stores"] == 4
+        assert s["blocks_held"] == 2 and s["bytes_held"] == sum(f.stat().st_size for f in block_files(tmp_path))
+        assert not disk.contains(hashes[0]) and disk.contains(hashes[3])
+    with open_disk(tmp_path) as restarted:
+        assert [restarted.contains(h) for h in hashes] == [False, False, True, True]
+
+
 # -- budget ------------------------------------------------------------------
 
 

@@ -734,6 +734,7 @@ class DiskKvCacheConnector:
             with self._lock:
                 self.dropped_writes += 1
             return
+        self._start_again_if_cleared()
         if not self._enough_space(job.nbytes):
             return
         data = run_file.encode(self.spec, job.block_hashes, job.keys, job.values)
@@ -744,6 +745,19 @@ class DiskKvCacheConnector:
             self._stats.stores += len(job.block_hashes)
             self._stats.spills += len(job.block_hashes) if job.spill else 0
         self._enforce_budget()
+
+    def _start_again_if_cleared(self) -> None:
+        """`mlxkv cache clear` in another process removed our directory: every
+        file indexed is gone, and every later write would fail (the space
+        check first) for the rest of this process. Forget them and make it again."""
+        if self.dir.is_dir():
+            return
+        with self._lock:
+            for name in list(self._index):
+                self._drop_entry(name)
+            self._shard_mtimes.clear()
+        _make_private_dirs(self.dir)
+        self._write_marker()
 
     def _enough_space(self, nbytes: int) -> bool:
         """Would the write leave at least `min_free_bytes` free? (0: no floor.)"""
