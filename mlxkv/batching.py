@@ -3,17 +3,20 @@
 A step is three lines: schedule (scheduler.py) → run (batch_runner.py) →
 postprocess (batch_postprocess.py). Requests join and leave between steps;
 each answers through its own sink, so any number can stream at once.
-The loop is not thread-safe: one thread (the engine thread) steps it.
+The loop is not thread-safe: one thread (the engine thread) steps it, and
+`add` refuses a second thread while the first has work.
 """
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import mlx.core as mx
 
 from mlxkv.batch_postprocess import postprocess, register_prefill
 from mlxkv.batch_runner import run_step
+from mlxkv.errors import MlxkvError
 from mlxkv.records import GenerationResult, RequestFailed, RequestStats
 from mlxkv.request import FINISHED, Request
 from mlxkv.scheduler import Scheduler, StepPlan
@@ -37,9 +40,24 @@ class BatchLoop:
         self._in_flight: _InFlight | None = None
         # Each decode request's token from the last queued step (lazy until read).
         self._last_sampled: dict[Request, mx.array] = {}
+        self._owner: int | None = None  # the thread stepping the loop while it has work
+        self._owner_lock = threading.Lock()
 
     def add(self, request: Request) -> None:
-        self.scheduler.add(request)
+        """Queue a request, from the thread that steps the loop.
+
+        Two threads generating on one engine at once broke it for good: MLX
+        arrays left lazy on one thread's stream cannot be evaluated on
+        another's ("There is no Stream(cpu, 2) in current thread"). Taking
+        turns is fine; EngineThread shares one engine between threads.
+        """
+        me = threading.get_ident()
+        with self._owner_lock:
+            if self.has_work and self._owner != me:
+                raise MlxkvError("the engine is generating on another thread; to share one engine "
+                                 "between threads, use EngineThread")
+            self._owner = me
+            self.scheduler.add(request)
 
     @property
     def has_work(self) -> bool:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import mlx.core as mx
 import pytest
 
@@ -209,3 +211,33 @@ def test_temperature_sampling_is_seeded(engine):
     a = engine.generate(tokens(12), max_tokens=8, temperature=1.0, seed=3)
     b = engine.generate(tokens(12), max_tokens=8, temperature=1.0, seed=3)
     assert a.tokens == b.tokens
+
+
+def test_a_second_thread_generating_at_once_is_refused_and_the_engine_still_works(engine):
+    expected = engine.generate(tokens(12), max_tokens=6).tokens
+    first_token, refused, done = threading.Event(), [], threading.Event()
+
+    def other():
+        first_token.wait(30)
+        try:
+            engine.generate(tokens(7), max_tokens=2)
+        except MlxkvError as e:
+            refused.append(str(e))
+        done.set()
+
+    worker = threading.Thread(target=other)
+    worker.start()
+    got = []
+    for chunk in engine.stream(tokens(12), max_tokens=6):
+        got.append(chunk.token)
+        first_token.set()
+        done.wait(30)  # the other thread tries while this stream is mid-reply
+    worker.join(30)
+    assert refused and "another thread" in refused[0]
+    assert got == expected
+    # Taking turns works: the other thread, then this one again.
+    turn = []
+    worker = threading.Thread(target=lambda: turn.append(engine.generate(tokens(12), max_tokens=6).tokens))
+    worker.start()
+    worker.join(30)
+    assert turn == [expected] and engine.generate(tokens(12), max_tokens=6).tokens == expected
