@@ -121,8 +121,12 @@ class Engine:
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text)
 
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.tokenizer, "has_chat_template", False))
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        if not getattr(self.tokenizer, "has_chat_template", False):
+        if not self.has_chat_template:
             raise MlxkvError(f"model {self.loaded.name!r} has no chat template; use raw prompts")
         _check_messages(messages)
         tokens = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)

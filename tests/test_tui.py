@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
+import shutil
 import time
 
 from mlxkv.config import CacheConfig
 from mlxkv.engine_thread import EngineThread
-from tui.app import ChatApp
+from tui.app import ChatApp, load_chat_engine
 from tui.messages import ReplyDelta
 from tui.screens.error import ErrorScreen
 from tui.store import ChatStore
@@ -23,7 +25,7 @@ def make_app(tmp_path, model, max_tokens=48, num_blocks=512, disk_tier=None, mod
     cache = CacheConfig(block_size=8, num_blocks=num_blocks, disk_tier=str(disk_tier or tmp_path / "kv"))
 
     def start(on_event):
-        return EngineThread(model, cache, on_event=on_event).start()
+        return EngineThread(model, cache, on_event=on_event, load=load_chat_engine).start()
 
     store = ChatStore(tmp_path / "chats.sqlite3")
     app = ChatApp(start, store, model_name=model_name, generation={"max_tokens": max_tokens}, cursor_blink=False)
@@ -68,6 +70,15 @@ def stream_slowly(app, seconds_per_step: float = 0.01) -> None:
         engine.runner.forward = slowed
 
     app.engine.call(slow).result(10)
+
+
+def error_shown(app) -> str:
+    """The error screen's message once it is composed; "" before. The screen
+    is current a moment before its widgets exist (a NoMatches, now and then)."""
+    if not isinstance(app.screen, ErrorScreen):
+        return ""
+    found = app.screen.query("#error-message")
+    return shown(found.first()) if found else ""
 
 
 async def reply_done(pilot) -> None:
@@ -203,12 +214,24 @@ async def test_a_model_that_fails_to_load_shows_an_error_screen(tmp_path):
     for name in ("no-such-model", "[/]x"):  # a name is text: read as markup, "[/]" crashed two screens
         app, _ = make_app(tmp_path, str(tmp_path / name), model_name=name)
         async with app.run_test(size=SIZE) as pilot:
-            await wait_until(pilot, lambda: isinstance(app.screen, ErrorScreen)
-                             and "model not found" in shown(app.screen.query_one("#error-message")),
-                             what="the error screen")
+            await wait_until(pilot, lambda: "model not found" in error_shown(app), what="the error screen")
             assert name in shown(app.screen.query_one("#error-title"))
             await pilot.press("q")
         assert app.return_code == 2
+
+
+@pilot_test
+async def test_a_model_without_a_chat_template_shows_an_error_screen(tmp_path, llama_dir):
+    base = tmp_path / "base-model"  # a base model: every message would be refused
+    shutil.copytree(llama_dir, base)
+    tokenizer_config = json.loads((base / "tokenizer_config.json").read_text())
+    del tokenizer_config["chat_template"]
+    (base / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    app, _ = make_app(tmp_path, str(base), model_name="base-model")
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_until(pilot, lambda: "has no chat template" in error_shown(app), what="the error screen")
+        await pilot.press("q")
+    assert app.return_code == 2
 
 
 @pilot_test

@@ -14,7 +14,8 @@ from textual.binding import Binding
 from textual.screen import Screen
 
 from mlxkv.config import CacheConfig
-from mlxkv.engine_thread import EngineEvent, EngineThread
+from mlxkv.engine_thread import EngineEvent, EngineThread, load_engine
+from mlxkv.errors import MlxkvError
 from tui.messages import EngineNews
 from tui.screens.chat import NEW_CHAT_TITLE, ChatScreen
 from tui.screens.error import ErrorScreen
@@ -105,12 +106,23 @@ class ChatApp(App[None]):
                                 screen.action_system_prompt)
 
 
+def load_chat_engine(model: str, cache: CacheConfig, report):
+    """`load_engine`, for chat: a model without a chat template (a base model)
+    fails here, on the error screen, not on every message it is sent."""
+    engine = load_engine(model, cache, report)
+    if not engine.has_chat_template:
+        engine.close()
+        raise MlxkvError(f"{model} has no chat template: mlxkv chat needs a chat (instruct) model, "
+                         "such as --model demo")
+    return engine
+
+
 def run(model: str, cache: CacheConfig, *, max_tokens: int, temperature: float) -> int:
     """Run the app until the user quits; the exit status."""
     store = ChatStore()
 
     def start_engine(on_event):
-        return EngineThread(model, cache, on_event=on_event).start()
+        return EngineThread(model, cache, on_event=on_event, load=load_chat_engine).start()
 
     try:
         # An empty database gets its first chat now, so one that cannot be
