@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import os
 from collections import deque
 from collections.abc import Callable, Iterator
 
@@ -20,6 +19,7 @@ from mlxkv.errors import MlxkvError
 from mlxkv.fingerprint import model_fingerprint
 from mlxkv.hashing import root_hash
 from mlxkv.kv_pool import KVLayout, KVPool
+from mlxkv.machine import physical_memory
 from mlxkv.model_loader import LoadedModel, load_model, probe_kv_layout
 from mlxkv.model_runner import ModelRunner
 from mlxkv.records import GenerationChunk, GenerationResult, RequestFailed, RequestStats
@@ -35,21 +35,13 @@ PREFILL_STEP = 2048
 MAX_DEFAULT_CONTEXTS = 16
 
 
-def _physical_memory() -> int:
-    try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return 8 << 30
-
-
 def size_pool(cfg: CacheConfig, layout: KVLayout, max_context: int | None) -> int:
     """Number of blocks: asked for, from a byte budget, or a share of memory;
     never more than the machine's memory holds."""
     blocks = _pool_blocks(cfg, layout, max_context)
-    need, memory = blocks * layout.bytes_per_block, _physical_memory()
+    need, memory = blocks * layout.bytes_per_block, physical_memory()
     if need > memory:
-        # MLX does not fail an allocation it cannot make: the process died
-        # with a segmentation fault.
+        # (machine.py: an allocation MLX cannot make is a segmentation fault)
         raise MlxkvError(
             f"a KV pool of {blocks:,} block{'s' * (blocks != 1)} of {layout.block_size:,} tokens needs "
             f"{need / 2**30:,.1f} GiB, "
@@ -69,7 +61,7 @@ def _pool_blocks(cfg: CacheConfig, layout: KVLayout, max_context: int | None) ->
                 f"({layout.bytes_per_block} bytes each)"
             )
         return blocks
-    share = int(_physical_memory() * DEFAULT_MEMORY_SHARE) // layout.bytes_per_block
+    share = int(physical_memory() * DEFAULT_MEMORY_SHARE) // layout.bytes_per_block
     contexts = MAX_DEFAULT_CONTEXTS * blocks_for(max_context or 8192, layout.block_size)
     return max(1, min(share, contexts))
 

@@ -23,6 +23,7 @@ from mlx.utils import tree_flatten
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from mlxkv.errors import MlxkvError
+from mlxkv.machine import physical_memory
 from mlxkv.paths import cache_root
 
 # Extra config.json keys per family, on top of the ones every family shares.
@@ -50,6 +51,7 @@ _DERIVED_HEAD_DIM = {"qwen2", "phi3", "starcoder2"}
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 MAX_VOCAB_SIZE = 65536  # the built-in corpus fills exactly this many tokens
+BUILD_COPIES = 3  # float32 copies of the weights alive while a model is built
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
@@ -75,6 +77,7 @@ class TinyModelSpec:
     def __post_init__(self):
         self._check_values()
         self._check_shapes()
+        self._check_size()
 
     def _check_values(self) -> None:
         for what, value, choices in (("model family", self.family, FAMILIES),
@@ -107,6 +110,25 @@ class TinyModelSpec:
         if not low <= self.vocab_size <= MAX_VOCAB_SIZE:
             raise MlxkvError(f"vocab_size must be between {low} (bytes + special tokens) "
                              f"and {MAX_VOCAB_SIZE}, got {self.vocab_size}")
+
+    def _check_size(self) -> None:
+        # Building holds the class's float32 parameters, the random draws and
+        # the cast: about three copies. MLX does not fail an allocation it
+        # cannot make (machine.py): --hidden-size 100000000 was a segfault.
+        need, memory = BUILD_COPIES * 4 * self.approx_parameters, physical_memory()
+        if need > memory:
+            raise MlxkvError(f"a model of about {self.approx_parameters:,} parameters needs about "
+                             f"{need / 2**30:,.1f} GiB to build, more than this machine's {memory / 2**30:,.1f} GiB; "
+                             "lower --hidden-size, --intermediate-size, --layers or --vocab-size")
+
+    @property
+    def approx_parameters(self) -> int:
+        """Embedding, head, attention and a three-matrix MLP: an upper bound, within
+        a third (a tied head or a two-matrix MLP counts extra; norms, biases are noise)."""
+        hidden, head_dim = self.hidden_size, self.resolved_head_dim
+        attention = hidden * head_dim * 2 * (self.num_heads + self.num_kv_heads)
+        mlp = 3 * hidden * (self.intermediate_size or 3 * hidden)
+        return 2 * self.vocab_size * hidden + self.num_layers * (attention + mlp)
 
     @property
     def resolved_head_dim(self) -> int:

@@ -119,12 +119,23 @@ def test_dtype(tmp_path, dtype):
         ({"family": "gemma3_text", "num_layers": 1}, r"gemma3_text needs num_layers >= 2"),
         ({"vocab_size": 100}, r"vocab_size must be between 259"),
         ({"vocab_size": 10**6}, r"vocab_size must be between"),
+        # MLX does not fail an allocation it cannot make: these were a segmentation fault.
+        ({"hidden_size": 10**8}, r"GiB to build, more than this machine's"),
+        ({"num_layers": 10**7, "hidden_size": 1024}, r"lower --hidden-size, --intermediate-size, --layers"),
     ],
 )
 def test_bad_spec_is_a_one_line_error(kwargs, message):
     with pytest.raises(MlxkvError, match=message) as info:
         TinyModelSpec(**kwargs)
     assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("family", list(tiny_model.FAMILIES))
+def test_the_size_check_counts_the_parameters_the_model_has(written, family):
+    on_disk = mx.load(str(written[family] / "model.safetensors"))
+    actual = sum(a.size for a in on_disk.values())
+    # An upper bound: gemma ties its head to the embedding, starcoder2's MLP has two matrices.
+    assert 0.95 * actual <= TinyModelSpec(family=family).approx_parameters <= 1.35 * actual
 
 
 def test_custom_head_dim(tmp_path):
