@@ -38,8 +38,9 @@ MAX_DEFAULT_CONTEXTS = 16
 def size_pool(cfg: CacheConfig, layout: KVLayout, max_context: int | None) -> int:
     """Number of blocks: asked for, from a byte budget, or a share of memory;
     never more than the machine's memory holds."""
-    blocks = _pool_blocks(cfg, layout, max_context)
-    need, memory = blocks * layout.bytes_per_block, physical_memory()
+    memory = physical_memory()
+    blocks = _pool_blocks(cfg, layout, max_context, memory)
+    need = blocks * layout.bytes_per_block
     if need > memory:
         # (machine.py: an allocation MLX cannot make is a segmentation fault)
         raise MlxkvError(
@@ -50,7 +51,7 @@ def size_pool(cfg: CacheConfig, layout: KVLayout, max_context: int | None) -> in
     return blocks
 
 
-def _pool_blocks(cfg: CacheConfig, layout: KVLayout, max_context: int | None) -> int:
+def _pool_blocks(cfg: CacheConfig, layout: KVLayout, max_context: int | None, memory: int) -> int:
     if cfg.num_blocks is not None:
         return cfg.num_blocks
     if cfg.memory_budget_bytes is not None:
@@ -61,7 +62,7 @@ def _pool_blocks(cfg: CacheConfig, layout: KVLayout, max_context: int | None) ->
                 f"({layout.bytes_per_block} bytes each)"
             )
         return blocks
-    share = int(physical_memory() * DEFAULT_MEMORY_SHARE) // layout.bytes_per_block
+    share = int(memory * DEFAULT_MEMORY_SHARE) // layout.bytes_per_block
     contexts = MAX_DEFAULT_CONTEXTS * blocks_for(max_context or 8192, layout.block_size)
     return max(1, min(share, contexts))
 
@@ -139,12 +140,18 @@ class Engine:
         limit = self.prompt_limit(max_tokens)
         if len(tokens) <= limit:
             return tokens, 0
-        kept, left_out = fit_messages(
-            messages, limit,
-            measure=lambda m: len(self.apply_chat_template(m)),
-            count=lambda m: len(self.encode(m["content"])),
-        )
-        return (self.apply_chat_template(kept) if left_out else tokens), left_out
+        # Each list is templated once: the whole chat is already, and the
+        # window that fits is the one measured last. The lists stay in
+        # `templated` with their tokens, so no id is reused meanwhile.
+        templated = {id(messages): (messages, tokens)}
+
+        def measure(m: list[dict]) -> int:
+            if id(m) not in templated:
+                templated[id(m)] = (m, self.apply_chat_template(m))
+            return len(templated[id(m)][1])
+
+        kept, left_out = fit_messages(messages, limit, measure, count=lambda m: len(self.encode(m["content"])))
+        return templated[id(kept)][1], left_out
 
     def _prompt_tokens(self, prompt) -> list[int]:
         if isinstance(prompt, str):

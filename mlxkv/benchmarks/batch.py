@@ -23,12 +23,13 @@ import time
 
 from mlx_lm.generate import batch_generate
 
-from mlxkv.benchmarks.engine import _stderr, _tokens, bench_model_path, describe_model, mlx_lm_kv_bytes
+from mlxkv.benchmarks.engine import (
+    _stderr, _tokens, bench_model_path, check_context, describe_model, mlx_lm_kv_bytes,
+)
 from mlxkv.benchmarks.rows import format_rows, row  # noqa: F401  (format_rows: the suite's printer)
 from mlxkv.cache_manager import blocks_for
 from mlxkv.config import CacheConfig
 from mlxkv.engine import Engine
-from mlxkv.errors import MlxkvError
 from mlxkv.model_loader import load_model
 
 SCALES = (1, 4, 8, 16)
@@ -41,9 +42,7 @@ BUDGET_BYTES = 1 << 30  # the fixed KV budget of the capacity row
 
 def run_batch_benchmark(prefix: int = 1024, decode_tokens: int = 64, model=None, log=_stderr) -> list[dict]:
     loaded = load_model(str(model or bench_model_path(log=log)))
-    limit = loaded.max_context
-    if limit is not None and prefix + SUFFIX + decode_tokens > limit:  # before sizing a pool for it
-        raise MlxkvError(f"--prefix {prefix} plus new tokens exceeds the model's context of {limit}")
+    check_context(loaded, "--prefix", prefix, SUFFIX + decode_tokens)
     vocab = loaded.config["vocab_size"]
     per_seq = blocks_for(prefix + SUFFIX + decode_tokens, BLOCK_SIZE)
     engine = Engine(loaded, CacheConfig(block_size=BLOCK_SIZE, num_blocks=SHARED * per_seq + 8, memory_tier_bytes=0))

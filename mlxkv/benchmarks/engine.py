@@ -71,6 +71,13 @@ def bench_model_path(spec: TinyModelSpec | None = None, log=None) -> Path:
     return cached_tiny_model(name, spec, log or _stderr)
 
 
+def check_context(loaded, flag: str, tokens: int, new_tokens: int) -> None:
+    """A bench size past the model's context is named before a pool is sized for it."""
+    limit = loaded.max_context
+    if limit is not None and tokens + new_tokens > limit:
+        raise MlxkvError(f"{flag} {tokens} plus new tokens exceeds the model's context of {limit}")
+
+
 def run_engine_benchmark(
     context: int = 2048,
     decode_tokens: int = 64,
@@ -86,9 +93,7 @@ def run_engine_benchmark(
     if model is None:
         model = str(bench_model_path(log=log))
     loaded = load_model(model)
-    limit = loaded.max_context
-    if limit is not None and context + max(SUFFIX_TOKENS, decode_tokens) > limit:
-        raise MlxkvError(f"--context {context} plus new tokens exceeds the model's context of {limit}")
+    check_context(loaded, "--context", context, max(SUFFIX_TOKENS, decode_tokens))
     # Room for a few full contexts; the cases use several cache salts.
     num_blocks = 8 * blocks_for(context + SUFFIX_TOKENS + decode_tokens + 1, block_size)
     engine = Engine(loaded, CacheConfig(block_size=block_size, num_blocks=num_blocks))
