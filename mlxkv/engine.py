@@ -240,13 +240,13 @@ class Engine:
     def batch_loop(self):
         """The engine's continuous-batching loop (made on first use)."""
         if self._batch is None:
-                self._batch = BatchLoop(self)
+            self._batch = BatchLoop(self)
         return self._batch
 
     def make_request(self, prompt, sink, should_stop: Callable[[], bool] | None = None, **options) -> Request:
         """A checked `Request` for the batch loop (options as for `stream`); raises MlxkvError on bad input."""
-        max_tokens = options.get("max_tokens", DEFAULT_MAX_TOKENS)
         prompt_tokens, sampler, root = self._prepare(prompt, **options)
+        max_tokens = self.reply_room(len(prompt_tokens), options.get("max_tokens", DEFAULT_MAX_TOKENS))
         return Request(
             next(self._request_ids), prompt_tokens, max_tokens, sampler,
             root, sink, self.tokenizer.detokenizer, should_stop,
@@ -275,12 +275,24 @@ class Engine:
         root = root_hash(self.fingerprint, cache_salt) if self.cache_config.prefix_cache else None
         return prompt_tokens, sampler, root
 
-    def prompt_limit(self, max_tokens: int) -> int:
-        """The longest prompt `_check_request` accepts with `max_tokens`: the
-        model's context, and room in the pool for the prompt and the reply."""
-        pool = self.kv_pool.num_blocks * self.layout.block_size - max_tokens
+    def reply_room(self, prompt_len: int, max_tokens: int) -> int:
+        """The most tokens a reply to a prompt of `prompt_len` tokens gets:
+        `max_tokens`, cut where the model's context ends. A reply's last token
+        is sampled but never read back, so a prompt that fills the context
+        still gets one; past the context a model's positions are untrained."""
         context = self.loaded.max_context
-        return pool if context is None else min(pool, context)
+        return max_tokens if context is None else min(max_tokens, context + 1 - prompt_len)
+
+    def prompt_limit(self, max_tokens: int) -> int:
+        """The longest prompt a chat is fitted to (`chat_prompt`), leaving
+        its reply room for `max_tokens`, in the pool and in the context. A
+        reply asked for more than half the context gets the half the prompt
+        does not keep."""
+        pool = self.kv_pool.num_blocks * self.layout.block_size
+        context = self.loaded.max_context
+        if context is None:
+            return pool - max_tokens
+        return min(pool, context + 1) - min(max_tokens, context // 2)
 
     def _check_request(self, prompt: list[int], max_tokens: int) -> None:
         if not prompt:
@@ -291,10 +303,11 @@ class Engine:
         if limit is not None and len(prompt) > limit:
             raise MlxkvError(f"prompt has {len(prompt)} tokens but the model's context is {limit}")
         bs = self.layout.block_size
-        need = blocks_for(len(prompt) + max_tokens, bs)
+        reply = self.reply_room(len(prompt), max_tokens)
+        need = blocks_for(len(prompt) + reply, bs)
         if need > self.kv_pool.num_blocks:
             raise MlxkvError(
-                f"prompt ({len(prompt)} tokens) plus max_tokens ({max_tokens}) needs {need} "
+                f"prompt ({len(prompt)} tokens) plus a reply of up to {reply} tokens needs {need} "
                 f"blocks of {bs} tokens but the pool has {self.kv_pool.num_blocks}; "
                 "raise --num-blocks or lower --max-tokens"
             )

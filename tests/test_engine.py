@@ -191,6 +191,28 @@ def test_prompt_longer_than_context(model_dirs, tmp_path):
         engine.generate(tokens(40), max_tokens=2)
 
 
+@pytest.fixture(scope="module")
+def short_context(tmp_path_factory):
+    """An engine on a model whose context is 64 tokens, with room in the pool for much more."""
+    path = write_tiny_model(tmp_path_factory.mktemp("short"), TinyModelSpec(max_position_embeddings=64))
+    return Engine.load(str(path), CacheConfig(num_blocks=64))
+
+
+@pytest.mark.parametrize("prompt_len, max_tokens, expected", [(62, 10, 3), (64, 10, 1), (20, 5, 5), (10, 10**6, 55)])
+def test_a_reply_ends_where_the_context_does(short_context, prompt_len, max_tokens, expected):
+    r = short_context.generate(tokens(prompt_len), max_tokens=max_tokens)
+    assert (len(r.tokens), r.finish_reason) == (expected, "length")
+
+
+def test_a_fitted_chat_leaves_its_reply_room_in_the_context(short_context):
+    chat = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"turn {i} goes on"} for i in range(9)]
+    for max_tokens, room in [(6, 6), (100, 32)]:  # past half the context, the reply gets half
+        prompt, left_out = short_context.chat_prompt(chat, max_tokens=max_tokens, fit=True)
+        assert left_out > 0 and len(prompt) <= 65 - room
+        reply = short_context.generate(prompt, max_tokens=max_tokens)
+        assert len(reply.tokens) >= min(room, max_tokens)
+
+
 def test_unsupported_family_names_the_model_type(tmp_path):
     path = write_tiny_model(tmp_path / "g3", TinyModelSpec(family=UNSUPPORTED_CACHE_FAMILY))
     with pytest.raises(MlxkvError, match=f"unsupported model family '{UNSUPPORTED_CACHE_FAMILY}'"):
