@@ -282,7 +282,15 @@ def write_tiny_model(path: str | os.PathLike, spec: TinyModelSpec = TinyModelSpe
     if path.is_dir() and any(path.iterdir()) and not _is_model(path):
         raise MlxkvError(f"{path} is not empty and holds no model; "
                          "pick a new or empty directory")
-    staging = _build(path, spec)
+    try:
+        _put_in_place(_build(path, spec), path)
+    except OSError as e:  # no such parent, read-only, disk full...
+        where = f" ({e.filename})" if e.filename and Path(e.filename) != path else ""
+        raise MlxkvError(f"cannot write a model to {path}: {e.strerror or e}{where}") from None
+    return path
+
+
+def _put_in_place(staging: Path, path: Path) -> None:
     old = None
     if _is_model(path):
         # rename() will not replace a non-empty directory, so move it aside.
@@ -291,7 +299,6 @@ def write_tiny_model(path: str | os.PathLike, spec: TinyModelSpec = TinyModelSpe
     os.rename(staging, path)  # an empty directory is replaced atomically
     if old is not None:
         shutil.rmtree(old)
-    return path
 
 
 def _written_spec(path: Path) -> dict | None:

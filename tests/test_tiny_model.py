@@ -157,6 +157,13 @@ def test_refuses_a_file(tmp_path):
         write_tiny_model(tmp_path / "f")
 
 
+def test_a_path_that_cannot_be_written_is_a_one_line_error(tmp_path):
+    (tmp_path / "f").write_text("mine")
+    with pytest.raises(MlxkvError, match=r"cannot write a model to .*f/m: File exists \(.*f\)"):
+        write_tiny_model(tmp_path / "f" / "m")
+    assert (tmp_path / "f").read_text() == "mine"
+
+
 def test_fills_an_empty_dir_and_replaces_a_model(tmp_path):
     target = tmp_path / "m"
     target.mkdir()
