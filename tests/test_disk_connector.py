@@ -900,6 +900,19 @@ def test_cache_clear_refuses_a_directory_that_is_not_a_cache(tmp_path):
     assert cache_clear(bare) == 1
 
 
+def test_cache_info_and_clear_on_a_read_only_disk_or_a_file_are_one_line_errors(tmpfs):
+    mnt = tmpfs("4m")
+    with open_disk(mnt) as disk:
+        fill(disk, chain(2))
+    remount_read_only(mnt)
+    assert cache_info(mnt)["blocks"] == 2  # reading needs no write access
+    with pytest.raises(MlxkvError, match=r"cannot clear .* \(0 block files removed\): Read-only file system"):
+        cache_clear(mnt)
+    assert cache_info(mnt)["blocks"] == 2
+    with pytest.raises(MlxkvError, match="is not a directory"):
+        cache_info(mnt / "CACHEDIR.TAG")
+
+
 # -- child processes run this file as a script -----------------------------------
 
 if __name__ == "__main__":

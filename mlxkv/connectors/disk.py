@@ -39,7 +39,7 @@ import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from queue import SimpleQueue
@@ -897,9 +897,19 @@ def _blocks_in(path: Path) -> int:
 def cache_info(directory: str | os.PathLike) -> dict:
     """Files, blocks and bytes per model fingerprint under a disk cache directory."""
     root = Path(directory).expanduser()
+    if root.exists() and not root.is_dir():
+        raise MlxkvError(f"{root} is not a directory")
     info = {"directory": str(root), "exists": root.is_dir(), "fingerprints": {}, "files": 0, "blocks": 0, "bytes": 0}
     if not info["exists"]:
         return info
+    try:
+        _count_into(info, root)
+    except OSError as e:
+        raise MlxkvError(f"cannot read {root}: {e.strerror or e}") from None
+    return info
+
+
+def _count_into(info: dict, root: Path) -> None:
     for fp_dir in _fingerprint_dirs(root):
         files = list(_block_files(fp_dir))
         entry = {"files": len(files), "blocks": sum(_blocks_in(p) for p, _ in files),
@@ -907,7 +917,6 @@ def cache_info(directory: str | os.PathLike) -> dict:
         info["fingerprints"][fp_dir.name] = entry
         for key in ("files", "blocks", "bytes"):
             info[key] += entry[key]
-    return info
 
 
 def _looks_like_cache(root: Path) -> bool:
@@ -925,18 +934,30 @@ def _looks_like_cache(root: Path) -> bool:
 def cache_clear(directory: str | os.PathLike) -> int:
     """Delete every mlxkv block file (and temp file) under `directory`; returns files removed.
 
-    Refuses (ValueError) a directory that does not look like an mlxkv disk cache.
-    Anything else in it is left alone.
+    Refuses (MlxkvError) a directory that does not look like an mlxkv disk
+    cache, and names what stopped it (a read-only disk). Anything else in
+    it is left alone.
     """
     root = Path(directory).expanduser()
     if not root.exists():
         return 0
-    if not root.is_dir() or not _looks_like_cache(root):
-        raise MlxkvError(f"{root} does not look like an mlxkv disk cache; not clearing it")
     removed = 0
+    try:
+        if not root.is_dir() or not _looks_like_cache(root):
+            raise MlxkvError(f"{root} does not look like an mlxkv disk cache; not clearing it")
+        for _ in _remove_block_files(root):
+            removed += 1
+    except OSError as e:
+        raise MlxkvError(f"cannot clear {root} ({removed} block files removed): {e.strerror or e}") from None
+    return removed
+
+
+def _remove_block_files(root: Path) -> Iterator[Path]:
+    """Remove our files under `root`, yielding each block file removed."""
     for fp_dir in _fingerprint_dirs(root):
         for path, _ in list(_block_files(fp_dir)):
-            removed += _unlink(path)
+            if _unlink(path):
+                yield path
         for path in fp_dir.glob("**/.*.tmp"):
             if _TEMP_NAME.fullmatch(path.name):
                 _unlink(path)
@@ -944,7 +965,6 @@ def cache_clear(directory: str | os.PathLike) -> int:
             if shard.is_dir() and len(shard.name) == 2:
                 _rmdir_if_empty(shard)
         _rmdir_if_empty(fp_dir)
-    return removed
 
 
 def _rmdir_if_empty(path: Path) -> None:
