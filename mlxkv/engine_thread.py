@@ -119,6 +119,7 @@ class _Request:
     messages: list[dict] | None
     options: dict
     fit_context: bool = False
+    reply_room: int | None = None
 
 
 def load_engine(model: str, cache: CacheConfig, report: Callable[[str, float | None], None]):
@@ -200,13 +201,15 @@ class EngineThread:
             raise MlxkvError(self.error)
 
     def submit(self, prompt=None, *, messages: list[dict] | None = None, fit_context: bool = False,
-               **options) -> RequestHandle:
+               reply_room: int | None = None, **options) -> RequestHandle:
         """Queue a request: a prompt (text or token ids) or chat messages.
 
         `fit_context` leaves out a chat's oldest turns when the messages are
-        longer than the context (see context_window.py); the handle's
-        `left_out` says how many. `options` go to `Engine.stream`
-        (max_tokens, temperature, ...).
+        longer than the context (see context_window.py), leaving room for a
+        reply of `reply_room` tokens (default: max_tokens); the handle's
+        `left_out` says how many. A chat's prefill (max_tokens=1) passes its
+        replies' max_tokens as `reply_room`, so it loads the window they
+        will use. `options` go to `Engine.stream` (max_tokens, temperature, ...).
         """
         if (prompt is None) == (messages is None):
             raise ValueError("give a prompt or messages, not both")
@@ -214,7 +217,7 @@ class EngineThread:
             raise MlxkvError("the engine is closed")
         handle = RequestHandle(next(self._ids))
         self._open[handle.id] = handle
-        self._queue.put(_Request(handle, prompt, messages, options, fit_context))
+        self._queue.put(_Request(handle, prompt, messages, options, fit_context, reply_room))
         return handle
 
     def call(self, fn: Callable) -> Future:
@@ -324,8 +327,8 @@ class EngineThread:
         try:
             prompt = request.prompt
             if request.messages is not None:
-                prompt, handle.left_out = self.engine.chat_prompt(
-                    request.messages, request.options.get("max_tokens"), fit=request.fit_context)
+                room = request.reply_room or request.options.get("max_tokens")
+                prompt, handle.left_out = self.engine.chat_prompt(request.messages, room, fit=request.fit_context)
             sink = self._sink(handle)
             queued = self.engine.make_request(prompt, sink, should_stop=handle._cancel.is_set, **request.options)
         except Exception as e:  # one request's failure never ends the thread

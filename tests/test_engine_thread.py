@@ -230,3 +230,16 @@ def test_a_chat_longer_than_the_context_leaves_out_its_oldest_turns_and_keeps_it
     assert second_stats.cached_tokens["pool"] >= first_stats.prompt_tokens - CONFIG["block_size"]
     short = engine.submit(messages=QUESTION, fit_context=True, max_tokens=2)
     assert list(short)[-1].finish_reason == "length" and short.left_out == 0  # fits: nothing left out
+
+
+def test_a_prefill_with_reply_room_loads_the_window_its_replies_use(engine):
+    stored = long_chat(41) + [{"role": "assistant", "content": "a stored reply"}]
+    nearer = engine.submit(messages=stored, fit_context=True, max_tokens=1)  # fitted for a 1-token reply
+    list(nearer)
+    prefill = engine.submit(messages=stored, fit_context=True, max_tokens=1, reply_room=64)
+    prefill_stats = list(prefill)[-1].stats
+    reply = engine.submit(messages=stored + [{"role": "user", "content": "and then?"}], fit_context=True, max_tokens=64)
+    reply_stats = list(reply)[-1].stats
+    assert nearer.left_out < prefill.left_out == reply.left_out
+    # All but the prefill's last blocks: its prompt ends in the generation prompt, not the user turn.
+    assert reply_stats.cached_tokens["pool"] >= prefill_stats.prompt_tokens - 2 * CONFIG["block_size"]

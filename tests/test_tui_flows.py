@@ -142,8 +142,9 @@ async def test_delete_asks_first_and_chats_survive_a_restart(tmp_path):
         await idle(pilot)
         views = app.chat_screen.query(MessageView)
         assert [v.role for v in views] == ["user", "assistant"] and views[0].text == "keep me"
-        # Reopening a chat loads its prefix into the pool at once (one token asked for).
-        assert engines[0].requests[0][1] == {"max_tokens": 1}
+        # Reopening a chat loads its prefix into the pool at once (one token
+        # asked for), fitted to the context as its replies will be.
+        assert engines[0].requests[0][1] == {"max_tokens": 1, "reply_room": app.generation["max_tokens"]}
 
 
 @pilot_test

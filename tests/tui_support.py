@@ -88,11 +88,11 @@ class ScriptedEngine:
         self.left_out = 0  # what a fitted request's handle says was left out (the real engine: fit_chat)
         on_event(EngineEvent("ready", "scripted", info={}, snapshot=self.snapshot))
 
-    def submit(self, prompt=None, *, messages=None, fit_context=False, **options) -> RequestHandle:
+    def submit(self, prompt=None, *, messages=None, fit_context=False, reply_room=None, **options) -> RequestHandle:
         handle = RequestHandle(len(self.handles))
         handle.left_out = self.left_out if fit_context else 0
         self.handles.append(handle)
-        self.requests.append((messages, options))
+        self.requests.append((messages, options if reply_room is None else {**options, "reply_room": reply_room}))
         if self.auto:
             self.answer(handle, options.get("max_tokens", 256))
         return handle

@@ -204,7 +204,8 @@ class ChatScreen(Screen[None]):
     def _prefill(self) -> None:
         """Load a reopened chat's prefix into the pool now (from a tier if it is there)."""
         if self.engine_ready and self.store.messages(self.conversation_id):
-            self._start("prefill", self.conversation_id, None, max_tokens=1)
+            self._start("prefill", self.conversation_id, None, max_tokens=1,
+                        reply_room=self.app.generation["max_tokens"])  # the window replies use
 
     def _start(self, kind: str, conversation_id: int, view: MessageView | None,
                question_id: int | None = None, question_view: MessageView | None = None, **options) -> None:
