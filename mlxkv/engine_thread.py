@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from mlxkv.config import CacheConfig
 from mlxkv.errors import MlxkvError, MlxkvWarning, warning_text
 from mlxkv.records import GenerationChunk, RequestFailed, is_last  # noqa: F401  (re-exported)
+from mlxkv.sampling import whole
 
 # Pool snapshots during a reply: at most this often (they cost O(blocks)).
 SNAPSHOT_INTERVAL_S = 0.25
@@ -215,6 +216,8 @@ class EngineThread:
             raise ValueError("give a prompt or messages, not both")
         if self._closed:
             raise MlxkvError("the engine is closed")
+        if reply_room is not None and (not whole(reply_room) or reply_room < 1):
+            raise MlxkvError(f"reply_room must be a whole number, at least 1, got {reply_room!r}")
         handle = RequestHandle(next(self._ids))
         self._open[handle.id] = handle
         self._queue.put(_Request(handle, prompt, messages, options, fit_context, reply_room))
@@ -327,7 +330,7 @@ class EngineThread:
         try:
             prompt = request.prompt
             if request.messages is not None:
-                room = request.reply_room or request.options.get("max_tokens")
+                room = request.options.get("max_tokens") if request.reply_room is None else request.reply_room
                 prompt, handle.left_out = self.engine.chat_prompt(request.messages, room, fit=request.fit_context)
             sink = self._sink(handle)
             queued = self.engine.make_request(prompt, sink, should_stop=handle._cancel.is_set, **request.options)

@@ -243,3 +243,5 @@ def test_a_prefill_with_reply_room_loads_the_window_its_replies_use(engine):
     assert nearer.left_out < prefill.left_out == reply.left_out
     # All but the prefill's last blocks: its prompt ends in the generation prompt, not the user turn.
     assert reply_stats.cached_tokens["pool"] >= prefill_stats.prompt_tokens - 2 * CONFIG["block_size"]
+    with pytest.raises(MlxkvError, match="reply_room must be a whole number, at least 1, got 0"):
+        engine.submit(messages=stored, fit_context=True, reply_room=0)
