@@ -549,3 +549,35 @@ async def test_replies_of_a_screen_share_its_pacer(tmp_path):
             assert screen.reply.pacer is screen.pacer
             engines[0].handles[n]._put(GenerationChunk("ok", 0, "length", fixed_stats()))
             await idle(pilot)
+
+
+@pilot_test
+async def test_any_terminal_size_keeps_the_app_running_and_the_chat_usable(tmp_path):
+    app, store, engines = make_app(tmp_path)
+    async with app.run_test(size=(50, 14)) as pilot:
+        await type_and_send(pilot, "hi")
+        await idle(pilot)
+        for size in [(30, 8), (8, 4), (1, 1), (79, 20), (100, 30), (160, 48)]:
+            await pilot.resize_terminal(*size)
+            await pilot.pause()
+        await type_and_send(pilot, "still here")
+        await idle(pilot)
+        assert [v.text for v in app.chat_screen.query(MessageView) if v.role == "user"] == ["hi", "still here"]
+
+
+@pilot_test
+async def test_on_a_narrow_terminal_the_palette_opens_any_chat(tmp_path):
+    app, store, engines = make_app(tmp_path)
+    async with app.run_test(size=(70, 24)) as pilot:
+        assert not app.chat_screen.query_one(ConversationList).display  # too narrow for the list
+        await two_chats(pilot, "first [b]chat", "second chat")
+        first = next(c for c in store.conversations() if c.title.startswith("first"))
+        await pilot.press("ctrl+p")
+        await wait_until(pilot, lambda: isinstance(app.screen, CommandPalette), what="the palette")
+        await pilot.press(*"open chat: first")
+        results = app.screen.query_one(OptionList)
+        await wait_until(pilot, lambda: results.option_count and results.highlighted is not None)
+        assert "first [b]chat" in str(results.get_option_at_index(results.highlighted).prompt)
+        await pilot.press("enter")
+        await wait_until(pilot, lambda: app.chat_screen.conversation_id == first.id, what="the first chat")
+        assert [v.text for v in app.chat_screen.query(MessageView)][0] == "first [b]chat"

@@ -7,10 +7,12 @@ renders the records and events it gets back as posted messages.
 from __future__ import annotations
 
 import gc
+from functools import partial
 from collections.abc import Callable, Iterable
 
 from textual.app import App, SystemCommand
 from textual.binding import Binding
+from textual.markup import escape
 from textual.screen import Screen
 
 from mlxkv.config import CacheConfig
@@ -104,6 +106,11 @@ class ChatApp(App[None]):
             yield SystemCommand("Delete chat", "Delete this conversation", screen.action_delete)
             yield SystemCommand("System prompt", "Set this conversation's system prompt",
                                 screen.action_system_prompt)
+            # Every chat by its title: the way to them on a terminal too
+            # narrow for the chats list.
+            for conversation in self.store.conversations():
+                yield SystemCommand(f"Open chat: {escape(conversation.title)}", "Switch to this conversation",
+                                    partial(screen.open_conversation, conversation.id))
 
 
 def load_chat_engine(model: str, cache: CacheConfig, report):

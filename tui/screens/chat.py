@@ -54,6 +54,9 @@ class ChatScreen(Screen[None]):
                 tooltip="Set this conversation's system prompt"),
         Binding("f8", "delete", "Delete", id="chat.delete", tooltip="Delete this conversation"),
     ]
+    # The side panels take 24 and 44 columns: on a narrower terminal the
+    # chats list goes first, then the cache panel, so the chat keeps room.
+    HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (80, "-medium"), (110, "-wide")]
 
     def __init__(self, store: ChatStore, *, cursor_blink: bool = True) -> None:
         super().__init__()
