@@ -581,3 +581,14 @@ async def test_on_a_narrow_terminal_the_palette_opens_any_chat(tmp_path):
         await pilot.press("enter")
         await wait_until(pilot, lambda: app.chat_screen.conversation_id == first.id, what="the first chat")
         assert [v.text for v in app.chat_screen.query(MessageView)][0] == "first [b]chat"
+
+
+@pilot_test
+async def test_a_focused_panel_hidden_by_a_narrower_terminal_hands_typing_to_the_prompt(tmp_path):
+    app, store, engines = make_app(tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        app.chat_screen.query_one(ConversationList).focus()
+        await pilot.resize_terminal(70, 24)
+        await wait_until(pilot, lambda: isinstance(app.focused, PromptInput), what="the prompt focused")
+        await pilot.press(*"ahoy")
+        assert app.chat_screen.query_one(PromptInput).text == "ahoy"

@@ -164,6 +164,15 @@ class ChatScreen(Screen[None]):
         self.sub_title = conversation.title if conversation else ""
         self.query_one(ConversationList).show(self.store.conversations(), self.conversation_id)
 
+    def on_resize(self) -> None:
+        # A focused panel that a narrower terminal hides leaves nothing
+        # focused, and typing would go nowhere: give it to the prompt box.
+        self.call_after_refresh(self._focus_prompt_if_lost)
+
+    def _focus_prompt_if_lost(self) -> None:
+        if self.focused is None and self.is_current:
+            self.query_one(PromptInput).focus()
+
     async def on_option_list_option_selected(self, event: OptionList.OptionSelected) -> None:
         if int(event.option_id) != self.conversation_id:
             await self.open_conversation(int(event.option_id))
