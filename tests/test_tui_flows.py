@@ -15,6 +15,7 @@ import tui.screens.rename
 import tui.screens.system_prompt
 import tui.widgets.prompt_input
 from textual.command import CommandPalette
+from textual.geometry import Region
 from textual.widgets import OptionList
 
 from mlxkv.errors import MlxkvError
@@ -592,3 +593,14 @@ async def test_a_focused_panel_hidden_by_a_narrower_terminal_hands_typing_to_the
         await wait_until(pilot, lambda: isinstance(app.focused, PromptInput), what="the prompt focused")
         await pilot.press(*"ahoy")
         assert app.chat_screen.query_one(PromptInput).text == "ahoy"
+
+
+@pilot_test
+async def test_a_long_chat_title_takes_one_line_in_the_list(tmp_path):
+    app, store, engines = make_app(tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await two_chats(pilot, "a rather long first message that goes on and on " * 3, "short")
+        chats = app.chat_screen.query_one(ConversationList)
+        lines = [strip.text for strip in chats.render_lines(Region(0, 0, *chats.outer_size))]
+        rows = [line for line in lines[1:-1] if line.strip("│ ")]
+        assert len(rows) == 2 and rows[1].rstrip("│ ").endswith("…"), rows  # newest first; the long one cut

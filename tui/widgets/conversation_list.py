@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from rich.text import Text
+from textual.content import Content
 from textual.widgets import OptionList
 from textual.widgets.option_list import Option
 
@@ -14,7 +14,7 @@ class ConversationList(OptionList):
         self.border_title = "Chats"
 
     def show(self, conversations: list[Conversation], current: int | None) -> None:
-        self.set_options(Option(Text(c.title, no_wrap=True, overflow="ellipsis"), id=str(c.id))
-                         for c in conversations)
+        # Content, not markup: a title is shown as typed. One line each (chat.tcss).
+        self.set_options(Option(Content(c.title), id=str(c.id)) for c in conversations)
         if current is not None and any(c.id == current for c in conversations):
             self.highlighted = self.get_option_index(str(current))
