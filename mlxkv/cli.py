@@ -30,7 +30,9 @@ def _number(kind: type, low: float, high: float | None = None):
         except ValueError:
             raise argparse.ArgumentTypeError(
                 f"expected {'a whole number' if kind is int else 'a number'}, got {text!r}") from None
-        if not (math.isfinite(value) and low <= value and (high is None or value <= high)):
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
+        if not (low <= value and (high is None or value <= high)):
             raise argparse.ArgumentTypeError(f"must be {wanted}, got {text}")
         return value
 

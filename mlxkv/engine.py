@@ -162,18 +162,18 @@ class Engine:
         """Token ids as ints, each a row of the embedding table. MLX does not
         bounds-check the embedding lookup: id 5000 in a 1024-token vocabulary
         was a segmentation fault, not an error."""
-        try:
-            tokens = [int(t) for t in prompt]
-        except (TypeError, ValueError):
-            raise MlxkvError("a prompt is text or a list of token ids (whole numbers)") from None
-        if any(t != original for t, original in zip(tokens, prompt)):
-            raise MlxkvError("token ids must be whole numbers")
+        if hasattr(prompt, "tolist"):  # an mx.array or numpy array of ids
+            prompt = prompt.tolist()
+        if not isinstance(prompt, (list, tuple)):
+            raise MlxkvError("a prompt is text or a list of token ids (whole numbers)")
         vocab = self.loaded.vocab_size
-        bad = next((t for t in tokens if t < 0 or (vocab is not None and t >= vocab)), None)
-        if bad is not None:
-            size = f" of {vocab} tokens" if vocab is not None else ""
-            raise MlxkvError(f"token id {bad} is outside the model's vocabulary{size}")
-        return tokens
+        for t in prompt:
+            if not whole(t):  # 2.0 and True are not token ids either
+                raise MlxkvError(f"token ids must be whole numbers, got {t!r}")
+            if t < 0 or (vocab is not None and t >= vocab):
+                size = f" of {vocab} tokens" if vocab is not None else ""
+                raise MlxkvError(f"token id {t} is outside the model's vocabulary{size}")
+        return [int(t) for t in prompt]
 
     # -- generation -------------------------------------------------------
 

@@ -37,15 +37,20 @@ def check_sampling(temperature: float, top_p: float, min_p: float, top_k: int, s
     """Raise MlxkvError for options a sampler would silently misread (a top_p
     of 2 turned top-p off; a NaN temperature passed every comparison) or fail
     on (a negative seed was a TypeError from mx.random.key)."""
-    if not (math.isfinite(temperature) and temperature >= 0):
-        raise MlxkvError(f"temperature must be >= 0, got {temperature}")
+    if not (_number(temperature) and math.isfinite(temperature) and temperature >= 0):
+        raise MlxkvError(f"temperature must be a finite number >= 0, got {temperature!r}")
     for name, value in (("top_p", top_p), ("min_p", min_p)):
-        if not 0 <= value <= 1:
-            raise MlxkvError(f"{name} must be between 0 and 1 (0 turns it off), got {value}")
+        if not (_number(value) and 0 <= value <= 1):
+            raise MlxkvError(f"{name} must be between 0 and 1 (0 turns it off), got {value!r}")
     if not whole(top_k) or top_k < 0:
         raise MlxkvError(f"top_k must be a whole number >= 0 (0 turns it off), got {top_k!r}")
     if seed is not None and not (whole(seed) and 0 <= seed <= MAX_SEED):
         raise MlxkvError(f"seed must be a whole number from 0 to {MAX_SEED}, got {seed!r}")
+
+
+def _number(value) -> bool:
+    """A real number (numpy's too), not a bool or a string."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 def whole(value) -> bool:

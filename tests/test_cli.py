@@ -89,7 +89,8 @@ def test_bad_input_is_one_line_and_exit_2(llama_dir, args, message):
         ("generate", "--memory-tier-mb", "-5", "must be 0 or more, got -5"),  # not "-5242880" bytes
         ("generate", "--disk-tier-mb", "lots", "expected a whole number, got 'lots'"),
         ("generate", "--top-p", "2", "must be between 0 and 1, got 2"),  # was top-p off, silently
-        ("generate", "--temp", "nan", "must be 0 or more, got nan"),
+        ("generate", "--temp", "nan", "must be a finite number, got nan"),
+        ("generate", "--temp", "inf", "must be a finite number, got inf"),  # was "must be 0 or more"
         ("generate", "--max-tokens", "0", "must be at least 1, got 0"),
         ("chat", "--temp", "-1", "must be 0 or more, got -1"),  # was refused only once the app was up
         ("bench", "--prefix", "-1", "must be 0 or more, got -1"),  # was run as a "-1-token prefix"

@@ -146,11 +146,18 @@ def test_stats_describe_the_pool(engine):
         ("", {}, "prompt is empty"),
         (tokens(5), {"max_tokens": 0}, "max_tokens"),
         (tokens(5), {"temperature": -1.0}, "temperature"),
+        (tokens(5), {"temperature": float("inf")}, "temperature must be a finite number >= 0, got inf"),
+        (tokens(5), {"temperature": "0.5"}, "temperature must be a finite number >= 0, got '0.5'"),  # TypeError
+        (tokens(5), {"top_p": "0.9"}, "top_p must be between 0 and 1"),  # was a TypeError
         # MLX does not bounds-check the embedding: these were a segfault.
         ([3, 10**6], {}, "token id 1000000 is outside the model's vocabulary of"),
         ([-1, 3], {}, "token id -1 is outside"),
         ([3, 1.5], {}, "whole numbers"),
-        ([3, "a"], {}, "list of token ids"),
+        ([3, 2.0], {}, "whole numbers, got 2.0"),  # was token 2
+        ([True, 3], {}, "whole numbers, got True"),  # was token 1
+        ([3, "a"], {}, "whole numbers, got 'a'"),
+        (b"abc", {}, "list of token ids"),  # was tokens 97, 98, 99
+        ({3, 4}, {}, "list of token ids"),
         (tokens(5), {"max_tokens": 1.5}, "whole number"),  # was 2 tokens, silently
         (tokens(5), {"cache_salt": 5}, "cache_salt must be a string"),  # was an AttributeError
         (tokens(5), {"temperature": 1.0, "top_k": 1.5}, "top_k must be a whole number"),  # failed mid-step
