@@ -14,6 +14,7 @@ import tui.screens.error
 import tui.screens.rename
 import tui.screens.system_prompt
 import tui.widgets.prompt_input
+from textual import events
 from textual.command import CommandPalette
 from textual.geometry import Region
 from textual.widgets import OptionList
@@ -604,3 +605,22 @@ async def test_a_long_chat_title_takes_one_line_in_the_list(tmp_path):
         lines = [strip.text for strip in chats.render_lines(Region(0, 0, *chats.outer_size))]
         rows = [line for line in lines[1:-1] if line.strip("│ ")]
         assert len(rows) == 2 and rows[1].rstrip("│ ").endswith("…"), rows  # newest first; the long one cut
+
+
+@pilot_test
+async def test_enter_sends_every_key_typed_before_it_even_in_a_burst(tmp_path):
+    """A fast typist, a paste-like burst or a busy machine: keys arrive
+    together. Enter must not overtake the characters typed before it."""
+    app, store, engines = make_app(tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        box = app.chat_screen.query_one(PromptInput)
+        box.focus()
+        await pilot.pause()
+        for keys in (["a", "h", "o", "y", "enter"], ["s", "h", "i", "f", "t", "+", "shift+enter", "x", "enter", "n", "o"]):
+            for key in keys:  # posted at once, as the driver does with one read of the terminal
+                character = {"enter": "\r", "shift+enter": None}.get(key, key)
+                app.post_message(events.Key("plus" if key == "+" else key, character))
+            await idle(pilot)
+        cid = app.chat_screen.conversation_id
+        assert [m.content for m in store.messages(cid) if m.role == "user"] == ["ahoy", "shift+\nx"]
+        assert box.text == "no"  # typed after Enter: kept for the next message

@@ -201,7 +201,7 @@ class ChatScreen(Screen[None]):
             question_id = self.store.add_message(cid, Message("user", text))
         if not saved:
             return  # the text stays in the box
-        event.prompt_input.clear()
+        event.prompt_input.take(event.text)
         self._show_list()
         log = self.query_one(ChatLog)
         question = await log.add(MessageView("user", text))

@@ -30,9 +30,23 @@ class PromptInput(TextArea):
         self.cursor_blink = cursor_blink
         self.placeholder = "Message (Enter to send, Shift+Enter for a new line)"
 
+    # Priority bindings run on the app's queue as the key arrives there, while
+    # the keys typed before it still wait in this widget's queue: keys that
+    # came in one read of the terminal (fast typing, a busy machine) had
+    # Enter send the message without its last characters. The actions queue
+    # their work behind those keys.
+
     def action_submit(self) -> None:
+        self.call_later(self._submit)
+
+    def action_newline(self) -> None:
+        self.call_later(self.insert, "\n")
+
+    def _submit(self) -> None:
         if self.text.strip():
             self.post_message(self.Submitted(self, self.text))
 
-    def action_newline(self) -> None:
-        self.insert("\n")
+    def take(self, sent: str) -> None:
+        """Empty the box of a message that was sent, keeping what was typed after its Enter."""
+        self.load_text(self.text[len(sent):] if self.text.startswith(sent) else "")
+        self.move_cursor(self.document.end)
