@@ -607,6 +607,13 @@ async def test_a_long_chat_title_takes_one_line_in_the_list(tmp_path):
         assert len(rows) == 2 and rows[1].rstrip("│ ").endswith("…"), rows  # newest first; the long one cut
 
 
+def burst(app, keys: list[str]) -> None:
+    """Post keys at once, as the driver does with one read of the terminal."""
+    for key in keys:
+        character = {"enter": "\r", "shift+enter": None, "ctrl+s": None, "space": " "}.get(key, key)
+        app.post_message(events.Key("plus" if key == "+" else key, character))
+
+
 @pilot_test
 async def test_enter_sends_every_key_typed_before_it_even_in_a_burst(tmp_path):
     """A fast typist, a paste-like burst or a busy machine: keys arrive
@@ -617,10 +624,22 @@ async def test_enter_sends_every_key_typed_before_it_even_in_a_burst(tmp_path):
         box.focus()
         await pilot.pause()
         for keys in (["a", "h", "o", "y", "enter"], ["s", "h", "i", "f", "t", "+", "shift+enter", "x", "enter", "n", "o"]):
-            for key in keys:  # posted at once, as the driver does with one read of the terminal
-                character = {"enter": "\r", "shift+enter": None}.get(key, key)
-                app.post_message(events.Key("plus" if key == "+" else key, character))
+            burst(app, keys)
             await idle(pilot)
         cid = app.chat_screen.conversation_id
         assert [m.content for m in store.messages(cid) if m.role == "user"] == ["ahoy", "shift+\nx"]
         assert box.text == "no"  # typed after Enter: kept for the next message
+
+
+@pilot_test
+async def test_ctrl_s_saves_every_key_of_the_system_prompt_typed_before_it(tmp_path):
+    app, store, engines = make_app(tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press("f4")
+        await wait_until(pilot, lambda: isinstance(app.screen, SystemPromptScreen))
+        burst(app, ["b", "e", "space", "b", "r", "i", "e", "f", "ctrl+s"])
+        cid = app.chat_screen.conversation_id
+        await wait_until(pilot, lambda: any(v.role == "system" for v in app.chat_screen.query(MessageView)),
+                         what="the system prompt saved and shown")
+        await pilot.pause()  # the rest of the chat's reopening, before the app closes
+        assert store.get(cid).system_prompt == "be brief"

@@ -11,7 +11,10 @@ from textual.widgets import Label, TextArea
 
 class SystemPromptScreen(ModalScreen[str | None]):
     BINDINGS = [
-        Binding("ctrl+s", "save", "Save", id="system_prompt.save", priority=True,
+        # Not a priority binding: those run as the key reaches the app, ahead
+        # of the keys before it still queued in the text box (see PromptInput),
+        # and the text box has no Ctrl+S of its own.
+        Binding("ctrl+s", "save", "Save", id="system_prompt.save",
                 tooltip="Save the system prompt for this chat"),
         Binding("escape", "cancel", "Cancel", id="system_prompt.cancel", tooltip="Leave it unchanged"),
     ]
