@@ -61,6 +61,18 @@ async def two_chats(pilot, first, second):
     await idle(pilot)
 
 
+async def run_command(pilot, search: str) -> str:
+    """Search the command palette and run the best match; returns what that match said."""
+    await pilot.press("ctrl+p")
+    await wait_until(pilot, lambda: isinstance(pilot.app.screen, CommandPalette), what="the palette")
+    await pilot.press(*search)
+    results = pilot.app.screen.query_one(OptionList)
+    await wait_until(pilot, lambda: results.option_count and results.highlighted is not None)
+    shown = str(results.get_option_at_index(results.highlighted).prompt)
+    await pilot.press("enter")
+    return shown
+
+
 async def idle(pilot):
     await wait_until(pilot, lambda: not pilot.app.chat_screen.replies, what="replies to end")
     await pilot.app.workers.wait_for_complete()
@@ -90,13 +102,7 @@ async def test_palette_offers_new_rename_delete_and_system_prompt(tmp_path):
         titles = {c.title for c in app.get_system_commands(app.chat_screen)}
         assert {"New chat", "Rename chat", "Delete chat", "System prompt"} <= titles
 
-        await pilot.press("ctrl+p")
-        await wait_until(pilot, lambda: isinstance(app.screen, CommandPalette), what="the palette")
-        await pilot.press(*"rename chat")
-        results = app.screen.query_one(OptionList)
-        await wait_until(pilot, lambda: results.option_count and results.highlighted is not None)
-        assert "Rename chat" in str(results.get_option_at_index(results.highlighted).prompt)
-        await pilot.press("enter")
+        assert "Rename chat" in await run_command(pilot, "rename chat")
         await wait_until(pilot, lambda: isinstance(app.screen, RenameScreen), what="the rename dialog")
         app.screen.query_one("#rename-input").value = ""
         await pilot.press(*"Sea stories", "enter")
@@ -574,13 +580,7 @@ async def test_on_a_narrow_terminal_the_palette_opens_any_chat(tmp_path):
         assert not app.chat_screen.query_one(ConversationList).display  # too narrow for the list
         await two_chats(pilot, "first [b]chat", "second chat")
         first = next(c for c in store.conversations() if c.title.startswith("first"))
-        await pilot.press("ctrl+p")
-        await wait_until(pilot, lambda: isinstance(app.screen, CommandPalette), what="the palette")
-        await pilot.press(*"open chat: first")
-        results = app.screen.query_one(OptionList)
-        await wait_until(pilot, lambda: results.option_count and results.highlighted is not None)
-        assert "first [b]chat" in str(results.get_option_at_index(results.highlighted).prompt)
-        await pilot.press("enter")
+        assert "first [b]chat" in await run_command(pilot, "open chat: first")
         await wait_until(pilot, lambda: app.chat_screen.conversation_id == first.id, what="the first chat")
         assert [v.text for v in app.chat_screen.query(MessageView)][0] == "first [b]chat"
 
