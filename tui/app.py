@@ -7,8 +7,8 @@ renders the records and events it gets back as posted messages.
 from __future__ import annotations
 
 import gc
-from functools import partial
 from collections.abc import Callable, Iterable
+from functools import partial
 
 from textual.app import App, SystemCommand
 from textual.binding import Binding
