@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 import time
 
 from mlxkv.config import CacheConfig
 from mlxkv.engine_thread import EngineThread
+from tui import app as app_module
 from tui.app import ChatApp, load_chat_engine
 from tui.messages import ReplyDelta
 from tui.screens.error import ErrorScreen
@@ -252,3 +254,14 @@ async def test_an_unusable_ssd_tier_is_shown_as_off_with_the_reason(tmp_path, ll
         await send(pilot, "still chatting")  # the app works on without the tier
         await reply_done(pilot)
         assert assistant_views(app)[-1].text
+
+
+def test_the_app_runs_with_a_short_gil_switch_interval(monkeypatch, tmp_path):
+    # The engine thread wins the GIL back from the UI thread at most one
+    # switch interval after asking; the default 5 ms is several decode steps.
+    seen = []
+    monkeypatch.setattr(app_module.ChatApp, "run", lambda self: seen.append(sys.getswitchinterval()))
+    before = sys.getswitchinterval()
+    assert app_module.run("demo", CacheConfig(), max_tokens=8, temperature=0.0) == 0
+    assert seen == [app_module.UI_SWITCH_INTERVAL_S] and app_module.UI_SWITCH_INTERVAL_S < before
+    assert sys.getswitchinterval() == before  # the process's own setting comes back

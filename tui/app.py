@@ -7,7 +7,9 @@ renders the records and events it gets back as posted messages.
 from __future__ import annotations
 
 import gc
+import sys
 from collections.abc import Callable, Iterable
+from contextlib import contextmanager
 from functools import partial
 
 from textual.app import App, SystemCommand
@@ -124,6 +126,27 @@ def load_chat_engine(model: str, cache: CacheConfig, report):
     return engine
 
 
+# The engine thread lets go of the GIL inside every step's mx.eval and must
+# win it back from the UI thread to go on. CPython makes a running thread
+# hand the GIL over only every switch interval (5 ms by default), several
+# times a small model's whole decode step, while one UI update holds it for
+# 30-60 ms on a 2-core VM. 0.5 ms caps that wait. Demo model, 2-core VM:
+# chat/generate decode (tests/chat_decode_speed.py, sets of 10-16 runs) had
+# medians 0.78-0.93 at 5 ms, 0.90-1.02 at 0.5 ms; 0.2 ms was no better.
+UI_SWITCH_INTERVAL_S = 0.0005
+
+
+@contextmanager
+def gil_hand_off(interval_s: float):
+    """The GIL switch interval set to `interval_s` while the block runs."""
+    previous = sys.getswitchinterval()
+    sys.setswitchinterval(interval_s)
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(previous)
+
+
 def run(model: str, cache: CacheConfig, *, max_tokens: int, temperature: float) -> int:
     """Run the app until the user quits; the exit status."""
     store = ChatStore()
@@ -137,7 +160,8 @@ def run(model: str, cache: CacheConfig, *, max_tokens: int, temperature: float) 
         store.most_recent(NEW_CHAT_TITLE)
         app = ChatApp(start_engine, store, model_name=model,
                       generation={"max_tokens": max_tokens, "temperature": temperature})
-        app.run()
+        with gil_hand_off(UI_SWITCH_INTERVAL_S):
+            app.run()
     finally:
         store.close()
     return app.return_code or 0
