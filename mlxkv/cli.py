@@ -15,6 +15,9 @@ import warnings
 
 from mlxkv.errors import MlxkvError, MlxkvWarning, warning_text
 
+# How long a `generate --json` row waits for its background disk writes
+# (they take milliseconds; a stalled disk must not hang the command).
+FLUSH_TIMEOUT_S = 30.0
 
 def _number(kind: type, low: float, high: float | None = None):
     """An argparse type: an int or a finite float from `low` (to `high`), or
@@ -189,7 +192,7 @@ def _generate_concurrent(engine, prompts: list[str], args) -> int:
             failed += 1
             print(f"mlxkv: error: {error}", file=sys.stderr)
         elif args.json:
-            print(json.dumps({**result.as_json(), "connector": engine.connector.stats()}), flush=True)
+            print(json.dumps({**result.as_json(), "connector": _connector_stats(engine)}), flush=True)
         else:
             print(result.text, flush=True)
             _print_stats(result.stats)
@@ -201,9 +204,18 @@ def _generate_one(engine, text: str, args) -> None:
     options = _options(args)
     if args.json:
         result = engine.generate(tokens, **options)
-        print(json.dumps({**result.as_json(), "connector": engine.connector.stats()}), flush=True)
+        print(json.dumps({**result.as_json(), "connector": _connector_stats(engine)}), flush=True)
     else:
         _print_stream(engine.stream(tokens, **options))
+
+
+def _connector_stats(engine) -> dict:
+    """The connector's counters once the prompt's background disk writes are done,
+    so a JSON row counts its own stores (a tier without a writer has no flush)."""
+    flush = getattr(engine.connector, "flush", None)
+    if flush is not None:
+        flush(FLUSH_TIMEOUT_S)
+    return engine.connector.stats()
 
 
 def _print_stream(chunks) -> None:

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from faults import remount_read_only, rewrite
+from mlxkv.cli import main as cli_main
 from mlxkv.config import CacheConfig
 from mlxkv.connectors.disk import DiskKvCacheConnector, cache_info
 from mlxkv.connectors.memory import InMemoryKvCacheConnector
@@ -125,6 +126,7 @@ def test_damaged_block_files_fall_back_to_recompute(llama_dir, tmp_path, cold, d
 SPILLER = """
 import sys
 import mlxkv
+from mlxkv.cli import main as cli_main
 from mlxkv.config import CacheConfig
 from mlxkv.engine import Engine
 engine = Engine.load(sys.argv[1], CacheConfig(block_size=4, num_blocks=64, disk_tier=sys.argv[2], memory_tier_bytes=0))
@@ -220,3 +222,20 @@ def test_cache_clear_refuses_a_directory_that_is_not_a_cache(tmp_path):
 def test_tier_flags_turn_tiers_off(llama_dir, tmp_path):
     row = generate_json(llama_dir, tmp_path / "kv", "--memory-tier-mb", "0", "--no-disk-tier")
     assert row["connector"] == {}
+
+
+def test_a_json_row_counts_its_own_disk_stores(llama_dir, tmp_path, monkeypatch, capsys):
+    # The writer runs in the background; a slow disk must not leave a row
+    # saying fewer blocks were stored than its prompt wrote.
+    write = DiskKvCacheConnector._write
+
+    def slow_write(self, job):
+        time.sleep(0.2)
+        write(self, job)
+
+    monkeypatch.setattr(DiskKvCacheConnector, "_write", slow_write)
+    disk = tmp_path / "kv"
+    assert cli_main(["generate", "--model", llama_dir, "--raw", "--json", "--max-tokens", "2",
+                     "--block-size", str(BLOCK), "--disk-tier", str(disk), "--prompt", PROMPT]) == 0
+    row = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert row["connector"]["disk"]["stores"] == cache_info(disk)["blocks"] > 0

@@ -47,6 +47,10 @@ class TieredKvCacheConnector:
     def stats(self) -> dict[str, dict[str, int]]:
         return {**self.memory.stats(), **self.disk.stats()}
 
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait for the disk tier's queued writes; False on timeout."""
+        return self.disk.flush(timeout)
+
     def close(self) -> None:
         self.disk.close()
 
