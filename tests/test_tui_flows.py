@@ -643,3 +643,18 @@ async def test_ctrl_s_saves_every_key_of_the_system_prompt_typed_before_it(tmp_p
                          what="the system prompt saved and shown")
         await pilot.pause()  # the rest of the chat's reopening, before the app closes
         assert store.get(cid).system_prompt == "be brief"
+
+
+@pilot_test
+async def test_a_reply_cut_by_the_context_says_so(tmp_path):
+    app, store, engines = make_app(tmp_path, auto=False)
+    async with app.run_test(size=SIZE) as pilot:
+        cap = app.generation["max_tokens"]
+        for n, (generated, note) in enumerate([(cap - 1, "context full"), (cap, "max tokens")]):
+            await type_and_send(pilot, f"question {n}")
+            await wait_until(pilot, lambda: len(engines[0].handles) > n, what="the request")
+            engines[0].handles[n]._put(GenerationChunk("cut", 0, "length", fixed_stats(generated=generated)))
+            await idle(pilot)
+            assert app.chat_screen.query(MessageView).last().border_subtitle == note
+        cid = app.chat_screen.conversation_id
+        assert [m.finish_reason for m in store.messages(cid) if m.role == "assistant"] == ["context", "length"]

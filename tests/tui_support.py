@@ -101,7 +101,8 @@ class ScriptedEngine:
         pieces = [self.reply[i:i + 7] for i in range(0, len(self.reply), 7)][:max_tokens]
         for i, piece in enumerate(pieces[:-1]):
             handle._put(GenerationChunk(piece, i))
-        handle._put(GenerationChunk(pieces[-1], len(pieces), "length", fixed_stats(generated=len(pieces))))
+        finish = "length" if len(pieces) == max_tokens else "stop"
+        handle._put(GenerationChunk(pieces[-1], len(pieces), finish, fixed_stats(generated=len(pieces))))
         self.on_event(EngineEvent("snapshot", snapshot=self.snapshot))
 
     def close(self) -> None:

@@ -260,11 +260,19 @@ class ChatScreen(Screen[None]):
         elif reply.kind == "reply":
             self._tell_left_out(reply)
         if reply.view is not None:
-            await self._keep_reply(reply, record.finish_reason, stats)
+            await self._keep_reply(reply, self._finish_reason(record.finish_reason, stats), stats)
         if stats is not None and reply.conversation_id == self.conversation_id:
             self.query_one(CachePanel).show_turn(stats, reply.kind)
         del self.replies[reply.id]  # last: the reply counts as running until it is kept
         self._draw_snapshot(force=True)
+
+    def _finish_reason(self, finish_reason: str | None, stats: dict | None) -> str | None:
+        """The engine's reason, or "context" for a "length" that came before
+        max_tokens: the engine cuts a reply where the model's context ends."""
+        max_tokens = self.app.generation.get("max_tokens")
+        if finish_reason == "length" and stats and max_tokens and stats["generation_tokens"] < max_tokens:
+            return "context"
+        return finish_reason
 
     def _tell_left_out(self, reply: ActiveReply) -> None:
         """Say when a chat's prompt starts leaving out its oldest turns, and

@@ -13,7 +13,8 @@ from textual.widgets.markdown import MarkdownStream
 from tui.segments import Segmenter
 
 ROLE_TITLES = {"user": "you", "assistant": "assistant", "system": "system"}
-FINISH_NOTES = {"cancelled": "stopped", "length": "max tokens", "error": "failed"}
+# "context" is the app's own: a "length" before max_tokens (ChatScreen._finish_reason).
+FINISH_NOTES = {"cancelled": "stopped", "length": "max tokens", "context": "context full", "error": "failed"}
 # Control characters (a "\r" moves the terminal's cursor) and the line
 # separators Markdown's line counting does not share with str.splitlines.
 _UNPRINTABLE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029]")
