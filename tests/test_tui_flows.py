@@ -22,6 +22,7 @@ from textual.widgets import OptionList
 from mlxkv.errors import MlxkvError
 from mlxkv.records import GenerationChunk
 from tui.app import ChatApp
+from tui.screens.chat import NEW_CHAT_TITLE
 from tui.screens.confirm import ConfirmScreen
 from tui.screens.rename import RenameScreen
 from tui.screens.system_prompt import SystemPromptScreen
@@ -362,6 +363,7 @@ async def test_a_refused_request_is_a_notification_not_a_crash(tmp_path):
         assert box.text == "go" and not app.chat_screen.query(MessageView)
         cid = app.chat_screen.conversation_id
         assert store.messages(cid) == []
+        assert store.get(cid).title == NEW_CHAT_TITLE == app.chat_screen.sub_title  # not named after it
         await pilot.press("enter")  # sent again as it is, and refused again, with text typed meanwhile
         await wait_until(pilot, lambda: len(engines[0].handles) == 2, what="the second request")
         await pilot.press(*"draft")
@@ -370,6 +372,7 @@ async def test_a_refused_request_is_a_notification_not_a_crash(tmp_path):
         assert box.text == "draft"  # the box is not overwritten: the message stays in the chat
         assert [m.content for m in store.messages(cid)] == ["go"]
         assert [v.role for v in app.chat_screen.query(MessageView)] == ["user"]
+        assert store.get(cid).title == "go"
 
 
 @pilot_test

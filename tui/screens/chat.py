@@ -28,6 +28,12 @@ from tui.widgets.message_view import MessageView
 from tui.widgets.prompt_input import PromptInput
 
 NEW_CHAT_TITLE = "New chat"
+AUTO_TITLE_CHARS = 48
+
+
+def auto_title(first_message: str) -> str:
+    """A new chat's title, from its first message."""
+    return first_message.splitlines()[0][:AUTO_TITLE_CHARS]
 
 # While a reply streams, the pool view is redrawn with the reply's updates,
 # at most this often (the first snapshot of a turn, with its prefix hits,
@@ -197,7 +203,7 @@ class ChatScreen(Screen[None]):
         cid = self.conversation_id
         with self._saving() as saved:
             if self.store.get(cid).title == NEW_CHAT_TITLE and not self.store.messages(cid):
-                self.store.rename(cid, text.splitlines()[0][:48])
+                self.store.rename(cid, auto_title(text))
             question_id = self.store.add_message(cid, Message("user", text))
         if not saved:
             return  # the text stays in the box
@@ -292,10 +298,15 @@ class ChatScreen(Screen[None]):
         question = reply.question_view
         if question is None or reply.conversation_id != self.conversation_id or box.text:
             return False
+        cid = reply.conversation_id
         with self._saving() as saved:
             self.store.delete_message(reply.question_id)
+            # A chat named after the message it no longer has is new again.
+            if not self.store.messages(cid) and self.store.get(cid).title == auto_title(question.text):
+                self.store.rename(cid, NEW_CHAT_TITLE)
         if not saved:
             return False
+        self._show_list()
         if question.is_attached:
             await question.remove()
         box.text = question.text
