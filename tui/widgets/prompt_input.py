@@ -28,7 +28,9 @@ class PromptInput(TextArea):
     def __init__(self, *, cursor_blink: bool = True, **kwargs) -> None:
         super().__init__(soft_wrap=True, show_line_numbers=False, tab_behavior="focus", **kwargs)
         self.cursor_blink = cursor_blink
-        self.placeholder = "Message (Enter to send, Shift+Enter for a new line)"
+        # Short enough for the box at 110 columns, where the chats list still
+        # shows (the long form was cut mid-word); the footer says Enter sends.
+        self.placeholder = "Message (Shift+Enter for a new line)"
 
     # Priority bindings run on the app's queue as the key arrives there, while
     # the keys typed before it still wait in this widget's queue: keys that
