@@ -19,6 +19,7 @@ from mlxkv.errors import MlxkvError, MlxkvWarning, warning_text
 # (they take milliseconds; a stalled disk must not hang the command).
 FLUSH_TIMEOUT_S = 30.0
 
+
 def _number(kind: type, low: float, high: float | None = None):
     """An argparse type: an int or a finite float from `low` (to `high`), or
     argparse's one-line error naming the flag."""

@@ -30,15 +30,15 @@ from tui.widgets.prompt_input import PromptInput
 NEW_CHAT_TITLE = "New chat"
 AUTO_TITLE_CHARS = 48
 
-
-def auto_title(first_message: str) -> str:
-    """A new chat's title, from its first message."""
-    return first_message.splitlines()[0][:AUTO_TITLE_CHARS]
-
 # While a reply streams, the pool view is redrawn with the reply's updates,
 # at most this often (the first snapshot of a turn, with its prefix hits,
 # comes with the first token and is drawn at once).
 SNAPSHOT_INTERVAL_WHILE_STREAMING_S = 1.0
+
+
+def auto_title(first_message: str) -> str:
+    """A new chat's title, from its first message."""
+    return first_message.splitlines()[0][:AUTO_TITLE_CHARS]
 
 
 class _Saved:
