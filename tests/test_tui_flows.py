@@ -644,8 +644,9 @@ async def test_ctrl_s_saves_every_key_of_the_system_prompt_typed_before_it(tmp_p
         cid = app.chat_screen.conversation_id
         await wait_until(pilot, lambda: any(v.role == "system" for v in app.chat_screen.query(MessageView)),
                          what="the system prompt saved and shown")
-        await pilot.pause()  # the rest of the chat's reopening, before the app closes
         assert store.get(cid).system_prompt == "be brief"
+        # The app closes now, while the chat is still being reopened with the
+        # prompt: that reopening must stop quietly (it raised NoMatches).
 
 
 @pilot_test

@@ -138,6 +138,8 @@ class ChatScreen(Screen[None]):
             streaming.view = MessageView.resumed("assistant", streaming.view.text)
             views.append(streaming.view)
         await self.query_one(ChatLog).show_messages(views)
+        if not self.is_running:
+            return  # the app quit while the messages were drawn: its widgets are gone
         self.query_one(CachePanel).show_history([m.stats for m in messages if m.role == "assistant" and m.stats])
         self._show_list()
         if streaming is None:
