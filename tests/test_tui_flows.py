@@ -662,3 +662,18 @@ async def test_a_reply_cut_by_the_context_says_so(tmp_path):
             assert app.chat_screen.query(MessageView).last().border_subtitle == note
         cid = app.chat_screen.conversation_id
         assert [m.finish_reason for m in store.messages(cid) if m.role == "assistant"] == ["context", "length"]
+
+
+@pilot_test
+async def test_quitting_mid_reply_keeps_the_reply_so_far(tmp_path):
+    app, store, engines = make_app(tmp_path, auto=False)
+    async with app.run_test(size=SIZE) as pilot:
+        await type_and_send(pilot, "hello")
+        await wait_until(pilot, lambda: engines[0].handles, what="the request")
+        engines[0].handles[0]._put(GenerationChunk("partial ", 0))
+        await wait_until(pilot, lambda: app.chat_screen.query(MessageView).last().text == "partial ",
+                         what="the reply so far shown")
+        cid = app.chat_screen.conversation_id
+        await pilot.press("ctrl+q")
+    kept = [(m.role, m.content, m.finish_reason) for m in store.messages(cid)]
+    assert kept == [("user", "hello", None), ("assistant", "partial ", "cancelled")]  # as Esc keeps it

@@ -96,6 +96,7 @@ class ChatApp(App[None]):
             self.chat_screen.show_snapshot(event.snapshot)
 
     def on_unmount(self) -> None:
+        self.chat_screen.keep_partial_replies()
         if self.engine is not None:
             self.engine.close()  # cancels open replies and finishes SSD writes
         gc.unfreeze()  # what was frozen at "ready" can be collected again
