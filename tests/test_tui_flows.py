@@ -53,6 +53,13 @@ async def type_and_send(pilot, text):
     await pilot.press(*text, "enter")
 
 
+async def send_first(pilot, engines, text):
+    """Send a chat's first message to a scripted engine; its request's handle."""
+    await type_and_send(pilot, text)
+    await wait_until(pilot, lambda: engines[0].handles, what="the request")
+    return engines[0].handles[0]
+
+
 async def two_chats(pilot, first, second):
     """Send `first`, then `second` in a new chat; both replies done."""
     await type_and_send(pilot, first)
@@ -199,8 +206,7 @@ async def test_a_chat_database_that_cannot_be_written_is_a_notification(tmp_path
         return found
 
     async with app.run_test(size=SIZE) as pilot:
-        await type_and_send(pilot, "saved")
-        await wait_until(pilot, lambda: engines[0].handles, what="the request")
+        await send_first(pilot, engines, "saved")
         store.db.execute("PRAGMA query_only = ON")  # every write fails, as on a full disk
         engines[0].handles[0]._put(GenerationChunk("a reply", 0, "length", fixed_stats()))
         await idle(pilot)
@@ -340,9 +346,8 @@ async def test_a_reply_does_not_rebuild_the_footer(tmp_path):
             await pilot.pause(0.2)
             previous, keys = keys, set(app.chat_screen.query(FooterKey))
         assert any(k.action == "stop" and not k.has_class("-disabled") for k in keys)
-        await type_and_send(pilot, "go")
-        await wait_until(pilot, lambda: engines[0].handles, what="the request")
-        engines[0].handles[0]._put(GenerationChunk("done", 0, "length", fixed_stats()))
+        handle = await send_first(pilot, engines, "go")
+        handle._put(GenerationChunk("done", 0, "length", fixed_stats()))
         await idle(pilot)
         await pilot.pause()
         assert set(app.chat_screen.query(FooterKey)) == keys
@@ -446,9 +451,7 @@ def test_a_version_1_database_is_upgraded_in_place_and_ids_are_never_reused(tmp_
 async def test_deleting_a_chat_mid_reply_does_not_put_the_reply_in_the_next_one(tmp_path):
     app, store, engines = make_app(tmp_path, auto=False)
     async with app.run_test(size=SIZE) as pilot:
-        await type_and_send(pilot, "the only chat")
-        await wait_until(pilot, lambda: engines[0].handles, what="the request")
-        handle = engines[0].handles[0]
+        handle = await send_first(pilot, engines, "the only chat")
         handle._put(GenerationChunk(text="a partial reply", token=1))
         await wait_until(pilot, lambda: "partial" in app.chat_screen.query(MessageView).last().text)
         await pilot.press("f8")
@@ -668,9 +671,8 @@ async def test_a_reply_cut_by_the_context_says_so(tmp_path):
 async def test_quitting_mid_reply_keeps_the_reply_so_far(tmp_path):
     app, store, engines = make_app(tmp_path, auto=False)
     async with app.run_test(size=SIZE) as pilot:
-        await type_and_send(pilot, "hello")
-        await wait_until(pilot, lambda: engines[0].handles, what="the request")
-        engines[0].handles[0]._put(GenerationChunk("partial ", 0))
+        handle = await send_first(pilot, engines, "hello")
+        handle._put(GenerationChunk("partial ", 0))
         await wait_until(pilot, lambda: app.chat_screen.query(MessageView).last().text == "partial ",
                          what="the reply so far shown")
         cid = app.chat_screen.conversation_id
