@@ -321,10 +321,24 @@ class ChatScreen(Screen[None]):
             await view.end_stream(finish_reason)
             if not view.text:
                 await view.remove()
-        # Not if the app quit meanwhile: keep_partial_replies kept it then.
-        if view.text and reply.id in self.replies and self.store.get(reply.conversation_id) is not None:
-            with self._saving():  # if not, the reply stays on screen, and the notification says why
-                self.store.add_message(reply.conversation_id, Message("assistant", view.text, finish_reason, stats))
+        if reply.id in self.replies:  # not if the app quit meanwhile: keep_partial_replies kept it then
+            self._store_reply(reply, finish_reason, stats)
+
+    def keep_partial_replies(self) -> None:
+        """On quit: keep each reply still streaming as far as it was shown,
+        as Esc keeps it; the engine is closed next and never finishes them."""
+        for reply in self.replies.values():
+            if reply.view is not None:
+                self._store_reply(reply, "cancelled", None)
+        self.replies.clear()
+
+    def _store_reply(self, reply: ActiveReply, finish_reason: str, stats: dict | None) -> None:
+        """Save a reply's text, if any, unless its chat is gone. If the save
+        fails, the reply stays on screen and the notification says why."""
+        text = reply.view.text
+        if text and self.store.get(reply.conversation_id) is not None:
+            with self._saving():
+                self.store.add_message(reply.conversation_id, Message("assistant", text, finish_reason, stats))
 
     @contextmanager
     def _saving(self):
@@ -344,16 +358,6 @@ class ChatScreen(Screen[None]):
     # Stop stays enabled in the footer: dimming it while idle rebuilt the
     # footer as each reply started, UI work in the decode window (about 0.025
     # of a core of the 0.1 the UI used while decoding, on a 2-core VM).
-    def keep_partial_replies(self) -> None:
-        """On quit: keep each reply still streaming as far as it was shown,
-        as Esc keeps it; the engine is closed next and never finishes them."""
-        for reply in list(self.replies.values()):
-            view = reply.view
-            if view is not None and view.text and self.store.get(reply.conversation_id) is not None:
-                with self._saving():
-                    self.store.add_message(reply.conversation_id, Message("assistant", view.text, "cancelled"))
-        self.replies.clear()
-
     def action_stop(self) -> None:
         if self.reply is not None:
             self.reply.handle.cancel()
