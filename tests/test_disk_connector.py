@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+import zlib
 from pathlib import Path
 
 import mlxkv  # noqa: F401  (before mlx: it loads OpenBLAS)
@@ -24,6 +25,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 import safetensors.numpy
+import xxhash
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -37,6 +39,7 @@ from mlxkv.connectors.disk import (
     cache_clear,
     cache_info,
 )
+from mlxkv.connectors.read_buffer import HUGE_PAGE, ReadBuffer, huge_pages_available
 from mlxkv.errors import MlxkvError
 from mlxkv.hashing import hash_block, root_hash
 
@@ -141,8 +144,10 @@ def test_file_is_self_describing(tmp_path):
     assert meta["fingerprint"] == FP.hex() and meta["block_hashes"] == ",".join(x.hex() for x in hashes)
     assert meta["dtype"] == "bfloat16" and meta["block_size"] == str(BS)
     assert meta["num_layers"] == str(LAYERS) and meta["format_version"] == FORMAT_VERSION
-    assert len(meta["checksum"]) == 8  # CRC-32, hex
-    keys = safetensors.numpy.load(data)["keys"]
+    tensors = safetensors.numpy.load(data)
+    keys = tensors["keys"]
+    assert meta["checksum_algo"] == "xxh3_64"
+    assert meta["checksum"] == xxhash.xxh3_64(keys.tobytes() + tensors["values"].tobytes()).hexdigest()
     assert keys.dtype == np.uint16  # raw bf16 bits
     assert keys.shape == (LAYERS, 3, HEADS, BS, HEAD_DIM)  # layer-major: a layer's run is contiguous
 
@@ -321,10 +326,15 @@ def test_part_of_a_run_written_by_another_instance_is_found_without_restart(tmp_
     reader.close()
 
 
-@pytest.mark.parametrize("io", ["as the OS allows", "no O_DIRECT", "no preadv"])
+@pytest.mark.parametrize("io", ["as the OS allows", "no huge pages", "no O_DIRECT", "no preadv"])
 def test_every_read_path_is_bit_exact(tmp_path, monkeypatch, io):
-    from mlxkv.connectors import run_file
+    from mlxkv.connectors import disk as disk_module, run_file
 
+    views = []
+    real_view = ReadBuffer.view
+    monkeypatch.setattr(ReadBuffer, "view", lambda self, size: views.append(size) or real_view(self, size))
+    if io == "no huge pages":  # THP off, or not Linux: O_DIRECT straight into MLX memory
+        monkeypatch.setattr(disk_module, "huge_pages_available", lambda: False)
     if io == "no O_DIRECT":  # tmpfs, macOS: through the page cache, with prefetch after the first load
         monkeypatch.setattr(run_file, "_set_direct", lambda fd: False)
     if io == "no preadv":  # older Pythons on macOS
@@ -338,9 +348,38 @@ def test_every_read_path_is_bit_exact(tmp_path, monkeypatch, io):
             loaded = disk.load_blocks(hashes)
             assert [b.block_hash for b in loaded] == hashes
             assert all(same_bits(b.kv, make_kv(i)) for i, b in enumerate(loaded))
-        if io != "as the OS allows":
+        if io in ("no O_DIRECT", "no preadv"):
             assert disk._direct_io is False
+        staged = disk._direct_io and disk._huge_pages
+        assert len(views) == (2 * 3 if staged else 0)  # 3 files, loaded twice
         assert disk_stats(disk)["corrupt"] == 0
+
+
+def test_a_read_buffer_starts_on_a_huge_page_grows_and_is_reused():
+    buffer = ReadBuffer()
+    small = buffer.view(5000)
+    assert len(small) == 5000 and small.ctypes.data % HUGE_PAGE == 0
+    small[:] = 7  # writable
+    same = buffer.view(HUGE_PAGE)
+    assert same.ctypes.data == small.ctypes.data
+    grown = buffer.view(HUGE_PAGE + 1)
+    assert len(grown) == HUGE_PAGE + 1 and grown.ctypes.data % HUGE_PAGE == 0
+    grown[-1] = 1
+
+
+@pytest.mark.parametrize("setting, available", [
+    ("always [madvise] never", True), ("[always] madvise never", True), ("always madvise [never]", False), (None, False),
+])
+def test_huge_pages_are_used_only_where_the_kernel_gives_them(tmp_path, monkeypatch, setting, available):
+    from mlxkv.connectors import read_buffer
+
+    if not hasattr(read_buffer.mmap, "MADV_HUGEPAGE"):
+        available = False  # macOS: never
+    path = tmp_path / "enabled"
+    if setting is not None:
+        path.write_text(setting + "\n")
+    monkeypatch.setattr(read_buffer, "THP_SETTING", path)
+    assert huge_pages_available() is available
 
 
 def test_a_corrupt_run_stops_the_load_at_its_first_block(tmp_path):
@@ -449,7 +488,29 @@ CORRUPTIONS = {
         p, tensors={name: np.zeros((LAYERS, 1, HEADS, BS, 4), np.float32) for name in ("keys", "values")}
     ),
     "no checksum": lambda p: rewrite(p, meta_changes={"checksum": ""}),
+    "unknown checksum algorithm": lambda p: rewrite(p, meta_changes={"checksum_algo": "md5"}),
+    "CRC-32 file, tensor bit flip": lambda p: (_as_crc32_file(p), _flip_tensor_bit(p)),
 }
+
+
+def _as_crc32_file(path: Path) -> None:
+    """Re-save a file as the previous release wrote it: checksummed with CRC-32."""
+    tensors = safetensors.numpy.load(path.read_bytes())
+    crc = zlib.crc32(tensors["values"].tobytes(), zlib.crc32(tensors["keys"].tobytes()))
+    rewrite(path, meta_changes={"checksum_algo": "crc32", "checksum": f"{crc:08x}"})
+
+
+def test_files_checksummed_with_crc32_are_still_read(tmp_path):
+    hashes = chain(MAX_RUN_BLOCKS + 2)
+    with open_disk(tmp_path) as disk:
+        write_runs(disk, hashes)
+    for path in block_files(tmp_path):
+        _as_crc32_file(path)
+    with open_disk(tmp_path) as disk:
+        loaded = disk.load_blocks(hashes)
+        assert [b.block_hash for b in loaded] == hashes
+        assert all(same_bits(b.kv, make_kv(i)) for i, b in enumerate(loaded))
+        assert disk_stats(disk)["corrupt"] == 0
 
 
 @pytest.mark.parametrize("corruption", list(CORRUPTIONS))
