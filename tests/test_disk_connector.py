@@ -355,6 +355,30 @@ def test_every_read_path_is_bit_exact(tmp_path, monkeypatch, io):
         assert disk_stats(disk)["corrupt"] == 0
 
 
+def test_a_failed_buffer_allocation_raises_and_leaves_no_reader_waiting(tmp_path, monkeypatch):
+    from mlxkv.connectors.disk import READ_THREADS
+
+    hashes = chain(READ_THREADS * MAX_RUN_BLOCKS)  # a file for every reader thread
+    with open_disk(tmp_path) as disk:
+        write_runs(disk, hashes)
+        real_buffers = disk._buffers
+        monkeypatch.setattr(disk, "_buffers", lambda plan: (_ for _ in ()).throw(MemoryError("no room")))
+        with pytest.raises(MemoryError):
+            disk.load_blocks(hashes)
+        monkeypatch.setattr(disk, "_buffers", real_buffers)
+        done = []  # a reader still waiting for its buffer would hold up this load for ever
+
+        def load():  # on its own thread, MLX arrays and all
+            done.append([same_bits(b.kv, make_kv(i)) for i, b in enumerate(disk.load_blocks(hashes))])
+
+        loader = threading.Thread(target=load, daemon=True)
+        loader.start()
+        loader.join(30)
+        assert done, "a reader thread is stuck"
+        assert done[0] == [True] * len(hashes)
+        assert disk_stats(disk)["corrupt"] == 0
+
+
 def test_a_read_buffer_starts_on_a_huge_page_grows_and_is_reused():
     buffer = ReadBuffer()
     small = buffer.view(5000)

@@ -37,7 +37,7 @@ import shutil
 import threading
 import time
 import warnings
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -488,7 +488,9 @@ class DiskKvCacheConnector:
         makes views of them. Through the page cache a file is read straight
         into its buffer (measured a third faster than reading into numpy and
         copying into MLX); with O_DIRECT on Linux it lands in the thread's
-        huge-page ReadBuffer first, as the device reads those much faster.
+        huge-page ReadBuffer first, as the device reads those much faster,
+        so the reads start before the buffers exist and wait for them only
+        to copy (measured 0.78x of a sequential read against 0.71x).
         """
         loaded = []
         if self.disabled or not block_hashes:
@@ -496,11 +498,17 @@ class DiskKvCacheConnector:
         plan = self._plan(block_hashes)
         if len(plan) > 1 and self._direct_io is False:
             self._readers.submit(run_file.prefetch, [self._path(job.name) for job in plan])
-        reads = []
-        for job in plan:
-            buf, dest = self._buffer(job.size)
-            reads.append((job, buf, self._readers.submit(self._read, job, dest)))
-        for job, buf, read in reads:
+        buffers = [Future() for _ in plan]
+        reads = [self._readers.submit(self._read, job, buffer) for job, buffer in zip(plan, buffers)]
+        try:
+            for buffer, allocated in zip(buffers, self._buffers(plan)):
+                buffer.set_result(allocated)
+        except BaseException as e:
+            for buffer in buffers:
+                if not buffer.done():
+                    buffer.set_exception(e)  # readers waiting for it stop
+            raise
+        for job, buffer, read in zip(plan, buffers, reads):
             # Side effects happen here, in order, up to the first bad file:
             # files read ahead past it are dropped untouched.
             data, problem = read.result()
@@ -510,7 +518,7 @@ class DiskKvCacheConnector:
                 else:
                     self._discard_corrupt(job.name, problem)
                 break
-            blocks = self._take(job, data, buf)
+            blocks = self._take(job, data, buffer.result()[0])
             if blocks:
                 self._touch(job.name)
             loaded += blocks
@@ -543,25 +551,29 @@ class DiskKvCacheConnector:
             last.block_hashes.append(block_hash)
         return plan
 
-    def _buffer(self, size: int) -> tuple[mx.array, np.ndarray]:
-        """A new MLX buffer for a file and a numpy view of it where the file goes.
+    def _buffers(self, plan: list[_Read]) -> list[tuple[mx.array, np.ndarray]]:
+        """New MLX buffers for the files, made in one eval, each with a numpy view where its file goes.
 
-        The reader threads write into the view, the one thing of MLX's they
-        touch (numpy views of MLX memory are writable by design). The view
+        The reader threads write into the views, the one thing of MLX's they
+        touch (numpy views of MLX memory are writable by design). A view
         starts ALIGN-aligned, as O_DIRECT wants.
         """
-        padded = -(-size // run_file.ALIGN) * run_file.ALIGN
-        buf = mx.zeros((padded + run_file.ALIGN,), mx.uint8)
-        mx.eval(buf)
-        view = np.array(buf, copy=False)
-        at = -view.ctypes.data % run_file.ALIGN
-        return buf, view[at : at + padded]
+        padded = [-(-job.size // run_file.ALIGN) * run_file.ALIGN for job in plan]
+        bufs = [mx.zeros((n + run_file.ALIGN,), mx.uint8) for n in padded]
+        mx.eval(bufs)
+        views = []
+        for buf, n in zip(bufs, padded):
+            view = np.array(buf, copy=False)
+            at = -view.ctypes.data % run_file.ALIGN
+            views.append((buf, view[at : at + n]))
+        return views
 
-    def _read(self, job: _Read, dest: np.ndarray) -> tuple[run_file.RunData | None, str | None]:
+    def _read(self, job: _Read, buffer: Future) -> tuple[run_file.RunData | None, str | None]:
         """(the file's run, verified, None), (None, None) if it is gone or replaced, or
         (None, why it is corrupt). No side effects but learning whether O_DIRECT works here."""
         try:
-            data, direct = run_file.read_into(self._path(job.name), dest, job.size, self._read_buffer())
+            data, direct = run_file.read_into(self._path(job.name), lambda: buffer.result()[1], job.size,
+                                              self._read_buffer())
         except OSError:
             return None, None
         if data is None:
