@@ -10,11 +10,11 @@ before a write is queued; a background writer thread serialises, writes a
 temp file, fsyncs it and renames it into place, so decode never waits for
 the disk. A block becomes visible to `get_computed_blocks` only once its
 file's rename is done. Reads run on a few reader threads that fill numpy
-views of MLX buffers the caller allocated; no MLX call is made off the
-caller's thread.
+views of MLX buffers the caller allocated (on Linux by way of a huge-page
+buffer each: see read_buffer); no MLX call is made off the caller's thread.
 
-Trust. A read checks every metadata field and a CRC-32 checksum of the
-tensor bytes; a bad file is counted as corrupt, deleted and the load stops
+Trust. A read checks every metadata field and the checksum of the tensor
+bytes (XXH3-64, or CRC-32 in files written before); a bad file is counted as corrupt, deleted and the load stops
 there. Atomic renames plus the checksum are also what make two processes
 sharing one directory safe: a file the other process removed is just a miss,
 and a block is only ever taken from a file whose header lists its hash.
@@ -54,7 +54,7 @@ from mlxkv.connectors.read_buffer import ReadBuffer, huge_pages_available
 from mlxkv.connectors.run_file import FORMAT_VERSION, MAX_RUN_BLOCKS, CorruptBlockError, FileSpec  # noqa: F401
 from mlxkv.hashing import BlockHash
 
-READ_THREADS = 4  # files read and verified at once during a hydrate (reads and CRC-32 drop the GIL)
+READ_THREADS = 4  # files read and verified at once during a hydrate (reads, copies and checksums drop the GIL)
 SUFFIX = ".safetensors"
 MARKER = "CACHEDIR.TAG"
 MARKER_TEXT = (

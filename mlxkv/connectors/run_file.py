@@ -133,10 +133,10 @@ def checksum(keys: np.ndarray, values: np.ndarray, algo: str = CHECKSUM_ALGO) ->
     return CHECKSUMS[algo](np.ascontiguousarray(a).reshape(-1).view(np.uint8) for a in (keys, values))
 
 
-def encode(spec: FileSpec, block_hashes, keys: np.ndarray, values: np.ndarray, algo: str = CHECKSUM_ALGO) -> bytes:
+def encode(spec: FileSpec, block_hashes, keys: np.ndarray, values: np.ndarray) -> bytes:
     meta = spec.metadata(block_hashes, keys.shape)
-    meta["checksum_algo"] = algo
-    meta["checksum"] = checksum(keys, values, algo)
+    meta["checksum_algo"] = CHECKSUM_ALGO
+    meta["checksum"] = checksum(keys, values)
     return safetensors.numpy.save({"keys": keys, "values": values}, metadata=meta)
 
 
