@@ -56,7 +56,10 @@ class ReadBuffer:
         # whatever address the kernel picks. The map is unmapped when the
         # last view of it goes.
         m = mmap.mmap(-1, size + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        m.madvise(mmap.MADV_HUGEPAGE)
+        try:
+            m.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:
+            pass  # refused (a sandbox, say): the buffer still works, on small pages
         whole = np.frombuffer(m, np.uint8)
         at = -whole.ctypes.data % HUGE_PAGE
         return whole[at : at + size]
