@@ -9,6 +9,7 @@ file as a script (see the bottom) so they share its data generator.
 from __future__ import annotations
 
 import errno
+import fcntl
 import json
 import os
 import signal
@@ -353,6 +354,27 @@ def test_every_read_path_is_bit_exact(tmp_path, monkeypatch, io):
         staged = disk._direct_io and disk._huge_pages
         assert len(views) == (2 * 3 if staged else 0)  # 3 files, loaded twice
         assert disk_stats(disk)["corrupt"] == 0
+
+
+def test_a_device_that_refuses_an_o_direct_read_is_read_through_the_cache(tmp_path, monkeypatch):
+    from mlxkv.connectors import run_file
+
+    real_pread = run_file._pread_into
+
+    def pread(fd, view, offset):  # open with O_DIRECT works; the read wants more alignment
+        if hasattr(os, "O_DIRECT") and fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_pread(fd, view, offset)
+
+    monkeypatch.setattr(run_file, "_pread_into", pread)
+    hashes = chain(2 * MAX_RUN_BLOCKS + 3)
+    with open_disk(tmp_path) as disk:
+        write_runs(disk, hashes)
+    with open_disk(tmp_path) as disk:
+        loaded = disk.load_blocks(hashes)
+        assert [b.block_hash for b in loaded] == hashes
+        assert all(same_bits(b.kv, make_kv(i)) for i, b in enumerate(loaded))
+        assert disk._direct_io is False and disk_stats(disk)["corrupt"] == 0
 
 
 def test_a_failed_buffer_allocation_raises_and_leaves_no_reader_waiting(tmp_path, monkeypatch):
