@@ -54,7 +54,13 @@ from mlxkv.connectors.read_buffer import ReadBuffer, huge_pages_available
 from mlxkv.connectors.run_file import FORMAT_VERSION, MAX_RUN_BLOCKS, CorruptBlockError, FileSpec  # noqa: F401
 from mlxkv.hashing import BlockHash
 
-READ_THREADS = 4  # files read and verified at once during a hydrate (reads, copies and checksums drop the GIL)
+# Files read and verified at once during a hydrate (reads, copies and
+# checksums drop the GIL). Enough to keep most of a 4k-token prefix's files
+# in flight: measured paired against 4 threads, 12 read 5-6% faster (medians
+# of 12-16 rounds), bench tiers 0.66-0.88x against 0.62-0.69x alternated.
+# On Linux each keeps a huge-page ReadBuffer the size of a file (about
+# 4 MiB for 2 MiB runs), so up to 48 MiB while the tier is open.
+READ_THREADS = 12
 SUFFIX = ".safetensors"
 MARKER = "CACHEDIR.TAG"
 MARKER_TEXT = (
