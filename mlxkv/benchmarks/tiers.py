@@ -138,8 +138,8 @@ def _ssd_read_row(engine: Engine, block_ids: list[int], directory: Path, log) ->
         best_direct = min(best_direct, _direct_read_seconds(raw))
     disk.close()
     tier_rate, raw_rate, direct_rate = total / best_tier, total / best_raw, total / best_direct
-    direct = (f"; a raw O_DIRECT read (the tier's own path, huge pages where it uses them) ran at {direct_rate / 1e6:.0f} MB/s, "
-              f"{tier_rate / direct_rate:.2f}x of it" if direct_rate > 0 else "")
+    direct = (f"; a raw O_DIRECT read (the tier's own path, huge pages where it uses them) ran at "
+              f"{direct_rate / 1e6:.0f} MB/s, {tier_rate / direct_rate:.2f}x of it" if direct_rate > 0 else "")
     return row("SSD tier read", "MB/s", tier_rate / 1e6, raw_rate / 1e6, "raw sequential read",
                f">= {READ_GOAL}", tier_rate / raw_rate >= READ_GOAL, raw_direct_mb_s=direct_rate / 1e6,
                note=f"{len(hashes)} blocks in {len(files)} files, {total / 1e6:.0f} MB, checksums verified; "

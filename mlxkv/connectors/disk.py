@@ -14,10 +14,11 @@ views of MLX buffers the caller allocated (on Linux by way of a huge-page
 buffer each: see read_buffer); no MLX call is made off the caller's thread.
 
 Trust. A read checks every metadata field and the checksum of the tensor
-bytes (XXH3-64, or CRC-32 in files written before); a bad file is counted as corrupt, deleted and the load stops
-there. Atomic renames plus the checksum are also what make two processes
-sharing one directory safe: a file the other process removed is just a miss,
-and a block is only ever taken from a file whose header lists its hash.
+bytes (XXH3-64, or CRC-32 in files written before); a bad file is counted
+as corrupt, deleted and the load stops there. Atomic renames plus the
+checksum are also what make two processes sharing one directory safe: a
+file the other process removed is just a miss, and a block is only ever
+taken from a file whose header lists its hash.
 
 Restart. The index (file -> size and block hashes, in LRU order, and block
 hash -> file) is rebuilt from names, sizes, mtimes and headers; contents are
