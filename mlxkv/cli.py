@@ -278,7 +278,7 @@ def cmd_bench(args) -> int:
 
 
 def cmd_cache(args) -> int:
-    from mlxkv.connectors.disk import cache_clear, cache_info
+    from mlxkv.connectors.cache_dir import cache_clear, cache_info
     from mlxkv.paths import default_disk_tier_dir
 
     directory = args.disk_tier or str(default_disk_tier_dir())

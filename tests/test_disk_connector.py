@@ -32,14 +32,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from mlxkv.connectors.base import BlockKV
-from mlxkv.connectors.disk import (
-    DiskCacheWarning,
-    FORMAT_VERSION,
-    MAX_RUN_BLOCKS,
-    DiskKvCacheConnector,
-    cache_clear,
-    cache_info,
-)
+from mlxkv.connectors.cache_dir import STALE_TEMP_SECONDS, cache_clear, cache_info
+from mlxkv.connectors.disk import DiskCacheWarning, FORMAT_VERSION, MAX_RUN_BLOCKS, DiskKvCacheConnector
 from mlxkv.connectors.read_buffer import HUGE_PAGE, ReadBuffer, huge_pages_available
 from mlxkv.errors import MlxkvError
 from mlxkv.hashing import hash_block, root_hash
@@ -503,12 +497,15 @@ def test_stale_temp_files_are_removed_on_start(tmp_path):
     name = "ab" * 32
     stale = fp_dir / f".{name}.{dead.pid}.0123abcd.tmp"
     mine = fp_dir / f".{name}.{os.getpid()}.0123abcd.tmp"  # a live writer's
+    stuck = fp_dir / f".{name}.{os.getpid()}.4567cdef.tmp"  # a live pid's, but untouched for hours
     other = fp_dir / "notes.txt"
-    for p in (stale, mine, other):
+    for p in (stale, mine, stuck, other):
         p.write_bytes(b"partial")
+    hours_ago = time.time() - 2 * STALE_TEMP_SECONDS
+    os.utime(stuck, (hours_ago, hours_ago))
     with open_disk(tmp_path) as disk:
         assert disk_stats(disk)["blocks_held"] == 0
-    assert not stale.exists() and mine.exists() and other.exists()
+    assert not stale.exists() and not stuck.exists() and mine.exists() and other.exists()
 
 
 # -- faults: corrupt files -------------------------------------------------------

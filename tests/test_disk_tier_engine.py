@@ -19,7 +19,8 @@ import pytest
 from faults import remount_read_only, rewrite
 from mlxkv.cli import main as cli_main
 from mlxkv.config import CacheConfig
-from mlxkv.connectors.disk import DiskKvCacheConnector, cache_info
+from mlxkv.connectors.cache_dir import cache_info
+from mlxkv.connectors.disk import DiskKvCacheConnector
 from mlxkv.connectors.memory import InMemoryKvCacheConnector
 from mlxkv.connectors.tiered import TieredKvCacheConnector
 from mlxkv.engine import Engine

@@ -1,9 +1,9 @@
 """The SSD tier: safetensors files of block runs, content-addressed by hash.
 
-Layout: `<directory>/<fingerprint hex>/<first 2 hex>/<last block hash hex>.safetensors`,
-one file per run of consecutive blocks (run_file.py has the format and why).
-File names come only from hex digests, so nothing a user typed ends up in a
-path. Every directory this module creates is 0700 and every file 0600.
+Layout: one file per run of consecutive blocks, named after its last block's
+hash, under a directory per model fingerprint (cache_dir.py has the layout,
+run_file.py the format and why). Every directory this tier creates is 0700
+and every file 0600.
 
 Threads. The caller (the engine thread) turns MLX arrays into numpy copies
 before a write is queued; a background writer thread serialises, writes a
@@ -32,15 +32,13 @@ from __future__ import annotations
 
 import errno
 import os
-import re
-import secrets
 import shutil
 import threading
 import time
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from queue import SimpleQueue
@@ -48,8 +46,8 @@ from queue import SimpleQueue
 import mlx.core as mx
 import numpy as np
 
-from mlxkv.errors import MlxkvError, MlxkvWarning
-from mlxkv.connectors import run_file
+from mlxkv.errors import MlxkvWarning
+from mlxkv.connectors import cache_dir, run_file
 from mlxkv.connectors.base import BlockKV, KVRun, LoadedBlock, ReadKV, TierStats
 from mlxkv.connectors.read_buffer import ReadBuffer, huge_pages_available
 from mlxkv.connectors.run_file import FORMAT_VERSION, MAX_RUN_BLOCKS, CorruptBlockError, FileSpec  # noqa: F401
@@ -62,22 +60,10 @@ from mlxkv.hashing import BlockHash
 # On Linux each keeps a huge-page ReadBuffer the size of a file (about
 # 4 MiB for 2 MiB runs), so up to 48 MiB while the tier is open.
 READ_THREADS = 12
-SUFFIX = ".safetensors"
-MARKER = "CACHEDIR.TAG"
-MARKER_TEXT = (
-    "Signature: 8a477f597d28d172789f06886806bc55\n"
-    "# This directory is an mlxkv KV block cache (safe to delete).\n"
-)
 DEFAULT_MIN_FREE_BYTES = 1 << 30
 DEFAULT_MAX_PENDING_BYTES = 256 << 20
 BUDGET_SHARE = 4  # a file is at most a quarter of the byte budget
-STALE_TEMP_SECONDS = 3600  # a temp file this old is dead even if its pid lives
 RESCAN_INTERVAL_S = 1.0  # a lookup miss looks for other processes' new files at most this often
-
-HASH_LEN = 32
-_HEX64 = re.compile(r"[0-9a-f]{64}")
-_BLOCK_NAME = re.compile(r"([0-9a-f]{64})\.safetensors")
-_TEMP_NAME = re.compile(r"\.[0-9a-f]{64}\.([0-9]+)\.[0-9a-f]{8}\.tmp")
 
 # Real dtype -> (mx dtype, numpy dtype it is stored as). numpy has no
 # bfloat16, so bfloat16 is stored as its raw uint16 bit patterns.
@@ -127,48 +113,6 @@ def _normalize_dtype(dtype) -> str:
     return name
 
 
-def _make_private_dirs(path: Path) -> None:
-    """mkdir -p, with every directory created here 0700 (umask notwithstanding)."""
-    missing = []
-    while not path.exists():
-        missing.append(path)
-        if path.parent == path:
-            break
-        path = path.parent
-    for d in reversed(missing):
-        try:
-            d.mkdir(mode=0o700)
-        except FileExistsError:
-            continue  # another process made it first
-        os.chmod(d, 0o700)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _unlink(path: Path) -> bool:
-    try:
-        os.unlink(path)
-        return True
-    except FileNotFoundError:
-        return False
-
-
 def _consecutive(indices: list[int], limit: int) -> list[list[int]]:
     """Split indices into stretches of consecutive values, at most `limit` long."""
     out: list[list[int]] = []
@@ -200,7 +144,7 @@ class DiskKvCacheConnector:
         max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES,
         tier_name: str = "disk",
     ):
-        if not isinstance(fingerprint, bytes) or len(fingerprint) != HASH_LEN:
+        if not isinstance(fingerprint, bytes) or len(fingerprint) != cache_dir.HASH_LEN:
             raise ValueError("the model fingerprint must be 32 bytes")
         if block_size < 1 or num_layers < 1:
             raise ValueError("block_size and num_layers must be positive")
@@ -251,7 +195,7 @@ class DiskKvCacheConnector:
 
     def _open_directory(self) -> None:
         try:
-            _make_private_dirs(self.dir)
+            cache_dir.make_private_dirs(self.dir)
         except OSError as e:
             if not self.dir.is_dir():
                 self._degrade(e, disabled=True)
@@ -266,7 +210,7 @@ class DiskKvCacheConnector:
             self._degrade(e, disabled=True)
             return
         if not self.read_only:
-            self._write_marker()
+            cache_dir.write_marker(self.root)
         self._enforce_budget()
 
     def _degrade(self, error: OSError, *, disabled: bool) -> None:
@@ -280,20 +224,10 @@ class DiskKvCacheConnector:
         warnings.warn(f"mlxkv: SSD tier {mode}: {self.reason}", DiskCacheWarning, stacklevel=4)
 
     def _probe_write(self) -> None:
-        probe = self.dir / f".{'0' * 64}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+        probe = cache_dir.temp_path(self.dir, '0' * 64)
         fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         os.close(fd)
         os.unlink(probe)
-
-    def _write_marker(self) -> None:
-        """CACHEDIR.TAG: backup tools skip the tree, and `cache_clear` knows it."""
-        marker = self.root / MARKER
-        try:
-            if not marker.exists():
-                marker.write_text(MARKER_TEXT)
-                os.chmod(marker, 0o600)
-        except OSError:
-            pass  # only a convenience
 
     def _scan(self) -> None:
         """Index the files already on disk (oldest mtime first); drop dead temps.
@@ -306,7 +240,7 @@ class DiskKvCacheConnector:
         found = []
         for entry in os.scandir(self.dir):
             if entry.is_file(follow_symlinks=False):
-                self._maybe_remove_temp(Path(entry.path), entry.name)
+                self._maybe_remove_temp(Path(entry.path))
             elif entry.is_dir(follow_symlinks=False) and len(entry.name) == 2:
                 self._shard_mtimes[entry.name] = entry.stat(follow_symlinks=False).st_mtime_ns
                 found.extend(self._scan_shard(entry.path, entry.name))
@@ -364,9 +298,9 @@ class DiskKvCacheConnector:
         except FileNotFoundError:  # another process cleared it
             return found
         for entry in entries:
-            m = _BLOCK_NAME.fullmatch(entry.name)
+            m = cache_dir.BLOCK_NAME.fullmatch(entry.name)
             if m is None:
-                self._maybe_remove_temp(Path(entry.path), entry.name)
+                self._maybe_remove_temp(Path(entry.path))
             elif m.group(1).startswith(prefix) and not known(bytes.fromhex(m.group(1))):
                 try:
                     st = entry.stat(follow_symlinks=False)
@@ -382,29 +316,19 @@ class DiskKvCacheConnector:
         except (OSError, CorruptBlockError):
             return None
 
-    def _maybe_remove_temp(self, path: Path, name: str) -> None:
+    def _maybe_remove_temp(self, path: Path) -> None:
         """Remove a temp file left by a process that is gone (or long stuck)."""
-        m = _TEMP_NAME.fullmatch(name)
-        if m is None or self.read_only:
+        if self.read_only or not cache_dir.is_dead_temp(path):
             return
-        pid = int(m.group(1))
         try:
-            stale = time.time() - os.path.getmtime(path) > STALE_TEMP_SECONDS
-        except FileNotFoundError:
-            return
-        if stale or (pid != os.getpid() and not _pid_alive(pid)):
-            try:
-                _unlink(path)
-            except OSError:
-                pass
+            cache_dir.unlink(path)
+        except OSError:
+            pass
 
     # -- the index (callers hold no lock; these take it) -----------------------
 
     def _path(self, block_hash: BlockHash) -> Path:
-        if not isinstance(block_hash, bytes) or len(block_hash) != HASH_LEN:
-            raise ValueError("a block hash must be 32 bytes")
-        name = block_hash.hex()
-        return self.dir / name[:2] / f"{name}{SUFFIX}"
+        return cache_dir.block_path(self.dir, block_hash)
 
     def _add(self, name: BlockHash, size: int, block_hashes: tuple[BlockHash, ...]) -> None:
         with self._lock:
@@ -641,7 +565,7 @@ class DiskKvCacheConnector:
             self._stats.corrupt += 1
             self.last_error = f"corrupt block file {name.hex()[:16]}: {why}"
         try:
-            _unlink(self._path(name))
+            cache_dir.unlink(self._path(name))
         except OSError:
             pass  # read-only: it stays, and fails again next time
 
@@ -788,8 +712,8 @@ class DiskKvCacheConnector:
             for name in list(self._index):
                 self._drop_entry(name)
             self._shard_mtimes.clear()
-        _make_private_dirs(self.dir)
-        self._write_marker()
+        cache_dir.make_private_dirs(self.dir)
+        cache_dir.write_marker(self.root)
 
     def _enough_space(self, nbytes: int) -> bool:
         """Would the write leave at least `min_free_bytes` free? (0: no floor.)"""
@@ -811,9 +735,9 @@ class DiskKvCacheConnector:
     def _write_atomic(self, path: Path, data: bytes) -> None:
         shard = path.parent
         if not shard.is_dir():
-            _make_private_dirs(shard)
-            _fsync_dir(shard.parent)
-        tmp = shard / f".{path.name[:64]}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+            cache_dir.make_private_dirs(shard)
+            cache_dir.fsync_dir(shard.parent)
+        tmp = cache_dir.temp_path(shard, path.name)
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             try:
@@ -826,11 +750,11 @@ class DiskKvCacheConnector:
             os.replace(tmp, path)
         except BaseException:
             try:
-                _unlink(tmp)
+                cache_dir.unlink(tmp)
             except OSError:
                 pass
             raise
-        _fsync_dir(shard)
+        cache_dir.fsync_dir(shard)
 
     def _count_write_error(self, e: Exception) -> None:
         with self._lock:
@@ -849,7 +773,7 @@ class DiskKvCacheConnector:
                 victim = next(iter(self._index))
                 self._stats.evictions += self._drop_entry(victim)
             try:
-                _unlink(self._path(victim))
+                cache_dir.unlink(self._path(victim))
             except OSError as e:
                 self._count_write_error(e)
 
@@ -893,114 +817,3 @@ class DiskKvCacheConnector:
                 "low_space_skips": self.low_space_skips,
                 "last_error": self.last_error,
             }
-
-
-# -- CLI helpers (mlxkv cache info | clear) ----------------------------------
-
-
-def _block_files(fp_dir: Path):
-    """(path, size) of every block file under one fingerprint directory."""
-    for shard in os.scandir(fp_dir):
-        if not (shard.is_dir(follow_symlinks=False) and len(shard.name) == 2):
-            continue
-        for entry in os.scandir(shard.path):
-            if _BLOCK_NAME.fullmatch(entry.name) and entry.is_file(follow_symlinks=False):
-                try:
-                    yield Path(entry.path), entry.stat(follow_symlinks=False).st_size
-                except FileNotFoundError:
-                    continue
-
-
-def _fingerprint_dirs(root: Path) -> list[Path]:
-    return sorted(
-        Path(e.path) for e in os.scandir(root) if _HEX64.fullmatch(e.name) and e.is_dir(follow_symlinks=False)
-    )
-
-
-def _blocks_in(path: Path) -> int:
-    """Blocks a file holds, by its header (1 for a file whose header is unreadable)."""
-    try:
-        listed = run_file.read_metadata(path).get("block_hashes")
-    except (OSError, CorruptBlockError):
-        return 1
-    return len(listed.split(",")) if isinstance(listed, str) and listed else 1
-
-
-def cache_info(directory: str | os.PathLike) -> dict:
-    """Files, blocks and bytes per model fingerprint under a disk cache directory."""
-    root = Path(directory).expanduser()
-    if root.exists() and not root.is_dir():
-        raise MlxkvError(f"{root} is not a directory")
-    info = {"directory": str(root), "exists": root.is_dir(), "fingerprints": {}, "files": 0, "blocks": 0, "bytes": 0}
-    if not info["exists"]:
-        return info
-    try:
-        _count_into(info, root)
-    except OSError as e:
-        raise MlxkvError(f"cannot read {root}: {e.strerror or e}") from None
-    return info
-
-
-def _count_into(info: dict, root: Path) -> None:
-    for fp_dir in _fingerprint_dirs(root):
-        files = list(_block_files(fp_dir))
-        entry = {"files": len(files), "blocks": sum(_blocks_in(p) for p, _ in files),
-                 "bytes": sum(size for _, size in files)}
-        info["fingerprints"][fp_dir.name] = entry
-        for key in ("files", "blocks", "bytes"):
-            info[key] += entry[key]
-
-
-def _looks_like_cache(root: Path) -> bool:
-    marker = root / MARKER
-    if marker.is_file():
-        try:
-            return "mlxkv" in marker.read_text(errors="replace")
-        except OSError:
-            return False
-    entries = list(os.scandir(root))
-    fingerprint_dirs = [e for e in entries if _HEX64.fullmatch(e.name) and e.is_dir(follow_symlinks=False)]
-    return bool(entries) and len(fingerprint_dirs) == len(entries)
-
-
-def cache_clear(directory: str | os.PathLike) -> int:
-    """Delete every mlxkv block file (and temp file) under `directory`; returns files removed.
-
-    Refuses (MlxkvError) a directory that does not look like an mlxkv disk
-    cache, and names what stopped it (a read-only disk). Anything else in
-    it is left alone.
-    """
-    root = Path(directory).expanduser()
-    if not root.exists():
-        return 0
-    removed = 0
-    try:
-        if not root.is_dir() or not _looks_like_cache(root):
-            raise MlxkvError(f"{root} does not look like an mlxkv disk cache; not clearing it")
-        for _ in _remove_block_files(root):
-            removed += 1
-    except OSError as e:
-        raise MlxkvError(f"cannot clear {root} ({removed} block files removed): {e.strerror or e}") from None
-    return removed
-
-
-def _remove_block_files(root: Path) -> Iterator[Path]:
-    """Remove our files under `root`, yielding each block file removed."""
-    for fp_dir in _fingerprint_dirs(root):
-        for path, _ in list(_block_files(fp_dir)):
-            if _unlink(path):
-                yield path
-        for path in fp_dir.glob("**/.*.tmp"):
-            if _TEMP_NAME.fullmatch(path.name):
-                _unlink(path)
-        for shard in fp_dir.iterdir():
-            if shard.is_dir() and len(shard.name) == 2:
-                _rmdir_if_empty(shard)
-        _rmdir_if_empty(fp_dir)
-
-
-def _rmdir_if_empty(path: Path) -> None:
-    try:
-        path.rmdir()
-    except OSError:
-        pass
