@@ -21,14 +21,14 @@ from mlxkv.errors import MlxkvError
 BLOCK = 16
 
 
-def turn(engine: Engine, label: str, messages: list[dict]) -> str:
+def turn(engine: Engine, label: str, messages: list[dict]):
     result = engine.chat(messages, max_tokens=24)
     s = result.stats
     print(f"{label}: {s.prompt_tokens} prompt tokens, reused {s.cached_tokens}, computed {s.computed_tokens}")
     for tier, counters in engine.stats()["connector"].items():
         keys = ("stores", "lookups", "hit_blocks", "spills", "hydrations", "blocks_held")
         print(f"    {tier:6s} " + " ".join(f"{k}={counters[k]}" for k in keys))
-    return result.text
+    return result
 
 
 def main() -> None:
@@ -51,7 +51,9 @@ def main() -> None:
         print(f"pool: {blocks} blocks of {BLOCK} tokens")
         reply = turn(engine, "A, turn 1", a)
         turn(engine, "B, turn 1", b)
-        a += [{"role": "assistant", "content": reply}, {"role": "user", "content": "And then?"}]
+        # The reply goes back with its ids, so turn 2 finds all of turn 1 cached.
+        a += [{"role": "assistant", "content": reply.text, "tokens": reply.tokens},
+              {"role": "user", "content": "And then?"}]
         turn(engine, "A, turn 2", a)
         print(json.dumps(engine.stats()["pool"]))
 

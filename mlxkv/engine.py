@@ -23,6 +23,7 @@ from mlxkv.machine import physical_memory
 from mlxkv.model_loader import LoadedModel, load_model, probe_kv_layout
 from mlxkv.model_runner import ModelRunner
 from mlxkv.records import GenerationChunk, GenerationResult, RequestFailed, RequestStats
+from mlxkv.reply_tokens import is_token_list, spliced_chat_tokens, text_only
 from mlxkv.request import Request
 from mlxkv.sampling import make_request_sampler, whole
 from mlxkv.sequence import Sequence
@@ -80,6 +81,8 @@ def _check_messages(messages) -> None:
                 raise MlxkvError(f"chat message {i} has no {key!r}")
             if not isinstance(m[key], str):
                 raise MlxkvError(f"chat message {i}'s {key!r} must be text, got {type(m[key]).__name__}")
+        if "tokens" in m and not is_token_list(m["tokens"]):
+            raise MlxkvError(f"chat message {i}'s 'tokens' must be a list of token ids (the reply as generated)")
 
 
 class Engine:
@@ -119,10 +122,14 @@ class Engine:
         return bool(getattr(self.tokenizer, "has_chat_template", False))
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """The chat's prompt ids; replies that carry their generated ids keep them (reply_tokens.py)."""
         if not self.has_chat_template:
             raise MlxkvError(f"model {self.loaded.name!r} has no chat template; use raw prompts")
         _check_messages(messages)
-        tokens = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        spliced = spliced_chat_tokens(self.tokenizer, messages, add_generation_prompt)
+        if spliced is not None:
+            return spliced
+        tokens = self.tokenizer.apply_chat_template(text_only(messages), add_generation_prompt=add_generation_prompt)
         return list(tokens)
 
     def chat_prompt(self, messages: list[dict], max_tokens: int | None = None,

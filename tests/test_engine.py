@@ -183,6 +183,8 @@ def test_bad_requests_get_one_line_errors(engine, prompt, kwargs, message):
         ([{"role": "user", "content": "hi"}, {"role": "user"}], "chat message 2 has no 'content'"),
         ([{"content": "hi"}], "chat message 1 has no 'role'"),
         ([{"role": "user", "content": None}], "chat message 1's 'content' must be text, got NoneType"),
+        ([{"role": "assistant", "content": "a", "tokens": "12"}], "message 1's 'tokens' must be a list of token ids"),
+        ([{"role": "assistant", "content": "a", "tokens": [1, 2.5]}], "'tokens' must be a list of token ids"),
     ],
 )
 def test_bad_chat_messages_get_one_line_errors(engine, messages, message):

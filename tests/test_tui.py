@@ -105,6 +105,7 @@ async def test_reply_streams_in_and_the_second_message_reuses_the_first(tmp_path
         assert len(deltas) >= 2 and "".join(m.text for m in deltas) == final, "the reply did not stream in"
         first = turn(app).stats
         assert first["prompt_tokens"] > 0 and first["decode_tokens_per_s"] > 0
+        first_deltas = len(deltas)
 
         await send(pilot, "and then?")
         await reply_done(pilot)
@@ -115,6 +116,12 @@ async def test_reply_streams_in_and_the_second_message_reuses_the_first(tmp_path
         messages = store.messages(app.chat_screen.conversation_id)
         assert [m.role for m in messages] == ["user", "assistant", "user", "assistant"]
         assert messages[1].content == final and messages[3].stats["cached_tokens"]["pool"] > 0
+        # The reply was kept with its ids and sent back with them, so the
+        # second turn reused all of the first, reply and all.
+        ids = [i for m in deltas[: first_deltas] for i in m.ids]
+        assert messages[1].tokens == ids and len(ids) == first["generation_tokens"]
+        read = first["prompt_tokens"] + len(ids) - 1  # less the last token, never read
+        assert second["cached_tokens"]["pool"] >= (read - 1) // 8 * 8 > first["prompt_tokens"]
 
 
 @pilot_test
@@ -156,10 +163,12 @@ async def test_reopening_a_chat_after_a_restart_loads_its_prefix_from_the_ssd_ti
         await ready(pilot)
         await wait_until(pilot, lambda: turn(app).kind == "prefill", what="the reopened chat's prefill")
         stats = turn(app).stats
-        # A new process: nothing in the pool or the memory tier; the prefix comes from SSD.
-        # (A random-weight model's reply does not re-tokenize to the same ids, so
-        # reuse stops inside the reply; a real model's history comes back whole.)
-        assert stats["cached_tokens"]["disk"] >= 16 and stats["cached_tokens"]["pool"] == 0
+        # A new process: nothing in the pool or the memory tier; the prefix
+        # comes from SSD, the reply too (it is sent back as the ids it was).
+        reply = store.messages(app.chat_screen.conversation_id)[-1]
+        read = stats["prompt_tokens"] - 4  # "<|im_end|>\n<|im_start|>assistant\n" follow the reply
+        assert reply.tokens and stats["cached_tokens"]["disk"] >= (read - 1) // 8 * 8
+        assert stats["cached_tokens"]["pool"] == 0
         assert stats["cached_tokens"]["memory"] == 0
         assert "from SSD tier" in shown(turn(app))
         assert len(assistant_views(app)) == 1

@@ -408,13 +408,20 @@ def test_every_binding_has_an_id_and_a_tooltip():
 def test_store_schema_version_and_refusing_a_newer_file(tmp_path):
     path = tmp_path / "chats.sqlite3"
     store = ChatStore(path)
-    assert store.schema_version == SCHEMA_VERSION == 2
+    assert store.schema_version == SCHEMA_VERSION == 3
     cid = store.create("t", system_prompt="be brief").id
     store.add_message(cid, Message("user", "hi"))
     store.add_message(cid, Message("assistant", "yo", "length", {"prompt_tokens": 3}))
+    store.add_message(cid, Message("user", "again"))
+    store.add_message(cid, Message("assistant", "yo yo", "stop", None, [7, 8, 2]))
     assert store.prompt_messages(cid) == [{"role": "system", "content": "be brief"},
                                           {"role": "user", "content": "hi"},
-                                          {"role": "assistant", "content": "yo"}]
+                                          {"role": "assistant", "content": "yo"},
+                                          {"role": "user", "content": "again"},
+                                          {"role": "assistant", "content": "yo yo", "tokens": [7, 8, 2]}]
+    # Ids that are not a list of ids (a damaged row) are dropped: the text is sent.
+    store.db.execute("UPDATE messages SET tokens = '[7, \"x\"' WHERE content = 'yo yo'")
+    assert store.messages(cid)[-1].tokens is None
     store.delete(cid)
     assert store.db.execute("SELECT COUNT(*) FROM messages").fetchone()[0] == 0
     store.close()
@@ -437,9 +444,10 @@ def test_a_version_1_database_is_upgraded_in_place_and_ids_are_never_reused(tmp_
     db.commit()
     db.close()
     store = ChatStore(path)
-    assert store.schema_version == 2
+    assert store.schema_version == 3
     assert [(c.id, c.title) for c in store.conversations()] == [(2, "newest"), (1, "kept")]
     assert [m.content for m in store.messages(1)] == ["hello kept"]
+    assert store.prompt_messages(1) == [{"role": "user", "content": "hello kept"}]  # no ids: sent as text
     store.delete(2)  # the newest id: version 1 gave it to the next new chat
     assert store.messages(2) == []  # foreign keys on again: its messages went with it
     assert store.create("new").id == 3

@@ -18,11 +18,11 @@ class EngineNews(Message, bubble=False):
 class ReplyDelta(Message, bubble=False):
     """New text of a reply: the tokens since the last update, merged."""
 
-    def __init__(self, reply_id: int, text: str, tokens: int) -> None:
+    def __init__(self, reply_id: int, text: str, ids: list[int]) -> None:
         super().__init__()
         self.reply_id = reply_id
         self.text = text
-        self.tokens = tokens  # tokens in this update
+        self.ids = ids  # the token ids of this update
 
 
 class ReplyEnded(Message, bubble=False):

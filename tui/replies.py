@@ -19,7 +19,7 @@ took 0.09-0.135 of a core while the engine decoded.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from mlxkv.engine_thread import RequestHandle, is_last
 from mlxkv.records import GenerationChunk
@@ -81,7 +81,7 @@ class ActiveReply:
     # if the engine refuses it: see ChatScreen._take_back.
     question_id: int | None = None
     question_view: MessageView | None = None
-    tokens: int = 0
+    ids: list[int] = field(default_factory=list)  # as generated, kept with the reply (mlxkv/reply_tokens.py)
     first_token_at: float | None = None
     live_shown_at: float = 0.0
 
@@ -89,12 +89,16 @@ class ActiveReply:
     def id(self) -> int:
         return self.handle.id
 
-    def count(self, tokens: int) -> float | None:
-        """Add `tokens`; return the decode rate so far (tokens/s) once it is known."""
+    @property
+    def tokens(self) -> int:
+        return len(self.ids)
+
+    def count(self, ids: list[int]) -> float | None:
+        """Add the ids of an update; return the decode rate so far (tokens/s) once it is known."""
         now = time.monotonic()
         if self.first_token_at is None:
             self.first_token_at = now
-        self.tokens += tokens
+        self.ids += ids
         elapsed = now - self.first_token_at
         return (self.tokens - 1) / elapsed if elapsed > 0.2 else None
 
@@ -111,6 +115,6 @@ def relay(reply: ActiveReply, post) -> None:
     for batch in reply.handle.batches(lambda: reply.pacer.interval):
         chunks = [r for r in batch if isinstance(r, GenerationChunk)]
         if chunks:
-            post(ReplyDelta(reply.id, "".join(c.text for c in chunks), len(chunks)))
+            post(ReplyDelta(reply.id, "".join(c.text for c in chunks), [c.token for c in chunks]))
         if is_last(batch[-1]):
             post(ReplyEnded(reply.id, batch[-1]))

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from mlxkv.errors import MlxkvError
 from mlxkv.paths import data_dir
+from mlxkv.reply_tokens import is_token_list
 
 MIGRATIONS = [
     """
@@ -57,6 +58,12 @@ MIGRATIONS = [
     DROP TABLE conversations;
     ALTER TABLE conversations_v2 RENAME TO conversations;
     """,
+    # A reply's token ids as generated (a JSON list), sent back with its
+    # text so the next turn's prompt is the one the KV cache holds
+    # (mlxkv/reply_tokens.py). Older replies have none and are sent as text.
+    """
+    ALTER TABLE messages ADD COLUMN tokens TEXT;
+    """,
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
 
@@ -80,6 +87,7 @@ class Message:
     content: str
     finish_reason: str | None = None
     stats: dict | None = None
+    tokens: list[int] | None = None  # a reply's ids as generated
 
 
 class ChatStore:
@@ -178,11 +186,12 @@ class ChatStore:
         """Append `message`; returns its id."""
         now = time.time()
         stats = json.dumps(message.stats) if message.stats is not None else None
+        tokens = json.dumps(message.tokens) if message.tokens else None
         with self._writing():
             cur = self.db.execute(
-                "INSERT INTO messages (conversation_id, role, content, finish_reason, stats, created_at) "
-                "VALUES (?, ?, ?, ?, ?, ?)",
-                (conversation_id, message.role, message.content, message.finish_reason, stats, now),
+                "INSERT INTO messages (conversation_id, role, content, finish_reason, stats, tokens, created_at) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (conversation_id, message.role, message.content, message.finish_reason, stats, tokens, now),
             )
             self.db.execute("UPDATE conversations SET updated_at = ? WHERE id = ?", (now, conversation_id))
         return cur.lastrowid
@@ -193,14 +202,30 @@ class ChatStore:
 
     def messages(self, conversation_id: int) -> list[Message]:
         rows = self.db.execute(
-            "SELECT role, content, finish_reason, stats FROM messages WHERE conversation_id = ? ORDER BY id",
+            "SELECT role, content, finish_reason, stats, tokens FROM messages WHERE conversation_id = ? ORDER BY id",
             (conversation_id,),
         )
-        return [Message(role, content, finish, json.loads(stats) if stats else None)
-                for role, content, finish, stats in rows]
+        return [Message(role, content, finish, json.loads(stats) if stats else None, _ids(tokens))
+                for role, content, finish, stats, tokens in rows]
 
     def prompt_messages(self, conversation_id: int) -> list[dict]:
         """The chat-template messages: the system prompt (if any), then the turns."""
         conversation = self.get(conversation_id)
         head = [{"role": "system", "content": conversation.system_prompt}] if conversation.system_prompt else []
-        return head + [{"role": m.role, "content": m.content} for m in self.messages(conversation_id)]
+        return head + [_prompt_message(m) for m in self.messages(conversation_id)]
+
+
+def _prompt_message(m: Message) -> dict:
+    message = {"role": m.role, "content": m.content}
+    if m.tokens:
+        message["tokens"] = m.tokens
+    return message
+
+
+def _ids(stored: str | None) -> list[int] | None:
+    """Stored token ids; None for none, or for a value that is not a list of ids (the text is sent then)."""
+    try:
+        ids = json.loads(stored) if stored else None
+    except ValueError:
+        return None
+    return ids if is_token_list(ids) and ids else None

@@ -248,7 +248,7 @@ class ChatScreen(Screen[None]):
         if reply is None or reply.view is None:
             return
         reply.pacer.tick()
-        rate = reply.count(message.tokens)
+        rate = reply.count(message.ids)
         await reply.view.stream_in(message.text)
         if reply.conversation_id == self.conversation_id and reply.live_stats_due():
             self.query_one(CachePanel).show_live(reply.tokens, rate)
@@ -338,7 +338,8 @@ class ChatScreen(Screen[None]):
         text = reply.view.text
         if text and self.store.get(reply.conversation_id) is not None:
             with self._saving():
-                self.store.add_message(reply.conversation_id, Message("assistant", text, finish_reason, stats))
+                message = Message("assistant", text, finish_reason, stats, reply.ids)
+                self.store.add_message(reply.conversation_id, message)
 
     @contextmanager
     def _saving(self):

@@ -1,0 +1,93 @@
+"""Chat prompts that carry earlier replies as the ids the model generated.
+
+Why: every chat turn re-sends the whole conversation, and a chat template
+renders an earlier reply from its text. Tokenizing that text again need not
+give back the ids the model produced: a real model's reply does not
+whenever it picked a split the tokenizer would not (sampling makes that
+common enough), and a random-weight model's almost never does. The prefix
+cache hits only up to the first id that differs, so from there on the chat
+was recomputed on every turn. mlx-lm's own chat keeps the generated ids in
+its cache across turns; this does the same for a stateless prompt.
+
+An assistant message may carry `"tokens"`: its reply's ids, as streamed.
+They replace the reply's text in the prompt when both hold:
+- they decode to exactly the message's text (so a reply cut short, edited,
+  or from another tokenizer falls back to its text), and
+- the template puts each such reply's text in verbatim (one that trims or
+  rewrites replies is left to tokenize its own output).
+The text around the replies is tokenized piece by piece. The first piece is
+the whole earlier prompt, so it tokenizes as that prompt did; the later
+ones start right after a reply, where templates put a special token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+# Private-use code points: no reply holds them, and no template rewrites them.
+_MARK = "\ue000mlxkv-reply-{}\ue001"
+
+
+def is_token_list(ids) -> bool:
+    return isinstance(ids, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in ids)
+
+
+def text_only(messages: Sequence[dict]) -> list[dict]:
+    """The messages as chat templates take them, without reply ids."""
+    return [{k: v for k, v in m.items() if k != "tokens"} for m in messages]
+
+
+def spliced_chat_tokens(tokenizer, messages: Sequence[dict], add_generation_prompt: bool = True) -> list[int] | None:
+    """The chat's prompt with each usable reply's own ids in place of its
+    text; None when no reply carries usable ids or the template does not
+    render replies verbatim (then tokenize the template's text as usual)."""
+    replies = _usable_replies(tokenizer, messages)
+    if not replies:
+        return None
+    plain = text_only(messages)
+    marked = [dict(m, content=_MARK.format(i)) if i in replies else m for i, m in enumerate(plain)]
+    text, pieces = _render(tokenizer, plain, add_generation_prompt), []
+    rest = _render(tokenizer, marked, add_generation_prompt)
+    for i in replies:
+        piece, mark, rest = rest.partition(_MARK.format(i))
+        if not mark:
+            return None  # the template dropped or rewrote this reply
+        pieces += [piece, plain[i]["content"]]
+    if "".join(pieces) + rest != text:
+        return None  # it renders a reply other than verbatim (trimmed, say)
+    tokens: list[int] = []
+    for piece, ids in zip(pieces[::2], replies.values()):
+        tokens += _encode(tokenizer, piece) + ids
+    return tokens + _encode(tokenizer, rest)
+
+
+def _usable_replies(tokenizer, messages: Sequence[dict]) -> dict[int, list[int]]:
+    """Message index -> ids, for assistant messages whose ids decode to their text.
+
+    A final end-of-sequence id is dropped: the model never read it (its KV
+    was never computed), and the template writes its own end of turn.
+    """
+    eos = set(getattr(tokenizer, "eos_token_ids", None) or ())
+    usable = {}
+    for i, m in enumerate(messages):
+        ids = list(m.get("tokens") or ())
+        if m.get("role") != "assistant" or not ids:
+            continue
+        if ids[-1] in eos:
+            ids.pop()
+        try:
+            same = bool(ids) and tokenizer.decode(ids) == m["content"]
+        except (ValueError, TypeError, OverflowError, IndexError):  # ids outside the vocabulary
+            same = False
+        if same:
+            usable[i] = ids
+    return usable
+
+
+def _render(tokenizer, messages: list[dict], add_generation_prompt: bool) -> str:
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+
+def _encode(tokenizer, text: str) -> list[int]:
+    # As the template's own tokenize does: its text already holds any BOS.
+    return list(tokenizer.encode(text, add_special_tokens=False)) if text else []

@@ -1,0 +1,105 @@
+"""Replies sent back with the ids the model generated (mlxkv/reply_tokens.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from mlxkv.config import CacheConfig
+from mlxkv.engine import Engine
+from mlxkv.reply_tokens import text_only
+from mlxkv.tiny_model import CHAT_TEMPLATE
+
+BLOCK = 8
+QUESTION = [{"role": "user", "content": "Tell me about the sea and the ships that sail upon it."}]
+
+
+@pytest.fixture(scope="module")
+def engine(model_dirs):
+    return Engine.load(model_dirs["llama"], CacheConfig(block_size=BLOCK, num_blocks=64))
+
+
+@pytest.fixture(scope="module")
+def first(engine):
+    return engine.chat(QUESTION, max_tokens=24)
+
+
+def with_reply(reply_text: str, ids, follow_up: str = "And then?") -> list[dict]:
+    return QUESTION + [{"role": "assistant", "content": reply_text, "tokens": ids},
+                       {"role": "user", "content": follow_up}]
+
+
+def fed(result) -> list[int]:
+    """What the model read of a turn: its prompt and reply, less a final EOS."""
+    ids = result.prompt_tokens + result.tokens
+    return ids[:-1] if result.finish_reason == "stop" else ids
+
+
+def test_a_reply_sent_back_with_its_ids_is_reused_whole(engine, first):
+    second = engine.chat(with_reply(first.text, first.tokens), max_tokens=4)
+    history = fed(first)
+    assert second.prompt_tokens[: len(history)] == history
+    # Every full block of the first turn is a pool hit, the reply's included;
+    # with the text alone, reuse stops where re-tokenizing the reply differs.
+    assert second.stats.cached_tokens["pool"] >= (len(history) - 1) // BLOCK * BLOCK
+    assert second.stats.cached_tokens["pool"] > len(first.prompt_tokens)
+    # After the reply, the template's own text, tokenized as it would be.
+    plain = engine.apply_chat_template(text_only(with_reply(first.text, first.tokens)))
+    tail = engine.tokenizer.encode("<|im_end|>\n<|im_start|>user\nAnd then?<|im_end|>\n<|im_start|>assistant\n",
+                                   add_special_tokens=False)
+    assert second.prompt_tokens[len(history):] == plain[-len(tail):] == tail
+
+
+def test_the_reused_prompt_answers_as_a_cold_one(engine, first, model_dirs):
+    messages = with_reply(first.text, first.tokens, "What next?")
+    warm = engine.chat(messages, max_tokens=6)
+    assert warm.stats.cached_tokens["pool"] > len(first.prompt_tokens)
+    cold = Engine.load(model_dirs["llama"], CacheConfig(block_size=BLOCK, num_blocks=64))
+    assert cold.generate(warm.prompt_tokens, max_tokens=6).tokens == warm.tokens
+
+
+def test_a_third_turn_keeps_both_replies(engine, first):
+    messages = with_reply(first.text, first.tokens)
+    second = engine.chat(messages, max_tokens=12)
+    messages += [{"role": "assistant", "content": second.text, "tokens": second.tokens},
+                 {"role": "user", "content": "More."}]
+    third = engine.chat(messages, max_tokens=2)
+    assert third.prompt_tokens[: len(fed(second))] == fed(second)
+
+
+def test_a_final_eos_id_is_left_to_the_template(engine, first):
+    eos = sorted(engine.tokenizer.eos_token_ids)[0]
+    ids = fed(first)[len(first.prompt_tokens):]
+    assert engine.apply_chat_template(with_reply(first.text, ids + [eos])) == \
+        engine.apply_chat_template(with_reply(first.text, ids))
+
+
+@pytest.mark.parametrize("ids", [
+    pytest.param(lambda ids: ids[:-3], id="a reply cut short of its text"),
+    pytest.param(lambda ids: ids[3:], id="ids of other text"),
+    pytest.param(lambda ids: [10**9], id="ids outside the vocabulary"),
+    pytest.param(lambda ids: [-1], id="a negative id"),
+    pytest.param(lambda ids: [], id="no ids"),
+])
+def test_ids_that_are_not_the_text_fall_back_to_the_text(engine, first, ids):
+    messages = with_reply(first.text, ids(first.tokens))
+    assert engine.apply_chat_template(messages) == engine.apply_chat_template(text_only(messages))
+
+
+def test_ids_on_a_user_message_are_ignored(engine, first):
+    messages = [dict(QUESTION[0], tokens=[5, 6, 7])]
+    assert engine.apply_chat_template(messages) == engine.apply_chat_template(QUESTION)
+
+
+def test_a_template_that_trims_replies_gets_the_text(model_dirs):
+    engine = Engine.load(model_dirs["llama"], CacheConfig(block_size=BLOCK, num_blocks=64))
+    text = " the sea, the ships \n"
+    # A split the tokenizer would not make, as sampling can pick.
+    ids = [i for c in text for i in engine.tokenizer.encode(c, add_special_tokens=False)]
+    assert engine.tokenizer.decode(ids) == text and engine.tokenizer.encode(text, add_special_tokens=False) != ids
+    messages = with_reply(text, ids)
+    asked = engine.apply_chat_template(QUESTION)
+    assert engine.apply_chat_template(messages)[: len(asked) + len(ids)] == asked + ids  # rendered verbatim: kept
+    engine.tokenizer._tokenizer.chat_template = CHAT_TEMPLATE.replace("message['content']",
+                                                                      "message['content'] | trim")
+    assert engine.apply_chat_template(messages) == engine.apply_chat_template(text_only(messages))
+    assert engine.tokenizer.decode(engine.apply_chat_template(messages)).count("the sea, the ships<|im_end|>") == 1
