@@ -17,7 +17,8 @@ They replace the reply's text in the prompt when both hold:
   rewrites replies is left to tokenize its own output).
 The text around the replies is tokenized piece by piece. The first piece is
 the whole earlier prompt, so it tokenizes as that prompt did; the later
-ones start right after a reply, where templates put a special token.
+ones start right after a reply, where templates put a special token. The
+result must decode to the same text as the whole text tokenized at once.
 """
 
 from __future__ import annotations
@@ -58,7 +59,8 @@ def spliced_chat_tokens(tokenizer, messages: Sequence[dict], add_generation_prom
     tokens: list[int] = []
     for piece, ids in zip(pieces[::2], replies.values()):
         tokens += _encode(tokenizer, piece) + ids
-    return tokens + _encode(tokenizer, rest)
+    tokens += _encode(tokenizer, rest)
+    return tokens if _reads_as(tokenizer, tokens, text) else None
 
 
 def _usable_replies(tokenizer, messages: Sequence[dict]) -> dict[int, list[int]]:
@@ -82,6 +84,18 @@ def _usable_replies(tokenizer, messages: Sequence[dict]) -> dict[int, list[int]]
         if same:
             usable[i] = ids
     return usable
+
+
+def _reads_as(tokenizer, tokens: list[int], text: str) -> bool:
+    """Whether ids tokenized in pieces still read as the text tokenized whole.
+
+    A SentencePiece tokenizer marks a word's leading space in the word's own
+    token, so a template's space before a reply would be read twice. A
+    byte-level one decodes back to the text exactly, which is checked first:
+    encoding the whole text again costs as much as the splice.
+    """
+    decoded = tokenizer.decode(tokens)
+    return decoded == text or decoded == tokenizer.decode(_encode(tokenizer, text))
 
 
 def _render(tokenizer, messages: list[dict], add_generation_prompt: bool) -> str:

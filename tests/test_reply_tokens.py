@@ -103,3 +103,36 @@ def test_a_template_that_trims_replies_gets_the_text(model_dirs):
                                                                       "message['content'] | trim")
     assert engine.apply_chat_template(messages) == engine.apply_chat_template(text_only(messages))
     assert engine.tokenizer.decode(engine.apply_chat_template(messages)).count("the sea, the ships<|im_end|>") == 1
+
+
+def sentencepiece_like(template: str):
+    """A tokenizer that marks a word's leading space in the word's token, as Llama 2's and Mistral's do."""
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    tokenizer.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first")
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>", "[INST]", "[/INST]"])
+    tokenizer.train_from_iterator(["the sea and the ships sail upon it, hello world"] * 50, trainer)
+    hf = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    hf.chat_template = template
+    return TokenizerWrapper(hf)
+
+
+def test_a_template_space_before_a_reply_is_not_read_twice():
+    # Mistral-style: the template writes a space, then the reply, whose
+    # first token ("▁hello") holds its own space: spliced, the space would
+    # be read twice. The text is tokenized instead.
+    from mlxkv.reply_tokens import spliced_chat_tokens
+
+    tokenizer = sentencepiece_like(
+        "{% for m in messages %}{% if m['role'] == 'user' %}[INST] {{ m['content'] }} [/INST]"
+        "{% else %}{{ ' ' + m['content'] }}</s>{% endif %}{% endfor %}")
+    ids = tokenizer.encode("hello world", add_special_tokens=False)
+    assert tokenizer.convert_ids_to_tokens(ids)[0] == "▁hello"
+    messages = [{"role": "user", "content": "the sea"},
+                {"role": "assistant", "content": tokenizer.decode(ids), "tokens": ids},
+                {"role": "user", "content": "the ships"}]
+    assert spliced_chat_tokens(tokenizer, messages) is None
