@@ -52,8 +52,7 @@ def main() -> None:
         reply = turn(engine, "A, turn 1", a)
         turn(engine, "B, turn 1", b)
         # The reply goes back with its ids, so turn 2 finds all of turn 1 cached.
-        a += [{"role": "assistant", "content": reply.text, "tokens": reply.tokens},
-              {"role": "user", "content": "And then?"}]
+        a += [reply.as_message(), {"role": "user", "content": "And then?"}]
         turn(engine, "A, turn 2", a)
         print(json.dumps(engine.stats()["pool"]))
 

@@ -64,6 +64,10 @@ class GenerationResult:
     stats: RequestStats
     extra: dict = field(default_factory=dict)
 
+    def as_message(self) -> dict:
+        """The reply as the next turn's chat message, with the ids it was generated as (reply_tokens.py)."""
+        return {"role": "assistant", "content": self.text, "tokens": self.tokens}
+
     def as_json(self) -> dict:
         s = self.stats
         return {

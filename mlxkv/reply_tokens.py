@@ -11,8 +11,9 @@ its cache across turns; this does the same for a stateless prompt.
 
 An assistant message may carry `"tokens"`: its reply's ids, as streamed.
 They replace the reply's text in the prompt when both hold:
-- they decode to exactly the message's text (so a reply cut short, edited,
-  or from another tokenizer falls back to its text), and
+- they decode to exactly the message's text, or to one leading space more
+  (so a reply cut short, edited, or from another tokenizer falls back to
+  its text), and
 - the template puts each such reply's text in verbatim (one that trims or
   rewrites replies is left to tokenize its own output).
 The text around the replies is tokenized piece by piece. The first piece is
@@ -53,21 +54,25 @@ def spliced_chat_tokens(tokenizer, messages: Sequence[dict], add_generation_prom
         piece, mark, rest = rest.partition(_MARK.format(i))
         if not mark:
             return None  # the template dropped or rewrote this reply
-        pieces += [piece, plain[i]["content"]]
-    if "".join(pieces) + rest != text:
+        pieces.append(piece)
+    if "".join(p + plain[i]["content"] for p, i in zip(pieces, replies)) + rest != text:
         return None  # it renders a reply other than verbatim (trimmed, say)
     tokens: list[int] = []
-    for piece, ids in zip(pieces[::2], replies.values()):
+    for piece, (ids, _) in zip(pieces, replies.values()):
         tokens += _encode(tokenizer, piece) + ids
     tokens += _encode(tokenizer, rest)
-    return tokens if _reads_as(tokenizer, tokens, text) else None
+    # What the prompt says: the template's text, each reply as its ids read.
+    meant = "".join(p + read for p, (_, read) in zip(pieces, replies.values())) + rest
+    return tokens if _reads_as(tokenizer, tokens, meant) else None
 
 
-def _usable_replies(tokenizer, messages: Sequence[dict]) -> dict[int, list[int]]:
-    """Message index -> ids, for assistant messages whose ids decode to their text.
+def _usable_replies(tokenizer, messages: Sequence[dict]) -> dict[int, tuple[list[int], str]]:
+    """Message index -> (ids, their text), for assistant messages whose ids decode to their text.
 
     A final end-of-sequence id is dropped: the model never read it (its KV
-    was never computed), and the template writes its own end of turn.
+    was never computed), and the template writes its own end of turn. The
+    ids may read one space more than the text: mlx-lm's streaming
+    detokenizer drops a reply's leading space, which the model did generate.
     """
     eos = set(getattr(tokenizer, "eos_token_ids", None) or ())
     usable = {}
@@ -78,16 +83,16 @@ def _usable_replies(tokenizer, messages: Sequence[dict]) -> dict[int, list[int]]
         if ids[-1] in eos:
             ids.pop()
         try:
-            same = bool(ids) and tokenizer.decode(ids) == m["content"]
+            read = tokenizer.decode(ids) if ids else None
         except (ValueError, TypeError, OverflowError, IndexError):  # ids outside the vocabulary
-            same = False
-        if same:
-            usable[i] = ids
+            read = None
+        if read is not None and read in (m["content"], " " + m["content"]):
+            usable[i] = (ids, read)
     return usable
 
 
 def _reads_as(tokenizer, tokens: list[int], text: str) -> bool:
-    """Whether ids tokenized in pieces still read as the text tokenized whole.
+    """Whether ids tokenized in pieces still read as `text` tokenized whole.
 
     A SentencePiece tokenizer marks a word's leading space in the word's own
     token, so a template's space before a reply would be read twice. A

@@ -60,8 +60,7 @@ def test_the_reused_prompt_answers_as_a_cold_one(engine, first, model_dirs):
 def test_a_third_turn_keeps_both_replies(engine, first):
     messages = with_reply(first.text, first.tokens)
     second = engine.chat(messages, max_tokens=12)
-    messages += [{"role": "assistant", "content": second.text, "tokens": second.tokens},
-                 {"role": "user", "content": "More."}]
+    messages += [second.as_message(), {"role": "user", "content": "More."}]
     third = engine.chat(messages, max_tokens=2)
     assert third.prompt_tokens[: len(fed(second))] == fed(second)
 
@@ -83,6 +82,19 @@ def test_a_final_eos_id_is_left_to_the_template(engine, first):
 def test_ids_that_are_not_the_text_fall_back_to_the_text(engine, first, ids):
     messages = with_reply(first.text, ids(first.tokens))
     assert engine.apply_chat_template(messages) == engine.apply_chat_template(text_only(messages))
+
+
+def test_a_reply_whose_leading_space_the_detokenizer_dropped_keeps_its_ids(engine):
+    # mlx-lm's streaming detokenizer drops a reply's first space; the model
+    # generated it, and its KV is cached with it.
+    ids = engine.tokenizer.encode(" the sea, and the ships", add_special_tokens=False)
+    shown = engine.tokenizer.decode(ids)
+    assert shown.startswith(" ")
+    asked = engine.apply_chat_template(QUESTION)
+    for text in (shown[1:], shown):
+        assert engine.apply_chat_template(with_reply(text, ids))[: len(asked) + len(ids)] == asked + ids
+    two_short = engine.apply_chat_template(with_reply(shown[1:].lstrip(), [*engine.tokenizer.encode(" ", add_special_tokens=False), *ids]))
+    assert two_short == engine.apply_chat_template(text_only(with_reply(shown[1:].lstrip(), [])))
 
 
 def test_ids_on_a_user_message_are_ignored(engine, first):
