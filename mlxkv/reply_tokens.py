@@ -3,8 +3,8 @@
 Why: every chat turn re-sends the whole conversation, and a chat template
 renders an earlier reply from its text. Tokenizing that text again need not
 give back the ids the model produced: a real model's reply does not
-whenever it picked a split the tokenizer would not (sampling makes that
-common enough), and a random-weight model's almost never does. The prefix
+whenever it picked a split the tokenizer would not make, and a
+random-weight model's almost never does. The prefix
 cache hits only up to the first id that differs, so from there on the chat
 was recomputed on every turn. mlx-lm's own chat keeps the generated ids in
 its cache across turns; this does the same for a stateless prompt.
