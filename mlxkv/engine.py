@@ -198,6 +198,8 @@ class Engine:
         return GenerationResult("".join(text), tokens, prompt_tokens, last.finish_reason, last.stats)
 
     def chat(self, messages: list[dict], **kwargs) -> GenerationResult:
+        """Reply to chat messages. For the next turn, append `result.as_message()`
+        (the reply with its ids): then the whole of this turn is a prefix hit."""
         return self.generate(self.apply_chat_template(messages), **kwargs)
 
     def stream_chat(self, messages: list[dict], **kwargs) -> Iterator[GenerationChunk]:
