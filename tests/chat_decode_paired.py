@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -135,7 +136,10 @@ def main() -> None:
     chat_app.ChatApp.on_mount = start_driver
     sys.argv = ["mlxkv", "chat", "--model", args.model, "--max-tokens", str(args.max_tokens),
                 "--disk-tier", os.path.join(work, "kv")]
-    code = mlxkv_main()
+    try:
+        code = mlxkv_main()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)  # the chats and the SSD tier of this run only
     if not os.path.exists(args.out):
         sys.exit(f"chat_decode_paired: no result (mlxkv chat exited with {code}; the model did not load?)")
     print(open(args.out).read(), end="")

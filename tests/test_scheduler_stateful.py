@@ -10,10 +10,9 @@ equals its solo run token for token.
 
 from __future__ import annotations
 
-import tempfile
 from collections import Counter
-from pathlib import Path
 
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -31,11 +30,16 @@ STEMS = [tuple((s * 37 + 11 * i) % 300 + 3 for i in range(n)) for s, n in ((1, 1
 TAILS = [(), (5, 6, 7), (9,) * 6, tuple(range(40, 51))]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _model(tmp_path_factory):
+    """The machine's model, under pytest's temp dir (one of its own in /tmp was left behind by every run)."""
+    path = write_tiny_model(tmp_path_factory.mktemp("sched") / "m", TinyModelSpec(seed=23))
+    _MODEL.update(loaded=load_model(str(path)), answers={})
+    yield
+    _MODEL.clear()
+
+
 def loaded():
-    if "loaded" not in _MODEL:
-        root = Path(tempfile.mkdtemp(prefix="mlxkv-sched-"))
-        _MODEL["loaded"] = load_model(str(write_tiny_model(root / "m", TinyModelSpec(seed=23))))
-        _MODEL["answers"] = {}
     return _MODEL["loaded"]
 
 

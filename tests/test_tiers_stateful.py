@@ -10,6 +10,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -23,12 +24,17 @@ MAX_TOKENS = 3
 _MODEL = {}
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _model(tmp_path_factory):
+    """The machines' model, under pytest's temp dir (one of its own in /tmp was left behind by every run)."""
+    path = str(write_tiny_model(tmp_path_factory.mktemp("stateful") / "m", TinyModelSpec(seed=21)))
+    cold = Engine.load(path, CacheConfig(block_size=BLOCK, num_blocks=64, memory_tier_bytes=0))
+    _MODEL.update(path=path, cold=cold, answers={})
+    yield
+    _MODEL.clear()
+
+
 def model_path() -> str:
-    if "path" not in _MODEL:
-        root = Path(tempfile.mkdtemp(prefix="mlxkv-stateful-"))
-        _MODEL["path"] = str(write_tiny_model(root / "m", TinyModelSpec(seed=21)))
-        _MODEL["cold"] = Engine.load(_MODEL["path"], CacheConfig(block_size=BLOCK, num_blocks=64, memory_tier_bytes=0))
-        _MODEL["answers"] = {}
     return _MODEL["path"]
 
 
