@@ -1,8 +1,8 @@
 """The unified-memory tier: evicted blocks' K/V kept outside the pool.
 
 LRU per block under a byte budget. Optionally 8-bit quantized (`mx.quantize`
-along the head dim) to hold about twice as many blocks, at a small cost in
-accuracy.
+along the head dim, groups of 32) to hold 1.78x as many fp16 blocks (3.2x
+fp32; 4 bits: 3.2x and 5.3x), at a small cost in accuracy.
 
 Exact blocks live in layer-major `KVRun`s, so a hydrate copies a stretch of
 blocks into the pool with one slice per layer. The pool evicts one block at a
