@@ -49,6 +49,11 @@ def block_path(fp_dir: Path, block_hash: BlockHash) -> Path:
     return fp_dir / name[:2] / f"{name}{SUFFIX}"
 
 
+def is_shard(entry: os.DirEntry) -> bool:
+    """Whether a fingerprint directory's entry is a shard: the directory of names starting with its 2 hex digits."""
+    return len(entry.name) == 2 and entry.is_dir(follow_symlinks=False)
+
+
 def temp_path(directory: Path, name: str) -> Path:
     """A fresh temp file name in `directory` for a write of file `name` by this process."""
     return directory / f".{name[:64]}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
@@ -163,7 +168,7 @@ def cache_clear(directory: str | os.PathLike) -> int:
 def _block_files(fp_dir: Path) -> Iterator[tuple[Path, int]]:
     """(path, size) of every block file under one fingerprint directory."""
     for shard in os.scandir(fp_dir):
-        if not (shard.is_dir(follow_symlinks=False) and len(shard.name) == 2):
+        if not is_shard(shard):
             continue
         for entry in os.scandir(shard.path):
             if BLOCK_NAME.fullmatch(entry.name) and entry.is_file(follow_symlinks=False):
@@ -219,9 +224,9 @@ def _remove_block_files(root: Path) -> Iterator[Path]:
         for path in fp_dir.glob("**/.*.tmp"):
             if _TEMP_NAME.fullmatch(path.name):
                 unlink(path)
-        for shard in fp_dir.iterdir():
-            if shard.is_dir() and len(shard.name) == 2:
-                _rmdir_if_empty(shard)
+        for shard in os.scandir(fp_dir):
+            if is_shard(shard):
+                _rmdir_if_empty(Path(shard.path))
         _rmdir_if_empty(fp_dir)
 
 

@@ -241,7 +241,7 @@ class DiskKvCacheConnector:
         for entry in os.scandir(self.dir):
             if entry.is_file(follow_symlinks=False):
                 self._maybe_remove_temp(Path(entry.path))
-            elif entry.is_dir(follow_symlinks=False) and len(entry.name) == 2:
+            elif cache_dir.is_shard(entry):
                 self._shard_mtimes[entry.name] = entry.stat(follow_symlinks=False).st_mtime_ns
                 found.extend(self._scan_shard(entry.path, entry.name))
         self._index_found(found)
@@ -271,7 +271,7 @@ class DiskKvCacheConnector:
         except OSError:
             return False
         for entry in entries:
-            if len(entry.name) != 2 or not entry.is_dir(follow_symlinks=False):
+            if not cache_dir.is_shard(entry):
                 continue
             try:
                 mtime = entry.stat(follow_symlinks=False).st_mtime_ns
