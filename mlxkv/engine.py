@@ -23,7 +23,7 @@ from mlxkv.machine import physical_memory
 from mlxkv.model_loader import LoadedModel, load_model, probe_kv_layout
 from mlxkv.model_runner import ModelRunner
 from mlxkv.records import GenerationChunk, GenerationResult, RequestFailed, RequestStats
-from mlxkv.reply_tokens import is_token_list, spliced_chat_tokens, text_only
+from mlxkv.reply_tokens import chat_tokens, is_token_list
 from mlxkv.request import Request
 from mlxkv.sampling import make_request_sampler, whole
 from mlxkv.sequence import Sequence
@@ -126,11 +126,7 @@ class Engine:
         if not self.has_chat_template:
             raise MlxkvError(f"model {self.loaded.name!r} has no chat template; use raw prompts")
         _check_messages(messages)
-        spliced = spliced_chat_tokens(self.tokenizer, messages, add_generation_prompt)
-        if spliced is not None:
-            return spliced
-        tokens = self.tokenizer.apply_chat_template(text_only(messages), add_generation_prompt=add_generation_prompt)
-        return list(tokens)
+        return chat_tokens(self.tokenizer, messages, add_generation_prompt)
 
     def chat_prompt(self, messages: list[dict], max_tokens: int | None = None,
                     fit: bool = False) -> tuple[list[int], int]:

@@ -39,16 +39,25 @@ def text_only(messages: Sequence[dict]) -> list[dict]:
     return [{k: v for k, v in m.items() if k != "tokens"} for m in messages]
 
 
-def spliced_chat_tokens(tokenizer, messages: Sequence[dict], add_generation_prompt: bool = True) -> list[int] | None:
+def chat_tokens(tokenizer, messages: Sequence[dict], add_generation_prompt: bool = True) -> list[int]:
+    """The chat's prompt ids: spliced where its replies' ids can be, else the
+    template's text tokenized (as the template's own tokenize does it)."""
+    text = _render(tokenizer, text_only(messages), add_generation_prompt)
+    spliced = spliced_chat_tokens(tokenizer, messages, add_generation_prompt, text=text)
+    return spliced if spliced is not None else _encode(tokenizer, text)
+
+
+def spliced_chat_tokens(tokenizer, messages: Sequence[dict], add_generation_prompt: bool = True,
+                        text: str | None = None) -> list[int] | None:
     """The chat's prompt with each usable reply's own ids in place of its
     text; None when no reply carries usable ids or the template does not
-    render replies verbatim (then tokenize the template's text as usual)."""
+    render replies verbatim. `text`: the template's text, if rendered already."""
     replies = _usable_replies(tokenizer, messages)
     if not replies:
         return None
     plain = text_only(messages)
     marked = [dict(m, content=_MARK.format(i)) if i in replies else m for i, m in enumerate(plain)]
-    text, pieces = _render(tokenizer, plain, add_generation_prompt), []
+    text, pieces = text if text is not None else _render(tokenizer, plain, add_generation_prompt), []
     rest = _render(tokenizer, marked, add_generation_prompt)
     for i in replies:
         piece, mark, rest = rest.partition(_MARK.format(i))
