@@ -33,7 +33,7 @@ MARKER_TEXT = (
 HASH_LEN = 32
 STALE_TEMP_SECONDS = 3600  # a temp file this old is dead even if its pid lives
 
-HEX64 = re.compile(r"[0-9a-f]{64}")
+_HEX64 = re.compile(r"[0-9a-f]{64}")
 BLOCK_NAME = re.compile(r"([0-9a-f]{64})\.safetensors")
 _TEMP_NAME = re.compile(r"\.[0-9a-f]{64}\.([0-9]+)\.[0-9a-f]{8}\.tmp")
 
@@ -180,7 +180,7 @@ def _block_files(fp_dir: Path) -> Iterator[tuple[Path, int]]:
 
 def _fingerprint_dirs(root: Path) -> list[Path]:
     return sorted(
-        Path(e.path) for e in os.scandir(root) if HEX64.fullmatch(e.name) and e.is_dir(follow_symlinks=False)
+        Path(e.path) for e in os.scandir(root) if _HEX64.fullmatch(e.name) and e.is_dir(follow_symlinks=False)
     )
 
 
@@ -211,8 +211,7 @@ def _looks_like_cache(root: Path) -> bool:
         except OSError:
             return False
     entries = list(os.scandir(root))
-    fingerprint_dirs = [e for e in entries if HEX64.fullmatch(e.name) and e.is_dir(follow_symlinks=False)]
-    return bool(entries) and len(fingerprint_dirs) == len(entries)
+    return bool(entries) and len(_fingerprint_dirs(root)) == len(entries)
 
 
 def _remove_block_files(root: Path) -> Iterator[Path]:
