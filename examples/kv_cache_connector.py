@@ -15,7 +15,7 @@ import json
 
 import mlxkv  # noqa: F401  (first: loads the real BLAS before mlx)
 from mlxkv.config import CacheConfig
-from mlxkv.engine import Engine
+from mlxkv.engine.engine import Engine
 from mlxkv.errors import MlxkvError
 
 BLOCK = 16

@@ -1,1 +1,2 @@
-"""Metal kernel sources, shipped as package data and loaded by mlxkv.kernels."""
+"""Metal kernel sources: the repository's metal/ folder, installed as package
+data `mlxkv.metal` and loaded by mlxkv.attention.kernels."""

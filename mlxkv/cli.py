@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import os
 import sys
@@ -73,7 +74,7 @@ def _add_generate(sub) -> None:
 
 
 def _add_chat(sub) -> None:
-    from mlxkv.model_fetch import DEFAULT_CHAT_MODEL
+    from mlxkv.models.fetch import DEFAULT_CHAT_MODEL
 
     p = sub.add_parser("chat", help="chat in a terminal app with a live view of the KV cache")
     _add_cache_flags(p, model_help=f'model path, Hugging Face id, or "demo" (offline); default: '
@@ -84,7 +85,7 @@ def _add_chat(sub) -> None:
 
 
 def _add_tiny_model(sub) -> None:
-    from mlxkv.tiny_model import add_tiny_model_arguments
+    from mlxkv.models.tiny import add_tiny_model_arguments
 
     p = sub.add_parser("tiny-model", help="write a random-weight model (no download)")
     add_tiny_model_arguments(p)
@@ -159,7 +160,7 @@ def _cache_config(args):
 
 
 def cmd_generate(args) -> int:
-    from mlxkv.engine import Engine
+    from mlxkv.engine.engine import Engine
 
     prompts = _read_prompts(args)
     config = _cache_config(args)
@@ -253,9 +254,9 @@ def _read_text(path: str) -> str:
 
 
 def cmd_chat(args) -> int:
-    from mlxkv.model_fetch import DEFAULT_CHAT_MODEL
-    from mlxkv.paths import default_disk_tier_dir
-    from tui.app import run
+    from mlxkv.models.fetch import DEFAULT_CHAT_MODEL
+    from mlxkv.system.paths import default_disk_tier_dir
+    from mlxkv.tui.app import run
 
     config = _cache_config(args)
     if not args.no_disk_tier and args.disk_tier is None:
@@ -264,7 +265,7 @@ def cmd_chat(args) -> int:
 
 
 def cmd_tiny_model(args) -> int:
-    from mlxkv.tiny_model import spec_from_args, write_tiny_model
+    from mlxkv.models.tiny import spec_from_args, write_tiny_model
 
     path = write_tiny_model(args.dir, spec_from_args(args))
     print(path)
@@ -278,8 +279,8 @@ def cmd_bench(args) -> int:
 
 
 def cmd_cache(args) -> int:
-    from mlxkv.connectors.cache_dir import cache_clear, cache_info
-    from mlxkv.paths import default_disk_tier_dir
+    from mlxkv.connectors.disk.cache_dir import cache_clear, cache_info
+    from mlxkv.system.paths import default_disk_tier_dir
 
     directory = args.disk_tier or str(default_disk_tier_dir())
     if args.action == "clear":
@@ -290,7 +291,7 @@ def cmd_cache(args) -> int:
 
 
 def cmd_doctor(args) -> int:
-    from mlxkv.blas import blas_report, format_doctor
+    from mlxkv.system.blas import blas_report, format_doctor
 
     print(format_doctor(blas_report()))
     return 0
@@ -302,6 +303,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command != "chat":  # the chat app owns the terminal: it logs to a file
+        _log_to_stderr()
     if args.version:
         print(f"mlxkv {args.version_string}")
         return cmd_doctor(args)
@@ -317,6 +320,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+
+
+def _log_to_stderr() -> None:
+    from mlxkv.system import blas, logs
+
+    logs.log_to_stderr()
+    notice = blas.slow_blas_notice(blas.load_blas())
+    if notice:  # said at import too, before anything listened
+        logging.getLogger("mlxkv").warning(notice)
 
 
 def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:

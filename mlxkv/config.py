@@ -21,12 +21,13 @@ class CacheConfig:
     num_blocks: pool size in blocks; wins over memory_budget_bytes.
     memory_budget_bytes: pool size as a byte budget for K and V of all layers.
     prefix_cache: share blocks by content hash across requests.
-    connector: a KvCacheConnector; when None, one is built from the tier fields.
+    connector: a KVCacheConnector; when None, one is built from the tier fields.
     memory_tier_bytes: budget of the unified-memory tier (0 turns it off).
     memory_tier_bits: store memory-tier blocks 8-bit (or 4-bit) quantized.
     disk_tier: directory of the SSD tier; None (the Python API default) turns it off.
     disk_tier_bytes: budget of the SSD tier (None: the tier's default).
-    attention: "auto", "reference" or "kernel" (see attention.py).
+    attention: "auto", "reference" or "kernel" (attention/dispatch.py); None:
+        MLXKV_ATTENTION, else "auto".
     """
 
     block_size: int = 16
@@ -38,7 +39,7 @@ class CacheConfig:
     memory_tier_bits: int | None = None
     disk_tier: str | None = None
     disk_tier_bytes: int | None = None
-    attention: str = "auto"
+    attention: str | None = None
 
     def __post_init__(self):
         bs = self.block_size
@@ -53,7 +54,7 @@ class CacheConfig:
             raise MlxkvError(f"memory tier budget must be >= 0, got {self.memory_tier_bytes}")
         if self.disk_tier_bytes is not None and self.disk_tier_bytes <= 0:
             raise MlxkvError(f"disk tier budget must be positive, got {self.disk_tier_bytes}")
-        if self.attention not in ("auto", "reference", "kernel"):
+        if self.attention not in (None, "auto", "reference", "kernel"):
             raise MlxkvError(
                 f"attention must be auto, reference or kernel, got {self.attention!r}"
             )

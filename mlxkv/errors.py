@@ -25,3 +25,12 @@ class MlxkvWarning(RuntimeWarning):
 def warning_text(message) -> str:
     """An MlxkvWarning's message without its "mlxkv: " (the CLI and the app add their own)."""
     return str(message).removeprefix("mlxkv: ")
+
+
+def error_line(error: BaseException, log) -> str:
+    """The one line a user sees for `error`. Anything but an MlxkvError is a
+    bug or a failure of something below us, so its traceback goes to `log`."""
+    if isinstance(error, MlxkvError):
+        return str(error)
+    log.error("unexpected %s", type(error).__name__, exc_info=error)
+    return f"{type(error).__name__}: {error}"

@@ -27,10 +27,10 @@ import time
 
 import mlxkv  # noqa: F401  (BLAS before mlx)
 from mlxkv.cli import main as mlxkv_main
-from tui import app as chat_app
-from tui.screens.chat import ChatScreen
+from mlxkv.tui import app as chat_app
+from mlxkv.tui.screens.chat import ChatScreen
 from chat_decode_speed import PROMPT  # the same message as the cross-process measure
-from tui.widgets.prompt_input import PromptInput
+from mlxkv.tui.widgets.prompt_input import PromptInput
 
 
 class DecodeWindow:

@@ -8,7 +8,7 @@ import pytest
 
 from faults import mount_tmpfs
 
-from mlxkv.tiny_model import TinyModelSpec, write_tiny_model
+from mlxkv.models.tiny import TinyModelSpec, write_tiny_model
 
 # GQA everywhere (4 query heads over 2 KV heads) unless a family needs otherwise.
 FAMILY_SPECS = {

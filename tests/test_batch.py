@@ -15,9 +15,9 @@ from mlx_lm.generate import stream_generate
 from mlx_lm.sample_utils import make_sampler
 
 from mlxkv.config import CacheConfig
-from mlxkv.engine import Engine
-from mlxkv.engine_thread import EngineThread, RequestFailed
-from mlxkv.model_loader import load_model
+from mlxkv.engine.engine import MAX_RUNNING, PREFILL_STEP, Engine
+from mlxkv.serving.engine_thread import EngineThread, RequestFailed
+from mlxkv.models.loader import load_model
 
 BLOCK = 8
 MAX_TOKENS = 10
@@ -53,14 +53,15 @@ def family(request, model_dirs):
     return loaded, solo_tokens
 
 
-def engine_for(loaded, num_blocks=64, **cache) -> Engine:
-    return Engine(loaded, CacheConfig(block_size=BLOCK, num_blocks=num_blocks, memory_tier_bytes=0, **cache))
+def engine_for(loaded, num_blocks=64, prefill_chunk=PREFILL_STEP, max_running=MAX_RUNNING, **cache) -> Engine:
+    return Engine(loaded, CacheConfig(block_size=BLOCK, num_blocks=num_blocks, memory_tier_bytes=0, **cache),
+                  prefill_chunk=prefill_chunk, max_running=max_running)
 
 
 def assert_pool_idle(engine: Engine) -> None:
     assert all(b.ref_count == 0 for b in engine.block_pool.blocks)
     assert engine.block_pool.num_free == engine.block_pool.num_blocks
-    assert engine.running == {}
+    assert engine.loop.running == {}
 
 
 def test_solo_run_matches_mlx_lm(family):
@@ -85,11 +86,10 @@ def test_batch_equals_solo_with_shared_prefixes(family):
 
 def test_chunked_prefill_interleaves_and_still_equals_solo(family):
     loaded, solo_tokens = family
-    engine = engine_for(loaded)
-    engine.prefill_chunk = 2 * BLOCK  # a long prompt takes several steps
+    engine = engine_for(loaded, prefill_chunk=2 * BLOCK)  # a long prompt takes several steps
     long_prompt = prompt_of(9 * BLOCK + 5, salt=77)
     records = {0: [], 1: []}
-    loop = engine.batch_loop()
+    loop = engine.loop
     loop.add(engine.make_request(prompt_of(6, 3), records[0].append, max_tokens=12))
     loop.step()
     loop.step()  # the short one is decoding
@@ -102,8 +102,7 @@ def test_chunked_prefill_interleaves_and_still_equals_solo(family):
     while loop.has_work:
         loop.step()
     # Solo with the same chunk size: the same prefill shapes.
-    solo = engine_for(loaded)
-    solo.prefill_chunk = 2 * BLOCK
+    solo = engine_for(loaded, prefill_chunk=2 * BLOCK)
     assert [r.token for r in records[1]] == solo.generate(long_prompt, max_tokens=4).tokens
     assert [r.token for r in records[0]] == solo_tokens(prompt_of(6, 3), 12)
     assert_pool_idle(engine)
@@ -147,8 +146,7 @@ def test_bad_requests_fail_alone(family):
 
 def test_stats_report_queued_time(family):
     loaded, _ = family
-    engine = engine_for(loaded, 64)
-    engine.batch_loop().scheduler.max_running = 1
+    engine = engine_for(loaded, 64, max_running=1)
     results = engine.generate_batch(PROMPTS[:3], max_tokens=3)
     assert results[0].stats.queued_s < results[2].stats.queued_s
     assert results[2].stats.queued_s > 0 and results[2].stats.ttft_s >= results[2].stats.queued_s
@@ -193,10 +191,10 @@ def test_a_request_ending_on_eos_drops_its_speculative_row(family):
     prompts = [PROMPTS[1], PROMPTS[2], PROMPTS[3]]
     solos = [solo_tokens(p) for p in prompts]
     eos = solos[0][3]  # the first prompt's fourth token becomes its end
-    engine = engine_for(loaded)
-    tokenizer, saved = engine.tokenizer, engine.tokenizer.eos_token_ids
+    tokenizer, saved = loaded.tokenizer, loaded.tokenizer.eos_token_ids
     tokenizer.eos_token_ids = {eos}  # shared with the module's other tests: restored below
     try:
+        engine = engine_for(loaded)  # the engine takes its end tokens when it is made
         results = engine.generate_batch(prompts, max_tokens=MAX_TOKENS)
     finally:
         tokenizer.eos_token_ids = saved
@@ -205,7 +203,7 @@ def test_a_request_ending_on_eos_drops_its_speculative_row(family):
         end = solo.index(eos) + 1 if eos in solo else len(solo)
         assert result.tokens == solo[:end]
     assert_pool_idle(engine)
-    assert not engine.batch_loop().has_work
+    assert not engine.loop.has_work
 
 
 def test_streams_consumed_side_by_side_are_batched_and_equal_solo(family):
@@ -217,7 +215,7 @@ def test_streams_consumed_side_by_side_are_batched_and_equal_solo(family):
     for _ in range(MAX_TOKENS):
         for out, stream in zip(outs, streams):
             out.append(next(stream).token)
-        widest = max(widest, len(engine.running))
+        widest = max(widest, len(engine.loop.running))
     assert outs == [solo_tokens(p) for p in PROMPTS[:3]]
     assert widest == 3  # one loop served all three at once
     assert_pool_idle(engine)
@@ -226,7 +224,7 @@ def test_streams_consumed_side_by_side_are_batched_and_equal_solo(family):
 def test_a_preempted_request_cancelled_while_it_waits_ends_at_once(family):
     loaded, solo_tokens = family
     engine = engine_for(loaded, 9)
-    loop = engine.batch_loop()
+    loop = engine.loop
     prompts = [prompt_of(2 * BLOCK + 3, s) for s in range(4)]
     records: list[list] = [[] for _ in prompts]
     stop = [False] * len(prompts)
@@ -264,7 +262,7 @@ def test_a_seeded_request_samples_as_mlx_lm_does_whatever_else_is_in_the_batch(f
     engine = engine_for(loaded)
     assert engine.generate(prompt, max_tokens=MAX_TOKENS, temperature=1.0, top_k=50, seed=11).tokens == ref
     records: list[list] = [[], [], []]
-    loop = engine.batch_loop()
+    loop = engine.loop
     loop.add(engine.make_request(PROMPTS[0], records[0].append, max_tokens=MAX_TOKENS, temperature=1.0))
     loop.add(engine.make_request(prompt, records[1].append, max_tokens=MAX_TOKENS, temperature=1.0, top_k=50,
                                  seed=11))

@@ -11,7 +11,7 @@ import pytest
 from mlxkv import cli
 from mlxkv.benchmarks import engine as bench
 from mlxkv.errors import MlxkvError
-from mlxkv.tiny_model import TinyModelSpec
+from mlxkv.models.tiny import TinyModelSpec
 
 CONTEXT = 64
 KEYS = {"name", "unit", "ours", "baseline", "baseline_name", "ratio", "goal", "met", "note", "model"}
@@ -72,7 +72,7 @@ def _has_direct_io(directory) -> bool:
 
 def test_tiers_benchmark_rows(tmp_path):
     from mlxkv.benchmarks.tiers import run_tiers_benchmark
-    from mlxkv.tiny_model import TinyModelSpec, write_tiny_model
+    from mlxkv.models.tiny import TinyModelSpec, write_tiny_model
 
     model = write_tiny_model(tmp_path / "hd32", TinyModelSpec(head_dim=32, seed=3))
     rows = run_tiers_benchmark(model=str(model), restore_tokens=64, read_blocks=8, directory=str(tmp_path),

@@ -81,7 +81,7 @@ def test_import_mlxkv_first_binds_openblas():
     done = run_py(
         """
         import json, mlxkv
-        from mlxkv.blas import load_blas, mapped_blas_libraries
+        from mlxkv.system.blas import load_blas, mapped_blas_libraries
     """,
         MATMUL,
         """
@@ -106,13 +106,13 @@ def test_mlx_core_first_warns_once_with_fix():
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             import mlxkv
-            mlxkv.blas.load_blas()
-            mlxkv.blas.load_blas()
+            mlxkv.system.blas.load_blas()
+            mlxkv.system.blas.load_blas()
     """,
         MATMUL,
         """
         print(json.dumps({
-            "state": mlxkv.blas.load_blas().state,
+            "state": mlxkv.system.blas.load_blas().state,
             "messages": [str(w.message) for w in caught],
         }))
     """,
@@ -136,7 +136,7 @@ def test_opt_out_keeps_bundled_blas_silently():
     """,
         MATMUL,
         """
-        print(json.dumps({"state": mlxkv.blas.load_blas().state}))
+        print(json.dumps({"state": mlxkv.system.blas.load_blas().state}))
     """,
         blas_env="off",
         ld_debug=True,
@@ -146,11 +146,11 @@ def test_opt_out_keeps_bundled_blas_silently():
     assert mlx_notices(done.stderr) == []
 
 
-def test_missing_blas_works_and_says_so_once():
+def test_missing_blas_works_and_import_prints_nothing():
     done = run_py(
         """
         import json, mlxkv
-        from mlxkv.blas import load_blas
+        from mlxkv.system.blas import load_blas
         load_blas(); load_blas()
     """,
         MATMUL,
@@ -160,9 +160,30 @@ def test_missing_blas_works_and_says_so_once():
         blas_env="/nonexistent/libnope.so",
     )
     assert last_json(done)["state"] == "missing"
+    assert mlx_notices(done.stderr) == []  # a library does not print; it logs
+
+
+def test_missing_blas_is_logged_once_for_a_program_that_listens():
+    done = run_py(
+        """
+        import logging
+        logging.basicConfig(format="%(name)s: %(message)s")
+        import mlxkv
+        mlxkv.system.blas.load_blas(); mlxkv.system.blas.load_blas()
+    """,
+        blas_env="/nonexistent/libnope.so",
+    )
     notices = mlx_notices(done.stderr)
     assert len(notices) == 1, done.stderr
-    assert "/nonexistent/libnope.so" in notices[0]
+    assert notices[0].startswith("mlxkv.system.blas: ") and "/nonexistent/libnope.so" in notices[0]
+
+
+def test_the_cli_says_the_blas_is_missing_in_one_line():
+    env = {**os.environ, "MLXKV_BLAS": "/nonexistent/libnope.so"}
+    done = subprocess.run([sys.executable, "-m", "mlxkv.cli", "doctor"], capture_output=True, text=True, env=env)
+    assert done.returncode == 0
+    (notice,) = [line for line in done.stderr.splitlines() if line.startswith("mlxkv:")]
+    assert notice.startswith("mlxkv: warning: no CBLAS found") and "/nonexistent/libnope.so" in notice
 
 
 GREEDY = """
@@ -184,7 +205,7 @@ GREEDY = """
         steps = list(generate_step(prompt, model, max_tokens=16))
         runs.append({"tokens": [int(t) for t, _ in steps],
                      "logprobs": [lp.tolist() for _, lp in steps]})
-    print(json.dumps({"state": mlxkv.blas.load_blas().state, "runs": runs}))
+    print(json.dumps({"state": mlxkv.system.blas.load_blas().state, "runs": runs}))
 """
 
 
@@ -209,7 +230,7 @@ def test_greedy_output_identical_with_and_without_real_blas():
 def test_doctor_names_the_blas_and_metal():
     done = run_py(
         """
-        from mlxkv.blas import blas_report, format_doctor
+        from mlxkv.system.blas import blas_report, format_doctor
         print(format_doctor(blas_report()))
     """
     )
@@ -222,7 +243,7 @@ def test_doctor_names_the_blas_and_metal():
 def test_doctor_reports_reference_blas_when_disabled():
     done = run_py(
         """
-        from mlxkv.blas import blas_report, format_doctor
+        from mlxkv.system.blas import blas_report, format_doctor
         print(format_doctor(blas_report()))
     """,
         blas_env="off",
@@ -234,11 +255,11 @@ def test_missing_notice_names_the_install_fix():
     done = run_py(
         """
         import os
-        from mlxkv import blas
+        from mlxkv.system import blas
         del os.environ["MLXKV_BLAS"]  # as if unset and nothing was found
-        blas._announce(blas.BlasStatus(blas.MISSING, None, "no CBLAS found"))
+        print(blas.slow_blas_notice(blas.BlasStatus(blas.MISSING, None, "no CBLAS found")))
         """,
         blas_env="off",
     )
-    (notice,) = mlx_notices(done.stderr)
+    notice = done.stdout.strip()
     assert "apt-get install libopenblas0-pthread" in notice

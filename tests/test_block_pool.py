@@ -13,11 +13,11 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from mlxkv.block_pool import Block, BlockPool, FreeBlockQueue
-from mlxkv.cache_manager import KVCacheManager, blocks_for
+from mlxkv.cache.block_pool import Block, BlockPool, FreeBlockQueue
+from mlxkv.cache.manager import KVCacheManager, blocks_for
 from mlxkv.errors import MlxkvError, PoolExhaustedError
-from mlxkv.hashing import hash_block, root_hash
-from mlxkv.sequence import Sequence
+from mlxkv.cache.hashing import hash_block, root_hash
+from mlxkv.cache.sequence import Sequence
 
 ROOT = root_hash(b"mlxkv-test-fingerprint")
 ROOT_SALTED = root_hash(b"mlxkv-test-fingerprint", "alice")
@@ -141,7 +141,7 @@ def test_allocate_takes_blocks_from_the_head_with_one_reference():
 
 def test_allocate_evicts_the_least_recently_used_cached_block():
     evicted = []
-    pool, blocks = cached_pool(4, hook=evicted.append)
+    pool, blocks = cached_pool(4, hook=evicted.extend)
     # Freed in this order: block 2 is now the least recently used.
     pool.free([blocks[2], blocks[0], blocks[1], blocks[3]])
     assert free_ids(pool) == [2, 0, 1, 3]
@@ -225,23 +225,23 @@ def test_usage_counts_cached_free_blocks():
 # --- eviction hook -----------------------------------------------------------
 
 
-def test_eviction_hook_runs_once_per_evicted_block_before_reuse():
+def test_eviction_hook_runs_once_per_allocation_with_every_evicted_block_before_reuse():
     calls = []
 
-    def hook(block):
-        # Still carrying its hash, still findable, not yet handed out.
-        calls.append((block.block_id, block.block_hash, block.ref_count, pool.cached.get(block.block_hash)))
+    def hook(evicted):
+        # Still carrying their hashes, still findable, not yet handed out.
+        calls.append([(b.block_id, b.block_hash, b.ref_count, pool.cached.get(b.block_hash)) for b in evicted])
 
     pool, blocks = cached_pool(4, hook=hook)
     pool.free(blocks[:3])  # free: 0, 1, 2 cached; 3 still referenced
     taken = pool.allocate(2)
     assert ids(taken) == [0, 1]
-    assert calls == [(0, h("0"), 0, blocks[0]), (1, h("1"), 0, blocks[1])]
+    assert calls == [[(0, h("0"), 0, blocks[0]), (1, h("1"), 0, blocks[1])]]  # one call: one read of the pool
 
     # Evicted blocks are plain now: freeing and re-taking them is silent.
     pool.free(taken)
     pool.allocate(3)  # 2 (cached), then 0, 1 (uncached)
-    assert [c[0] for c in calls] == [0, 1, 2]
+    assert [[c[0] for c in call] for call in calls] == [[0, 1], [2]]
     assert pool.evictions == 3
 
 
@@ -255,7 +255,7 @@ def test_no_hook_calls_for_blocks_never_cached():
 
 
 def test_failing_eviction_hook_loses_no_block():
-    def hook(block):
+    def hook(evicted):
         raise OSError("disk full")
 
     pool, blocks = cached_pool(3, hook=hook)
@@ -286,7 +286,7 @@ def test_pool_exhausted_when_every_block_is_referenced():
 
 def test_pool_exhausted_takes_nothing():
     evicted = []
-    pool, blocks = cached_pool(4, hook=evicted.append)
+    pool, blocks = cached_pool(4, hook=evicted.extend)
     pool.free(blocks[:2])
     with pytest.raises(PoolExhaustedError, match="need 3 free blocks, 2 of 4"):
         pool.allocate(3)
@@ -464,9 +464,10 @@ class PoolMachine(RuleBasedStateMachine):
         # every call to it without replacing it.
         manager_hook = self.pool.on_evict
 
-        def on_evict(block):
-            self._on_evict(block)
-            manager_hook(block)
+        def on_evict(evicted):
+            for block in evicted:
+                self._on_evict(block)
+            manager_hook(evicted)
 
         self.pool.on_evict = on_evict
         self.live: dict[int, Sequence] = {}

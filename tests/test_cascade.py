@@ -12,15 +12,15 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlxkv import attention
-from mlxkv.block_pool import Block
-from mlxkv.cascade import cascade_attention
+from mlxkv.attention import dispatch as attention
+from mlxkv.cache.block_pool import Block
+from mlxkv.attention.cascade import cascade_attention
 from mlxkv.config import CacheConfig
-from mlxkv.engine import Engine
-from mlxkv.kv_pool import KVLayout, KVPool
-from mlxkv.model_loader import load_model
-from mlxkv.sequence import Sequence
-from mlxkv.shared_prefix import SharedPrefix, shared_blocks
+from mlxkv.engine.engine import Engine
+from mlxkv.cache.kv_pool import KVLayout, KVPool
+from mlxkv.models.loader import load_model
+from mlxkv.cache.sequence import Sequence
+from mlxkv.attention.shared_prefix import SharedPrefix, shared_blocks
 
 BLOCK = 8
 
@@ -182,7 +182,7 @@ def test_batch_sharing_a_prefix_takes_cascade_and_equals_solo(loaded, monkeypatc
 
 def test_prefix_copy_is_gathered_once_while_the_batch_decodes(loaded):
     engine = engine_for(loaded)
-    loop = engine.batch_loop()
+    loop = engine.loop
     for p in SHARED_PROMPTS[:4]:
         loop.add(engine.make_request(p, lambda r: None, max_tokens=12))
     seen = set()
@@ -197,7 +197,7 @@ def test_prefix_copy_is_gathered_once_while_the_batch_decodes(loaded):
 
 def test_a_row_sharing_nothing_drops_the_copy_until_it_leaves(loaded):
     engine = engine_for(loaded)
-    loop = engine.batch_loop()
+    loop = engine.loop
     outs = [[] for _ in range(4)]
     for i, p in enumerate(SHARED_PROMPTS[:3]):
         loop.add(engine.make_request(p, outs[i].append, max_tokens=16))

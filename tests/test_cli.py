@@ -11,7 +11,7 @@ import pytest
 from faults import remount_read_only
 
 from mlxkv.errors import MlxkvError
-from tui.store import ChatStore
+from mlxkv.tui.store import ChatStore
 
 
 def mlxkv(*args, input=None, env=None):
@@ -121,7 +121,7 @@ def test_a_prompt_file_that_is_not_text_is_one_line(tmp_path):
 
 
 def test_sampling_options_the_sampler_would_misread_are_refused():
-    from mlxkv.sampling import check_sampling
+    from mlxkv.engine.sampling import check_sampling
 
     check_sampling(0.7, 0.9, 0.05, 40)
     for bad, match in (((-1, 0, 0, 0), "temperature"), ((float("nan"), 0, 0, 0), "temperature"),
@@ -151,7 +151,7 @@ def test_chat_with_an_unusable_data_dir_is_one_line_and_exit_2(tmp_path):
     out = mlxkv("chat", "--model", "demo", env={**os.environ, "MLXKV_DATA_DIR": str(a_file)})
     assert out.returncode == 2
     assert out.stderr.strip().splitlines() == [
-        f"mlxkv: error: cannot open the chat database {a_file / 'chats.sqlite3'}: File exists"]
+        f"mlxkv: error: cannot open the chat database {a_file / 'chats.sqlite3'}: Not a directory"]
 
 
 def test_chat_on_a_database_that_cannot_be_written_is_one_line_and_exit_2(tmpfs):

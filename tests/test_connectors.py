@@ -12,11 +12,12 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from mlx_lm.generate import stream_generate
 
 from mlxkv.config import CacheConfig
-from mlxkv.connectors.base import BlockKV, KVRun, LoadedBlock, NoopKvCacheConnector
-from mlxkv.connectors.memory import InMemoryKvCacheConnector
-from mlxkv.engine import Engine
+from mlxkv.cache.block_kv import BlockKV, KVRun
+from mlxkv.connectors.base import LoadedBlock, NoopKVCacheConnector
+from mlxkv.connectors.memory import InMemoryKVCacheConnector
+from mlxkv.engine.engine import Engine
 from mlxkv.errors import MlxkvError
-from mlxkv.tiny_model import TinyModelSpec, write_tiny_model
+from mlxkv.models.tiny import TinyModelSpec, write_tiny_model
 
 BLOCK = 4
 
@@ -37,7 +38,7 @@ def small_engine(path, **fields):
 
 def test_default_connector_is_noop_and_reads_nothing(llama_dir, monkeypatch):
     engine = small_engine(llama_dir, memory_tier_bytes=0)
-    assert isinstance(engine.connector, NoopKvCacheConnector)
+    assert isinstance(engine.connector, NoopKVCacheConnector)
     reads = []
     monkeypatch.setattr(engine.kv_pool, "read_blocks", lambda ids: reads.append(ids))
     for start in (1, 2, 1):
@@ -59,11 +60,11 @@ def test_memory_tier_brings_back_an_evicted_prefix(llama_dir):
     assert s["spills"] > 0 and s["hydrations"] >= 1 and s["hit_tokens"] >= BLOCK
 
 
-class Recorder(NoopKvCacheConnector):
+class Recorder(NoopKVCacheConnector):
     """Counts the three calls and can serve blocks it was handed."""
 
     def __init__(self, corrupt_after=None, wrong_hash=False):
-        self.calls = {"get_computed_blocks": 0, "cache_blocks": 0, "evict_block": 0, "load_blocks": 0}
+        self.calls = {"get_computed_blocks": 0, "cache_blocks": 0, "evict_blocks": 0, "load_blocks": 0}
         self.kept: dict[bytes, BlockKV] = {}
         self.corrupt_after = corrupt_after
         self.wrong_hash = wrong_hash
@@ -85,9 +86,9 @@ class Recorder(NoopKvCacheConnector):
     def cache_blocks(self, hashes, read):
         self.calls["cache_blocks"] += 1
 
-    def evict_block(self, block_hash, read):
-        self.calls["evict_block"] += 1
-        self.kept[block_hash] = read()[0]
+    def evict_blocks(self, block_hashes, read):
+        self.calls["evict_blocks"] += 1
+        self.kept.update(zip(block_hashes, read()))
 
 
 @pytest.mark.parametrize("fault", [{}, {"corrupt_after": 0}, {"wrong_hash": True}])
@@ -98,7 +99,7 @@ def test_connector_seam_and_failed_hydrate_falls_back(llama_dir, fault):
     first = engine.generate(a, max_tokens=6)
     engine.generate(tokens(20, 4), max_tokens=6)
     again = engine.generate(a, max_tokens=6)
-    assert all(recorder.calls[k] > 0 for k in ("get_computed_blocks", "cache_blocks", "evict_block"))
+    assert all(recorder.calls[k] > 0 for k in ("get_computed_blocks", "cache_blocks", "evict_blocks"))
     assert again.tokens == first.tokens
     reused = again.stats.cached_tokens["memory"]
     if fault:  # nothing usable came back: those tokens were recomputed
@@ -114,16 +115,38 @@ def _kv(value, shape=(2, 2, BLOCK, 32)):
 
 def test_memory_tier_lru_budget_pushes_to_next_tier():
     pushed = []
-    tier = InMemoryKvCacheConnector(budget_bytes=3 * _kv(0).nbytes, block_size=BLOCK,
+    tier = InMemoryKVCacheConnector(budget_bytes=3 * _kv(0).nbytes, block_size=BLOCK,
                                     on_evict=lambda h, kv: pushed.append(h))
     for i in range(3):
-        tier.evict_block(bytes([i]) * 32, lambda i=i: [_kv(float(i))])
+        tier.evict_blocks([bytes([i]) * 32], lambda i=i: [_kv(float(i))])
     tier.load_blocks([bytes([0]) * 32])  # 0 becomes most recent
-    tier.evict_block(bytes([3]) * 32, lambda: [_kv(3.0)])
+    tier.evict_blocks([bytes([3]) * 32], lambda: [_kv(3.0)])
     assert pushed == [bytes([1]) * 32]
     assert tier.get_computed_blocks([bytes([0]) * 32, bytes([2]) * 32, bytes([1]) * 32]) == 2
     s = tier.stats()["memory"]
     assert s["blocks_held"] == 3 and s["bytes_held"] == 3 * _kv(0).nbytes and s["evictions"] == 1
+
+
+def test_blocks_evicted_together_are_kept_as_runs_no_longer_than_the_tier_keeps(monkeypatch):
+    from mlxkv.connectors import memory
+
+    monkeypatch.setattr(memory, "MAX_RUN_BLOCKS", 4)
+    monkeypatch.setattr(memory, "RUN_SHARE", 1)
+    n = 6
+    tier = InMemoryKVCacheConnector(n * _kv(0).nbytes, BLOCK)
+    hashes = [bytes([i]) * 32 for i in range(n)]
+    one_read = KVRun.stack([_kv(float(i)) for i in range(n)])  # in prefix order, as the manager reads
+    reads = []
+    # Handed over last block first (the order the pool evicts), views of one read.
+    tier.evict_blocks(hashes[::-1], lambda: reads.append(1) or one_read.blocks()[::-1])
+    assert reads == [1]
+    loaded = tier.load_blocks(hashes)
+    for i, block in enumerate(loaded):
+        assert mx.all(block.kv.keys == i).item() and mx.all(block.kv.values == -i).item()
+    runs = [block.kv.run for block in loaded]
+    assert runs[0] is runs[3] and runs[4] is runs[5] and runs[3] is not runs[4]  # cut at 4 blocks
+    assert [b.kv.index for b in loaded] == [0, 1, 2, 3, 0, 1]  # in prompt order: stretches to copy
+    assert tier.stats()["memory"]["spills"] == n
 
 
 def test_memory_tier_packs_evicted_blocks_into_runs_in_prompt_order(monkeypatch):
@@ -134,10 +157,10 @@ def test_memory_tier_packs_evicted_blocks_into_runs_in_prompt_order(monkeypatch)
     monkeypatch.setattr(memory, "RUN_SHARE", 1)  # so a small budget still packs
     pushed = []
     n = run_blocks + 2
-    tier = InMemoryKvCacheConnector(n * _kv(0).nbytes, BLOCK, on_evict=lambda h, kv: pushed.append(h))
+    tier = InMemoryKVCacheConnector(n * _kv(0).nbytes, BLOCK, on_evict=lambda h, kv: pushed.append(h))
     hashes = [bytes([i]) * 32 for i in range(n)]
     for i in reversed(range(n)):  # the pool evicts a freed sequence last block first
-        tier.evict_block(hashes[i], lambda i=i: [_kv(float(i))])
+        tier.evict_blocks([hashes[i]], lambda i=i: [_kv(float(i))])
     loaded = tier.load_blocks(hashes)
     assert [b.block_hash for b in loaded] == hashes
     for i, block in enumerate(loaded):
@@ -150,9 +173,9 @@ def test_memory_tier_packs_evicted_blocks_into_runs_in_prompt_order(monkeypatch)
     assert tier.stats()["memory"]["bytes_held"] == n * _kv(0).nbytes
     # The budget counts what runs hold: a run's memory goes with its last block.
     for h in (b"x" * 32, b"y" * 32):
-        tier.evict_block(h, lambda: [_kv(9.0)])
+        tier.evict_blocks([h], lambda: [_kv(9.0)])
     assert pushed == hashes[:2]  # least recently used first, one block each
-    tier.evict_block(b"z" * 32, lambda: [_kv(9.0)])
+    tier.evict_blocks([b"z" * 32], lambda: [_kv(9.0)])
     assert pushed == hashes  # the run had to go whole to make room
     s = tier.stats()["memory"]
     assert s["blocks_held"] == 3 and s["bytes_held"] == 3 * _kv(0).nbytes and s["evictions"] == n
@@ -162,16 +185,16 @@ def test_memory_tier_runs_are_a_small_share_of_the_budget():
     from mlxkv.connectors import memory
 
     block = _kv(0).nbytes
-    assert InMemoryKvCacheConnector(3 * block, BLOCK)._run_blocks(block) == 0  # never packs
-    assert InMemoryKvCacheConnector(memory.RUN_SHARE * 8 * block, BLOCK)._run_blocks(block) == 8
-    big = InMemoryKvCacheConnector(1 << 40, BLOCK)
+    assert InMemoryKVCacheConnector(3 * block, BLOCK)._run_blocks(block) == 0  # never packs
+    assert InMemoryKVCacheConnector(memory.RUN_SHARE * 8 * block, BLOCK)._run_blocks(block) == 8
+    big = InMemoryKVCacheConnector(1 << 40, BLOCK)
     assert big._run_blocks(block) == memory.MAX_RUN_BLOCKS
     assert big._run_blocks(memory.RUN_BYTES // 2) == 2
 
 
 def test_memory_tier_quantized_round_trip_and_size():
-    full = InMemoryKvCacheConnector(1 << 30, BLOCK)
-    quant = InMemoryKvCacheConnector(1 << 30, BLOCK, quantize_bits=8)
+    full = InMemoryKVCacheConnector(1 << 30, BLOCK)
+    quant = InMemoryKVCacheConnector(1 << 30, BLOCK, quantize_bits=8)
     kv = BlockKV(mx.random.normal((2, 2, BLOCK, 64)), mx.random.normal((2, 2, BLOCK, 64)))
     for tier in (full, quant):
         tier.store(b"h" * 32, kv)
@@ -181,7 +204,7 @@ def test_memory_tier_quantized_round_trip_and_size():
     ratio = quant.stats()["memory"]["bytes_held"] / full.stats()["memory"]["bytes_held"]
     assert ratio < 0.55  # fp32 -> 8 bits plus scales: about 3.5x smaller
     with pytest.raises(MlxkvError, match="4 or 8 bits"):
-        InMemoryKvCacheConnector(1, BLOCK, quantize_bits=3)
+        InMemoryKVCacheConnector(1, BLOCK, quantize_bits=3)
 
 
 def test_quantized_memory_tier_in_the_engine(tmp_path):
@@ -197,24 +220,25 @@ def test_quantized_memory_tier_in_the_engine(tmp_path):
     assert len(again.tokens) == 6
 
 
-class FailingSpill(NoopKvCacheConnector):
-    def evict_block(self, block_hash, read):
+class FailingSpill(NoopKVCacheConnector):
+    def evict_blocks(self, block_hashes, read):
         raise OSError("disk full")
 
 
-@pytest.mark.filterwarnings("ignore:mlxkv. connector could not spill")
-def test_a_failing_spill_costs_the_cached_copy_not_the_request(llama_dir):
+def test_a_failing_spill_costs_the_cached_copy_not_the_request(llama_dir, caplog):
     engine = small_engine(llama_dir, connector=FailingSpill())
     a = tokens(20, 8)
     first = engine.generate(a, max_tokens=6)
-    with pytest.warns(RuntimeWarning, match="could not spill"):
+    with caplog.at_level("ERROR", logger="mlxkv"):
         engine.generate(tokens(20, 9), max_tokens=6)
+    failed = [r for r in caplog.records if "could not spill" in r.getMessage()]
+    assert failed and failed[0].exc_info[0] is OSError  # logged with its traceback
     assert engine.generate(a, max_tokens=6).tokens == first.tokens
     usage = engine.stats()["pool"]
     assert usage["in_use"] == 0 and usage["free"] + usage["cached_free"] == usage["num_blocks"]
 
 
-class Offers(NoopKvCacheConnector):
+class Offers(NoopKVCacheConnector):
     """Keeps what each cache_blocks call offered: the hashes and the K/V it read."""
 
     def __init__(self):
@@ -225,7 +249,7 @@ class Offers(NoopKvCacheConnector):
 
 
 def test_decode_blocks_reach_the_connector_in_batches_with_their_kv(llama_dir):
-    from mlxkv.cache_manager import STORE_BATCH_BLOCKS
+    from mlxkv.cache.manager import STORE_BATCH_BLOCKS
 
     offers = Offers()
     engine = Engine.load(llama_dir, CacheConfig(block_size=BLOCK, num_blocks=64, connector=offers))
@@ -248,17 +272,18 @@ def test_decode_blocks_reach_the_connector_in_batches_with_their_kv(llama_dir):
         assert mx.array_equal(got.keys, want.keys) and mx.array_equal(got.values, want.values)
 
 
-class FailingStore(NoopKvCacheConnector):
+class FailingStore(NoopKVCacheConnector):
     def cache_blocks(self, hashes, read):
         raise OSError("disk gone")
 
 
-def test_a_failing_store_costs_the_copy_not_the_request_or_the_blocks(llama_dir):
+def test_a_failing_store_costs_the_copy_not_the_request_or_the_blocks(llama_dir, caplog):
     engine = Engine.load(llama_dir, CacheConfig(block_size=BLOCK, num_blocks=64, connector=FailingStore()))
     alone = Engine.load(llama_dir, CacheConfig(block_size=BLOCK, num_blocks=64, memory_tier_bytes=0))
     prompt = tokens(9, 6)
-    with pytest.warns(RuntimeWarning, match="could not store"):
+    with caplog.at_level("ERROR", logger="mlxkv"):
         result = engine.generate(prompt, max_tokens=40)
+    assert any("could not store" in r.getMessage() and r.exc_info for r in caplog.records)
     assert result.tokens == alone.generate(prompt, max_tokens=40).tokens
     assert engine.stats()["pool"]["in_use"] == 0
 
@@ -279,7 +304,7 @@ class MemoryTierMachine(RuleBasedStateMachine):
         self._saved = memory.MAX_RUN_BLOCKS, memory.RUN_SHARE
         memory.MAX_RUN_BLOCKS, memory.RUN_SHARE = 3, 2
         self.pushed = []
-        self.tier = InMemoryKvCacheConnector(self.BUDGET_BLOCKS * _kv(0).nbytes, BLOCK,
+        self.tier = InMemoryKVCacheConnector(self.BUDGET_BLOCKS * _kv(0).nbytes, BLOCK,
                                              on_evict=lambda h, kv: self.pushed.append(h))
 
     def teardown(self):
@@ -293,7 +318,7 @@ class MemoryTierMachine(RuleBasedStateMachine):
 
     @rule(i=st.integers(0, N - 1))
     def evict(self, i):
-        self.tier.evict_block(self._hash(i), lambda: [_kv(float(i))])
+        self.tier.evict_blocks([self._hash(i)], lambda: [_kv(float(i))])
 
     @rule(start=st.integers(0, N - 1), n=st.integers(1, 3))
     def promote_a_run(self, start, n):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mlxkv.context_window import MESSAGE_OVERHEAD, fit_messages
+from mlxkv.chat.context_window import MESSAGE_OVERHEAD, fit_messages
 
 OVERHEAD = 3  # what this test's "template" adds per message
 

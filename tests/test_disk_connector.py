@@ -31,12 +31,13 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from mlxkv.connectors.base import BlockKV
-from mlxkv.connectors.cache_dir import STALE_TEMP_SECONDS, cache_clear, cache_info
-from mlxkv.connectors.disk import DiskCacheWarning, FORMAT_VERSION, MAX_RUN_BLOCKS, DiskKvCacheConnector
-from mlxkv.connectors.read_buffer import HUGE_PAGE, ReadBuffer, huge_pages_available
+from mlxkv.cache.block_kv import BlockKV
+from mlxkv.connectors.disk.cache_dir import STALE_TEMP_SECONDS, cache_clear, cache_info
+from mlxkv.connectors.disk.connector import DiskCacheWarning, DiskKVCacheConnector
+from mlxkv.connectors.disk.run_file import FORMAT_VERSION, MAX_RUN_BLOCKS
+from mlxkv.connectors.disk.read_buffer import HUGE_PAGE, ReadBuffer, huge_pages_available
 from mlxkv.errors import MlxkvError
-from mlxkv.hashing import hash_block, root_hash
+from mlxkv.cache.hashing import hash_block, root_hash
 
 from faults import remount_read_only, rewrite
 
@@ -79,9 +80,9 @@ def same_bits(a: BlockKV, b: BlockKV) -> bool:
     )
 
 
-def open_disk(directory, fingerprint=FP, dtype="float32", **kw) -> DiskKvCacheConnector:
+def open_disk(directory, fingerprint=FP, dtype="float32", **kw) -> DiskKVCacheConnector:
     kw.setdefault("min_free_bytes", 0)
-    return DiskKvCacheConnector(
+    return DiskKVCacheConnector(
         directory, fingerprint, block_size=BS, num_layers=LAYERS, dtype=dtype, **kw
     )
 
@@ -151,15 +152,15 @@ def test_write_is_invisible_until_it_completes(tmp_path):
     h = chain(1)[0]
     release = threading.Event()
     disk = open_disk(tmp_path)
-    real_write = disk._write_atomic
+    real_write = disk.writer.write_atomic
 
     def slow_write(path, data):
         release.wait(10)
         real_write(path, data)
 
-    disk._write_atomic = slow_write
+    disk.writer.write_atomic = slow_write
     assert disk.store(h, make_kv(0))
-    assert disk.is_pending(h) and not disk.contains(h)
+    assert disk.health()["pending_writes"] == 1 and not disk.contains(h)
     assert disk.get_computed_blocks([h]) == 0
     assert disk.load_blocks([h]) == []
     assert not disk.store(h, make_kv(0))  # already queued: no second write
@@ -184,13 +185,13 @@ def test_full_queue_drops_writes_instead_of_blocking(tmp_path):
     release = threading.Event()
     one_block = make_kv(0).nbytes
     disk = open_disk(tmp_path, max_pending_bytes=2 * one_block)
-    real_write = disk._write_atomic
-    disk._write_atomic = lambda path, data: (release.wait(10), real_write(path, data))
+    real_write = disk.writer.write_atomic
+    disk.writer.write_atomic = lambda path, data: (release.wait(10), real_write(path, data))
     hashes = chain(5)
     t0 = time.monotonic()
     accepted = [disk.store(h, make_kv(i)) for i, h in enumerate(hashes)]
     reads = []
-    disk.evict_block(chain(1, "x")[0], lambda: reads.append(1) or [make_kv(9)])
+    disk.evict_blocks([chain(1, "x")[0]], lambda: reads.append(1) or [make_kv(9)])
     assert time.monotonic() - t0 < 5
     assert accepted == [True, True, False, False, False]
     assert reads == []  # a full queue does not even read the bytes
@@ -200,7 +201,7 @@ def test_full_queue_drops_writes_instead_of_blocking(tmp_path):
     assert disk_stats(disk)["stores"] == 2
 
 
-def test_cache_blocks_and_evict_block_read_only_what_they_need(tmp_path):
+def test_cache_blocks_and_evict_blocks_read_only_what_they_need(tmp_path):
     hashes = chain(3)
     reads = []
 
@@ -211,8 +212,8 @@ def test_cache_blocks_and_evict_block_read_only_what_they_need(tmp_path):
         disk.cache_blocks(hashes[:2], reader([0, 1]))
         disk.flush()
         disk.cache_blocks(hashes[:2], reader([0, 1]))  # all there: no read
-        disk.evict_block(hashes[1], reader([1]))  # there: no read
-        disk.evict_block(hashes[2], reader([2]))
+        disk.evict_blocks([hashes[1]], reader([1]))  # there: no read
+        disk.evict_blocks([hashes[2]], reader([2]))
         disk.flush()
         assert reads == [[0, 1], [2]]
         assert disk.get_computed_blocks(hashes) == 3
@@ -223,9 +224,9 @@ def test_cache_blocks_and_evict_block_read_only_what_they_need(tmp_path):
 
 def test_bad_input_is_refused(tmp_path):
     with pytest.raises(ValueError, match="fingerprint"):
-        DiskKvCacheConnector(tmp_path, b"short", block_size=BS, num_layers=LAYERS, dtype="float32")
+        DiskKVCacheConnector(tmp_path, b"short", block_size=BS, num_layers=LAYERS, dtype="float32")
     with pytest.raises(ValueError, match="dtype"):
-        DiskKvCacheConnector(tmp_path, FP, block_size=BS, num_layers=LAYERS, dtype="int8")
+        DiskKVCacheConnector(tmp_path, FP, block_size=BS, num_layers=LAYERS, dtype="int8")
     with open_disk(tmp_path, dtype="float16") as disk:
         with pytest.raises(ValueError, match="float16"):
             disk.store(chain(1)[0], make_kv(0, "float32"))
@@ -306,7 +307,7 @@ def test_a_run_written_by_another_instance_is_found_without_restart(tmp_path):
 def test_part_of_a_run_written_by_another_instance_is_found_without_restart(tmp_path):
     hashes = chain(8)
     reader = open_disk(tmp_path)
-    reader.rescan_interval = 3600  # one look, then none for an hour
+    reader.scanner.rescan_interval = 3600  # one look, then none for an hour
     other = chain(2, "other")
     assert reader.get_computed_blocks(hashes[:3] + other) == 0  # the first miss looks: nothing yet
     with open_disk(tmp_path) as writer:
@@ -314,7 +315,7 @@ def test_part_of_a_run_written_by_another_instance_is_found_without_restart(tmp_
     # The prompt leaves the run before its last block, so the run's name
     # is never probed; only listing the changed shard finds it.
     assert reader.get_computed_blocks(hashes[:3] + other) == 0  # rate-limited: no second look yet
-    reader._next_rescan = 0.0  # the hour has passed
+    reader.scanner.next_rescan = 0.0  # the hour has passed
     assert reader.get_computed_blocks(hashes[:3] + other) == 3
     assert [same_bits(b.kv, make_kv(i)) for i, b in enumerate(reader.load_blocks(hashes[:3]))] == [True] * 3
     assert disk_stats(reader)["blocks_held"] == 8
@@ -323,7 +324,7 @@ def test_part_of_a_run_written_by_another_instance_is_found_without_restart(tmp_
 
 @pytest.mark.parametrize("io", ["as the OS allows", "no huge pages", "no O_DIRECT", "no preadv"])
 def test_every_read_path_is_bit_exact(tmp_path, monkeypatch, io):
-    from mlxkv.connectors import disk as disk_module, run_file
+    from mlxkv.connectors.disk import reader as disk_module, run_file
 
     views = []
     real_view = ReadBuffer.view
@@ -344,14 +345,14 @@ def test_every_read_path_is_bit_exact(tmp_path, monkeypatch, io):
             assert [b.block_hash for b in loaded] == hashes
             assert all(same_bits(b.kv, make_kv(i)) for i, b in enumerate(loaded))
         if io in ("no O_DIRECT", "no preadv"):
-            assert disk._direct_io is False
-        staged = disk._direct_io and disk._huge_pages
+            assert disk.reader.direct_io is False
+        staged = disk.reader.direct_io and disk.reader.huge_pages
         assert len(views) == (2 * 3 if staged else 0)  # 3 files, loaded twice
         assert disk_stats(disk)["corrupt"] == 0
 
 
 def test_a_device_that_refuses_an_o_direct_read_is_read_through_the_cache(tmp_path, monkeypatch):
-    from mlxkv.connectors import run_file
+    from mlxkv.connectors.disk import run_file
 
     real_pread = run_file._pread_into
 
@@ -368,20 +369,20 @@ def test_a_device_that_refuses_an_o_direct_read_is_read_through_the_cache(tmp_pa
         loaded = disk.load_blocks(hashes)
         assert [b.block_hash for b in loaded] == hashes
         assert all(same_bits(b.kv, make_kv(i)) for i, b in enumerate(loaded))
-        assert disk._direct_io is False and disk_stats(disk)["corrupt"] == 0
+        assert disk.reader.direct_io is False and disk_stats(disk)["corrupt"] == 0
 
 
 def test_a_failed_buffer_allocation_raises_and_leaves_no_reader_waiting(tmp_path, monkeypatch):
-    from mlxkv.connectors.disk import READ_THREADS
+    from mlxkv.connectors.disk.reader import READ_THREADS
 
     hashes = chain(READ_THREADS * MAX_RUN_BLOCKS)  # a file for every reader thread
     with open_disk(tmp_path) as disk:
         write_runs(disk, hashes)
-        real_buffers = disk._buffers
-        monkeypatch.setattr(disk, "_buffers", lambda plan: (_ for _ in ()).throw(MemoryError("no room")))
+        real_buffers = disk.reader.buffers
+        monkeypatch.setattr(disk.reader, "buffers", lambda plan: (_ for _ in ()).throw(MemoryError("no room")))
         with pytest.raises(MemoryError):
             disk.load_blocks(hashes)
-        monkeypatch.setattr(disk, "_buffers", real_buffers)
+        monkeypatch.setattr(disk.reader, "buffers", real_buffers)
         done = []  # a reader still waiting for its buffer would hold up this load for ever
 
         def load():  # on its own thread, MLX arrays and all
@@ -408,7 +409,7 @@ def test_a_read_buffer_starts_on_a_huge_page_grows_and_is_reused():
 
 
 def test_a_read_buffer_works_where_the_kernel_refuses_huge_pages(monkeypatch):
-    from mlxkv.connectors import read_buffer
+    from mlxkv.connectors.disk import read_buffer
 
     if not hasattr(read_buffer.mmap, "MADV_HUGEPAGE"):
         pytest.skip("no MADV_HUGEPAGE on this OS; the buffer is used only where it exists")
@@ -422,7 +423,7 @@ def test_a_read_buffer_works_where_the_kernel_refuses_huge_pages(monkeypatch):
     ("always [madvise] never", True), ("[always] madvise never", True), ("always madvise [never]", False), (None, False),
 ])
 def test_huge_pages_are_used_only_where_the_kernel_gives_them(tmp_path, monkeypatch, setting, available):
-    from mlxkv.connectors import read_buffer
+    from mlxkv.connectors.disk import read_buffer
 
     if not hasattr(read_buffer.mmap, "MADV_HUGEPAGE"):
         available = False  # macOS: never
@@ -730,7 +731,7 @@ def test_read_only_directory_serves_reads_and_skips_writes(tmp_path, tmpfs):
     assert disk.get_computed_blocks(hashes) == 2
     assert all(same_bits(b.kv, make_kv(i)) for i, b in enumerate(disk.load_blocks(hashes)))
     assert disk.store(hashes[2], make_kv(2)) is False
-    disk.evict_block(hashes[2], lambda: pytest.fail("a read-only tier must not read"))
+    disk.evict_blocks([hashes[2]], lambda: pytest.fail("a read-only tier must not read"))
     disk.close()
     assert disk_stats(disk)["write_errors"] == 0 and disk_stats(disk)["stores"] == 0
 
@@ -941,7 +942,7 @@ class DiskTierMachine(RuleBasedStateMachine):
         on_disk = [i for i, h in enumerate(self.hashes) if self.disk.contains(h)]
         assert set(on_disk) == set(self.lru) - self.gone
         # mtimes are coarse, so take the new process's order as the model's
-        order = list(self.disk._index)
+        order = list(self.disk.index.files)
         self.lru = [self.hashes.index(h) for h in order]
         self.gone.clear()
 

@@ -19,12 +19,13 @@ import pytest
 from faults import remount_read_only, rewrite
 from mlxkv.cli import main as cli_main
 from mlxkv.config import CacheConfig
-from mlxkv.connectors.cache_dir import cache_info
-from mlxkv.connectors.disk import DiskKvCacheConnector
-from mlxkv.connectors.memory import InMemoryKvCacheConnector
-from mlxkv.connectors.tiered import TieredKvCacheConnector
-from mlxkv.engine import Engine
-from mlxkv.tiny_model import TinyModelSpec, write_tiny_model
+from mlxkv.connectors.disk.cache_dir import cache_info
+from mlxkv.connectors.disk.connector import DiskKVCacheConnector
+from mlxkv.connectors.disk.writer import RunWriter
+from mlxkv.connectors.memory import InMemoryKVCacheConnector
+from mlxkv.connectors.tiered import TieredKVCacheConnector
+from mlxkv.engine.engine import Engine
+from mlxkv.models.tiny import TinyModelSpec, write_tiny_model
 
 BLOCK = 4
 PROMPT = "the ships sail on the sea and the wind is strong and cold tonight"
@@ -129,7 +130,7 @@ import sys
 import mlxkv
 from mlxkv.cli import main as cli_main
 from mlxkv.config import CacheConfig
-from mlxkv.engine import Engine
+from mlxkv.engine.engine import Engine
 engine = Engine.load(sys.argv[1], CacheConfig(block_size=4, num_blocks=64, disk_tier=sys.argv[2], memory_tier_bytes=0))
 print("ready", flush=True)
 for start in range(1000):
@@ -157,12 +158,12 @@ def test_sigkill_mid_spill_then_restart(llama_dir, tmp_path, cold):
 
 def test_disk_filling_up_during_spills(llama_dir, tmpfs, cold):
     mount = tmpfs("160k")  # room for a few block files only
-    memory = InMemoryKvCacheConnector(1 << 20, BLOCK)
+    memory = InMemoryKVCacheConnector(1 << 20, BLOCK)
     probe = Engine.load(llama_dir, CacheConfig(block_size=BLOCK, num_blocks=16, memory_tier_bytes=0))
-    disk = DiskKvCacheConnector(mount / "kv", probe.fingerprint, block_size=BLOCK,
+    disk = DiskKVCacheConnector(mount / "kv", probe.fingerprint, block_size=BLOCK,
                                 num_layers=probe.layout.num_layers, dtype="float32", min_free_bytes=0)
     engine = Engine.load(llama_dir, CacheConfig(block_size=BLOCK, num_blocks=16,
-                                                connector=TieredKvCacheConnector(memory, disk)))
+                                                connector=TieredKVCacheConnector(memory, disk)))
     for start in range(12):
         prompt = tokens(30, start)
         assert engine.generate(prompt, max_tokens=6).tokens == cold(prompt)
@@ -228,13 +229,13 @@ def test_tier_flags_turn_tiers_off(llama_dir, tmp_path):
 def test_a_json_row_counts_its_own_disk_stores(llama_dir, tmp_path, monkeypatch, capsys):
     # The writer runs in the background; a slow disk must not leave a row
     # saying fewer blocks were stored than its prompt wrote.
-    write = DiskKvCacheConnector._write
+    write = RunWriter._write
 
     def slow_write(self, job):
         time.sleep(0.2)
         write(self, job)
 
-    monkeypatch.setattr(DiskKvCacheConnector, "_write", slow_write)
+    monkeypatch.setattr(RunWriter, "_write", slow_write)
     disk = tmp_path / "kv"
     assert cli_main(["generate", "--model", llama_dir, "--raw", "--json", "--max-tokens", "2",
                      "--block-size", str(BLOCK), "--disk-tier", str(disk), "--prompt", PROMPT]) == 0

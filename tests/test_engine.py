@@ -7,11 +7,11 @@ import threading
 import mlx.core as mx
 import pytest
 
-import mlxkv.attention
+import mlxkv.attention.dispatch
 from mlxkv.config import CacheConfig
-from mlxkv.engine import Engine
+from mlxkv.engine.engine import Engine
 from mlxkv.errors import MlxkvError
-from mlxkv.tiny_model import UNSUPPORTED_CACHE_FAMILY, TinyModelSpec, write_tiny_model
+from mlxkv.models.tiny import UNSUPPORTED_CACHE_FAMILY, TinyModelSpec, write_tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -97,13 +97,13 @@ def test_eviction_keeps_output_identical(model_dirs):
 
 def test_attention_is_routed_through_paged_attention(engine, monkeypatch):
     calls = []
-    original = mlxkv.attention.paged_attention
+    original = mlxkv.attention.dispatch.paged_attention
 
     def spy(*args, **kwargs):
         calls.append(args[0].shape)
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(mlxkv.attention, "paged_attention", spy)
+    monkeypatch.setattr(mlxkv.attention.dispatch, "paged_attention", spy)
     engine.generate(tokens(9), max_tokens=2)
     assert len(calls) >= engine.layout.num_layers
 

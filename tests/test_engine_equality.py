@@ -7,7 +7,7 @@ import pytest
 from mlx_lm.generate import stream_generate
 
 from mlxkv.config import CacheConfig
-from mlxkv.engine import Engine
+from mlxkv.engine.engine import Engine
 
 BLOCK = 16
 MAX_TOKENS = 12

@@ -10,11 +10,11 @@ import time
 import pytest
 
 from mlxkv.config import CacheConfig
-from mlxkv.engine import Engine
-from mlxkv.engine_thread import EngineThread, RequestFailed, RequestHandle, load_engine
+from mlxkv.engine.engine import Engine
+from mlxkv.serving.engine_thread import EngineThread, RequestFailed, RequestHandle, load_engine
 from mlxkv.errors import MlxkvError
-from mlxkv.pool_view import MARK_MEMORY, MARK_NEW, MARK_POOL_HIT, MARK_SPILL, PoolWatcher
-from mlxkv.records import GenerationChunk
+from mlxkv.serving.pool_view import MARK_MEMORY, MARK_NEW, MARK_POOL_HIT, MARK_SPILL, PoolWatcher
+from mlxkv.engine.records import GenerationChunk
 
 CONFIG = dict(block_size=8, num_blocks=64, memory_tier_bytes=0)
 QUESTION = [{"role": "user", "content": "Tell me about the sea and the ships that sail on it."}]
@@ -172,7 +172,7 @@ def test_batches_come_at_most_once_per_interval_and_the_first_at_once():
 
 def test_pool_watcher_marks_hydration_from_memory_and_spills(llama_dir):
     engine = Engine.load(llama_dir, CacheConfig(block_size=8, num_blocks=12, memory_tier_bytes=1 << 20))
-    watcher = PoolWatcher(engine)
+    watcher = PoolWatcher.of(engine)
     prompt = tokens(40, start=31)
     engine.generate(prompt, max_tokens=2)
     engine.generate(tokens(80, start=7), max_tokens=2)  # evicts the first prompt's blocks to memory
@@ -190,7 +190,7 @@ EXITER = """
 import sys
 import mlxkv
 from mlxkv.config import CacheConfig
-from mlxkv.engine_thread import EngineThread
+from mlxkv.serving.engine_thread import EngineThread
 thread = EngineThread(sys.argv[1], CacheConfig(), on_event=lambda event: None).start()
 for _ in thread.submit(prompt=[5, 6, 7, 8], max_tokens=4).batches(0.01):
     pass

@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mlxkv.hashing import extend_block_hashes, hash_block, root_hash
+from mlxkv.cache.hashing import extend_block_hashes, hash_block, root_hash
 
 FINGERPRINT = b"mlxkv-test-fingerprint"
 
@@ -26,7 +26,6 @@ FINGERPRINT = b"mlxkv-test-fingerprint"
 ROOT_HEX = "f09ffa242e927a5358ad37a11c4a4e4a27c433a7230bce9df32970dc4fe7cb1e"
 ROOT_ALICE_HEX = "b4b4086a69f35798de926b4b7d6be9bf8e9e9a4e2467e5354315ad782c5d117f"
 BLOCK_HEX = "668e74f56a53728637e5f1aaf29303ce893b1a01ec25fe30d4ec81d1ba59f66a"
-BLOCK_EXTRA_HEX = "dd570c477c6cd8bf6028c7d9c6d5ffc849c1884c1f610796ec9ec1fbe24c190f"
 
 
 def chain(root: bytes, tokens: list[int], block_size: int) -> list[bytes]:
@@ -46,7 +45,6 @@ def test_known_answers():
     assert root.hex() == ROOT_HEX
     assert root_hash(FINGERPRINT, "alice").hex() == ROOT_ALICE_HEX
     assert hash_block(root, [1, 2, 3, 4]).hex() == BLOCK_HEX
-    assert hash_block(root, [1, 2, 3, 4], ("lora-a", 7)).hex() == BLOCK_EXTRA_HEX
 
 
 def test_format_matches_its_documented_construction():
@@ -72,7 +70,7 @@ def test_hashes_are_32_byte_digests():
 
 _CHILD = """
 import sys
-from mlxkv.hashing import extend_block_hashes, root_hash
+from mlxkv.cache.hashing import extend_block_hashes, root_hash
 root = root_hash(b"mlxkv-test-fingerprint", "alice")
 hashes = extend_block_hashes([], root, list(range(10)), 4)
 sys.stdout.write(",".join(h.hex() for h in [root, *hashes]))
@@ -149,28 +147,6 @@ def test_large_token_ids_are_not_truncated():
 def test_tokens_may_be_any_int_sequence():
     root = root_hash(FINGERPRINT)
     assert hash_block(root, [4, 5, 6]) == hash_block(root, (4, 5, 6)) == hash_block(root, range(4, 7))
-
-
-# --- extra keys --------------------------------------------------------------
-
-
-def test_extra_keys_change_the_hash():
-    root = root_hash(FINGERPRINT)
-    plain = hash_block(root, [1, 2])
-    with_a = hash_block(root, [1, 2], ("adapter-a",))
-    with_b = hash_block(root, [1, 2], ("adapter-b",))
-    assert len({plain, with_a, with_b}) == 3
-    assert hash_block(root, [1, 2], ("adapter-a",)) == with_a
-
-
-def test_extra_key_order_matters():
-    root = root_hash(FINGERPRINT)
-    assert hash_block(root, [1], ("a", "b")) != hash_block(root, [1], ("b", "a"))
-
-
-def test_empty_extra_keys_are_no_extra_keys():
-    root = root_hash(FINGERPRINT)
-    assert hash_block(root, [1, 2], ()) == hash_block(root, [1, 2])
 
 
 # --- extend_block_hashes -----------------------------------------------------

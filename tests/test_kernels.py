@@ -16,10 +16,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlxkv import attention, kernels
+from mlxkv.attention import dispatch as attention, kernels
 from mlxkv.errors import MlxkvError
-from mlxkv.kv_pool import KVLayout, KVPool
-from mlxkv.paged_cache import PagedBatch, PagedKVCache
+from mlxkv.cache.kv_pool import KVLayout, KVPool
+from mlxkv.attention.paged_cache import PagedBatch, PagedKVCache
 from msl.harness import SKIP_REASON, clang_available, generated_source, shared_harness
 from msl.paged import assert_close, instantiation_launches, make_case, oracle, reference
 
@@ -193,7 +193,7 @@ def test_sources_ship_in_the_metal_package():
     for name in ("common", "paged_decode", "paged_reduce"):
         assert kernels.kernel_source(name).strip()
     pyproject = (Path(__file__).parents[1] / "pyproject.toml").read_text()
-    assert re.search(r'^metal = \[.*"\*\.metal".*\]$', pyproject, re.M)
+    assert re.search(r'^"mlxkv.metal" = \[.*"\*\.metal".*\]$', pyproject, re.M)
 
 
 @pytest.mark.skipif(mx.metal.is_available(), reason="Metal is available here")

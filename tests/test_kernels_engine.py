@@ -15,11 +15,11 @@ import pytest
 
 from mlx_lm.generate import stream_generate
 
-from mlxkv import kernels
-from mlxkv.attention import ATTENTION_ENV
+from mlxkv.attention import kernels
+from mlxkv.attention.dispatch import ATTENTION_ENV
 from mlxkv.config import CacheConfig
-from mlxkv.engine import Engine
-from mlxkv.tiny_model import TinyModelSpec, write_tiny_model
+from mlxkv.engine.engine import Engine
+from mlxkv.models.tiny import TinyModelSpec, write_tiny_model
 from msl.harness import SKIP_REASON, clang_available, shared_harness
 from test_engine_equality import (  # noqa: F401  (collected here again)
     test_cold_prompts_match_mlx_lm,

@@ -14,7 +14,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlxkv import kernels
+from mlxkv.attention import kernels
 from msl.harness import SKIP_REASON, HarnessError, clang_available, shared_harness
 from msl.paged import assert_close, make_case, oracle
 

@@ -6,8 +6,8 @@ import mlxkv  # noqa: F401  (loads the BLAS before mlx)
 import mlx.core as mx
 import numpy as np
 
-from mlxkv.kv_pool import KVLayout, KVPool
-from mlxkv.paged_cache import PagedBatch
+from mlxkv.cache.kv_pool import KVLayout, KVPool
+from mlxkv.attention.paged_cache import PagedBatch
 
 LAYOUT = KVLayout(num_layers=2, n_kv_heads=2, head_dim=8, v_head_dim=8, block_size=4, dtype=mx.float32)
 
@@ -78,7 +78,7 @@ def test_writes_are_in_place_unless_the_pool_is_aliased():
 
 
 def test_mirror_appends_in_place_and_grows_in_steps():
-    from mlxkv.kv_mirror import STEP, KVMirror
+    from mlxkv.attention.mirror import STEP, KVMirror
 
     mirror = KVMirror(num_layers=1)
     first = mx.random.normal((1, 2, 5, 8))
@@ -94,7 +94,7 @@ def test_mirror_appends_in_place_and_grows_in_steps():
 
 def test_engine_drops_a_sequence_mirror_when_it_ends(model_dirs):
     from mlxkv.config import CacheConfig
-    from mlxkv.engine import Engine
+    from mlxkv.engine.engine import Engine
 
     engine = Engine.load(model_dirs["llama"], CacheConfig(block_size=8, num_blocks=16))
     stream = engine.stream(list(range(3, 30)), max_tokens=8)
@@ -105,8 +105,8 @@ def test_engine_drops_a_sequence_mirror_when_it_ends(model_dirs):
 
 
 def test_hydrate_writes_runs_and_scattered_blocks():
-    from mlxkv.connectors.base import BlockKV
-    from mlxkv.kv_pool import _segments
+    from mlxkv.cache.block_kv import BlockKV
+    from mlxkv.cache.kv_pool import _segments
 
     ids = [4, 5, 6, 9, 2, 3]
     blocks = [BlockKV(mx.full((2, 2, 4, 8), float(i)), mx.full((2, 2, 4, 8), -float(i))) for i in range(6)]
@@ -121,7 +121,7 @@ def test_hydrate_writes_runs_and_scattered_blocks():
 
 
 def test_blocks_of_one_run_are_copied_a_stretch_at_a_time():
-    from mlxkv.kv_pool import _segments
+    from mlxkv.cache.kv_pool import _segments
 
     src = KVPool(LAYOUT, num_blocks=8)
     for i in range(8):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from mlxkv.errors import MlxkvError
-from mlxkv.model_fetch import DEFAULT_CHAT_MODEL, fetch_model, progress_bar_class
+from mlxkv.models.fetch import DEFAULT_CHAT_MODEL, fetch_model, progress_bar_class
 
 
 @pytest.fixture

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from mlxkv.config import CacheConfig
-from mlxkv.engine import Engine
-from mlxkv.reply_tokens import text_only
-from mlxkv.tiny_model import CHAT_TEMPLATE
+from mlxkv.engine.engine import Engine
+from mlxkv.chat.reply_tokens import text_only
+from mlxkv.models.tiny import CHAT_TEMPLATE
 
 BLOCK = 8
 QUESTION = [{"role": "user", "content": "Tell me about the sea and the ships that sail upon it."}]
@@ -137,7 +137,7 @@ def test_a_template_space_before_a_reply_is_not_read_twice():
     # Mistral-style: the template writes a space, then the reply, whose
     # first token ("▁hello") holds its own space: spliced, the space would
     # be read twice. The text is tokenized instead.
-    from mlxkv.reply_tokens import spliced_chat_tokens
+    from mlxkv.chat.reply_tokens import spliced_chat_tokens
 
     tokenizer = sentencepiece_like(
         "{% for m in messages %}{% if m['role'] == 'user' %}[INST] {{ m['content'] }} [/INST]"

@@ -18,10 +18,10 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from mlxkv.config import CacheConfig
-from mlxkv.engine import Engine
-from mlxkv.model_loader import load_model
-from mlxkv.records import RequestFailed, is_last
-from mlxkv.tiny_model import TinyModelSpec, write_tiny_model
+from mlxkv.engine.engine import Engine
+from mlxkv.models.loader import load_model
+from mlxkv.engine.records import RequestFailed, is_last
+from mlxkv.models.tiny import TinyModelSpec, write_tiny_model
 
 BLOCK = 4
 _MODEL: dict = {}
@@ -55,9 +55,9 @@ class SchedulerMachine(RuleBasedStateMachine):
     @initialize(num_blocks=st.integers(6, 24), chunk=st.sampled_from([4, 8, 2048]), tier=st.booleans())
     def start(self, num_blocks, chunk, tier):
         self.engine = Engine(loaded(), CacheConfig(
-            block_size=BLOCK, num_blocks=num_blocks, memory_tier_bytes=(64 << 10) if tier else 0))
-        self.engine.prefill_chunk = chunk
-        self.loop = self.engine.batch_loop()
+            block_size=BLOCK, num_blocks=num_blocks, memory_tier_bytes=(64 << 10) if tier else 0),
+            prefill_chunk=chunk)
+        self.loop = self.engine.loop
         self.requests: list[dict] = []
 
     @rule(stem=st.integers(0, len(STEMS) - 1), tail=st.integers(0, len(TAILS) - 1),
@@ -90,7 +90,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     def references_are_the_running_block_tables(self):
         if not hasattr(self, "engine"):
             return
-        held = Counter(b.block_id for seq in self.engine.running.values() for b in seq.blocks)
+        held = Counter(b.block_id for seq in self.engine.loop.running.values() for b in seq.blocks)
         pool = self.engine.block_pool
         assert {b.block_id: b.ref_count for b in pool.blocks if b.ref_count} == dict(held)
         assert sorted(b.block_id for b in pool.free_queue) == [b.block_id for b in pool.blocks if b.ref_count == 0]
@@ -111,7 +111,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert not self.loop.has_work
         assert all(b.ref_count == 0 for b in self.engine.block_pool.blocks)
         assert self.engine.block_pool.num_free == self.engine.block_pool.num_blocks
-        assert self.engine.running == {}
+        assert self.engine.loop.running == {}
         for r in self.requests:
             if r["error"] is not None:
                 assert r["records"] == []

@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from mlxkv.config import CacheConfig
-from mlxkv.engine import Engine
-from mlxkv.tiny_model import TinyModelSpec, write_tiny_model
+from mlxkv.engine.engine import Engine
+from mlxkv.models.tiny import TinyModelSpec, write_tiny_model
 
 BLOCK = 4
 MAX_TOKENS = 3

@@ -14,9 +14,10 @@ from mlx.utils import tree_flatten
 from mlx_lm.generate import stream_generate
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-from mlxkv import tiny_model
+from mlxkv.models import tiny as tiny_model
+from mlxkv.models.fetch import local_model
 from mlxkv.errors import MlxkvError
-from mlxkv.tiny_model import TinyModelSpec, write_tiny_model
+from mlxkv.models.tiny import TinyModelSpec, write_tiny_model
 
 PLAIN_KV_FAMILIES = [f for f in tiny_model.FAMILIES if f != tiny_model.UNSUPPORTED_CACHE_FAMILY]
 
@@ -178,12 +179,12 @@ def test_demo_model_is_created_once_and_reused(tmp_path, monkeypatch):
     path = tiny_model.demo_model_path()
     assert path == tmp_path / "models" / "demo"
     stamp = (path / "model.safetensors").stat().st_mtime_ns
-    assert tiny_model.resolve_model("demo") == str(path)
+    assert local_model("demo") == str(path)
     assert (path / "model.safetensors").stat().st_mtime_ns == stamp
     config = json.loads((path / "config.json").read_text())
     shape = (config["model_type"], config["hidden_size"], config["vocab_size"])
     assert shape == ("llama", 128, 1024)
-    assert tiny_model.resolve_model("mlx-community/Foo") == "mlx-community/Foo"
+    assert local_model("mlx-community/Foo") is None
 
 
 def test_demo_model_race_loser_uses_the_winner(tmp_path, monkeypatch):

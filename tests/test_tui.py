@@ -8,16 +8,16 @@ import sys
 import time
 
 from mlxkv.config import CacheConfig
-from mlxkv.engine_thread import EngineThread
-from tui import app as app_module
-from tui.app import ChatApp, load_chat_engine
-from tui.messages import ReplyDelta
-from tui.screens.error import ErrorScreen
-from tui.store import ChatStore
-from tui.widgets.message_view import MessageView
-from tui.widgets.prompt_input import PromptInput
-from tui.widgets.tier_table import TierTable
-from tui.widgets.turn_stats import TurnStats
+from mlxkv.serving.engine_thread import EngineThread
+from mlxkv.tui import app as app_module
+from mlxkv.tui.app import ChatApp, load_chat_engine
+from mlxkv.tui.messages import ReplyDelta
+from mlxkv.tui.screens.error import ErrorScreen
+from mlxkv.tui.store import ChatStore
+from mlxkv.tui.widgets.message_view import MessageView
+from mlxkv.tui.widgets.prompt_input import PromptInput
+from mlxkv.tui.widgets.tier_table import TierTable
+from mlxkv.tui.widgets.turn_stats import TurnStats
 from tui_support import pilot_test, shown, wait_until
 
 SIZE = (140, 44)

@@ -7,30 +7,30 @@ import sqlite3
 
 import pytest
 
-import tui.app
-import tui.screens.chat
-import tui.screens.confirm
-import tui.screens.error
-import tui.screens.rename
-import tui.screens.system_prompt
-import tui.widgets.prompt_input
+import mlxkv.tui.app
+import mlxkv.tui.screens.chat
+import mlxkv.tui.screens.confirm
+import mlxkv.tui.screens.error
+import mlxkv.tui.screens.rename
+import mlxkv.tui.screens.system_prompt
+import mlxkv.tui.widgets.prompt_input
 from textual import events
 from textual.command import CommandPalette
 from textual.geometry import Region
 from textual.widgets import OptionList
 
 from mlxkv.errors import MlxkvError
-from mlxkv.records import GenerationChunk
-from tui.app import ChatApp
-from tui.screens.chat import NEW_CHAT_TITLE
-from tui.screens.confirm import ConfirmScreen
-from tui.screens.rename import RenameScreen
-from tui.screens.system_prompt import SystemPromptScreen
-from tui.store import MIGRATIONS, SCHEMA_VERSION, ChatStore, Message
-from tui.widgets.chat_log import ChatLog
-from tui.widgets.conversation_list import ConversationList
-from tui.widgets.message_view import MessageView, printable
-from tui.widgets.prompt_input import PromptInput
+from mlxkv.engine.records import GenerationChunk
+from mlxkv.tui.app import ChatApp
+from mlxkv.tui.screens.chat import NEW_CHAT_TITLE
+from mlxkv.tui.screens.confirm import ConfirmScreen
+from mlxkv.tui.screens.rename import RenameScreen
+from mlxkv.tui.screens.system_prompt import SystemPromptScreen
+from mlxkv.tui.store import MIGRATIONS, SCHEMA_VERSION, ChatStore, Message
+from mlxkv.tui.widgets.chat_log import ChatLog
+from mlxkv.tui.widgets.conversation_list import ConversationList
+from mlxkv.tui.widgets.message_view import MessageView, printable
+from mlxkv.tui.widgets.prompt_input import PromptInput
 from tui_support import ScriptedEngine, fixed_stats, pilot_test, shown, wait_until
 
 SIZE = (120, 40)
@@ -355,7 +355,7 @@ async def test_a_reply_does_not_rebuild_the_footer(tmp_path):
 
 @pilot_test
 async def test_a_refused_request_is_a_notification_not_a_crash(tmp_path):
-    from mlxkv.engine_thread import RequestFailed
+    from mlxkv.serving.engine_thread import RequestFailed
 
     app, store, engines = make_app(tmp_path, auto=False)
     async with app.run_test(size=SIZE) as pilot:
@@ -382,7 +382,7 @@ async def test_a_refused_request_is_a_notification_not_a_crash(tmp_path):
 
 @pilot_test
 async def test_an_engine_error_with_brackets_is_shown_as_text(tmp_path):
-    from mlxkv.engine_thread import RequestFailed
+    from mlxkv.serving.engine_thread import RequestFailed
 
     app, store, engines = make_app(tmp_path, auto=False)
     async with app.run_test(size=SIZE, notifications=True) as pilot:  # toasts drawn, as in a terminal
@@ -396,6 +396,7 @@ async def test_an_engine_error_with_brackets_is_shown_as_text(tmp_path):
 
 
 def test_every_binding_has_an_id_and_a_tooltip():
+    tui = mlxkv.tui
     modules = [tui.app, tui.screens.chat, tui.screens.confirm, tui.screens.error, tui.screens.rename,
                tui.screens.system_prompt, tui.widgets.prompt_input]
     classes = [c for m in modules for _, c in inspect.getmembers(m, inspect.isclass) if c.__module__ == m.__name__]
@@ -477,7 +478,7 @@ def test_unprintable_model_output_is_shown_safely():
 
 
 def test_long_replies_stream_in_segments_never_inside_a_code_fence():
-    from tui.segments import HARD_SEGMENT_CHARS, SEGMENT_CHARS, Segmenter
+    from mlxkv.tui.segments import HARD_SEGMENT_CHARS, SEGMENT_CHARS, Segmenter
 
     segmenter = Segmenter()
     prose = ("word " * 30 + "\n") * (SEGMENT_CHARS // 150 + 2)
@@ -518,7 +519,7 @@ async def test_a_long_reply_streams_in_segments_and_ends_as_one_document(tmp_pat
 
 
 def test_the_pacer_slows_updates_when_rendering_costs_more_than_the_budget(monkeypatch):
-    import tui.replies as replies
+    import mlxkv.tui.replies as replies
 
     clock = [0.0]
     monkeypatch.setattr(replies.time, "thread_time", lambda: clock[0])
@@ -541,7 +542,7 @@ def test_the_pacer_slows_updates_when_rendering_costs_more_than_the_budget(monke
 
 
 def test_a_reply_starts_at_the_interval_the_last_one_learned(monkeypatch):
-    import tui.replies as replies
+    import mlxkv.tui.replies as replies
 
     clock = [0.0]
     monkeypatch.setattr(replies.time, "thread_time", lambda: clock[0])

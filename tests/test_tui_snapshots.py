@@ -6,11 +6,11 @@ and look at the report before committing.
 
 from __future__ import annotations
 
-from mlxkv.engine_thread import EngineEvent
-from mlxkv.model_fetch import DEFAULT_CHAT_MODEL
-from tui.app import ChatApp
-from tui.store import ChatStore, Message
-from tui.widgets.prompt_input import PromptInput
+from mlxkv.serving.engine_thread import EngineEvent
+from mlxkv.models.fetch import DEFAULT_CHAT_MODEL
+from mlxkv.tui.app import ChatApp
+from mlxkv.tui.store import ChatStore, Message
+from mlxkv.tui.widgets.prompt_input import PromptInput
 from tui_support import ScriptedEngine, StuckEngine, fixed_stats, wait_until
 
 SIZE = (140, 42)

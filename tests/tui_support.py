@@ -6,9 +6,9 @@ import asyncio
 import functools
 import time
 
-from mlxkv.engine_thread import EngineEvent, RequestFailed, RequestHandle
-from mlxkv.pool_view import PoolSnapshot
-from mlxkv.records import GenerationChunk, RequestStats
+from mlxkv.serving.engine_thread import EngineEvent, RequestFailed, RequestHandle
+from mlxkv.serving.pool_view import PoolSnapshot
+from mlxkv.engine.records import GenerationChunk, RequestStats
 
 
 def pilot_test(fn):

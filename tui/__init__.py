@@ -1,6 +1,4 @@
 """`mlxkv chat`: a Textual chat app with a live view of the KV cache.
 
-Import `mlxkv` first: it loads the real BLAS before anything imports mlx.
+Lives in the repository's top-level tui/ folder and installs as `mlxkv.tui`.
 """
-
-import mlxkv  # noqa: F401

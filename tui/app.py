@@ -11,6 +11,7 @@ import sys
 from collections.abc import Callable, Iterable
 from contextlib import contextmanager
 from functools import partial
+from pathlib import Path
 
 from textual.app import App, SystemCommand
 from textual.binding import Binding
@@ -18,13 +19,15 @@ from textual.markup import escape
 from textual.screen import Screen
 
 from mlxkv.config import CacheConfig
-from mlxkv.engine_thread import EngineEvent, EngineThread, load_engine
+from mlxkv.system import logs
+from mlxkv.system.paths import data_dir
+from mlxkv.serving.engine_thread import EngineEvent, EngineThread, load_engine
 from mlxkv.errors import MlxkvError
-from tui.messages import EngineNews
-from tui.screens.chat import NEW_CHAT_TITLE, ChatScreen
-from tui.screens.error import ErrorScreen
-from tui.screens.loading import LoadingScreen
-from tui.store import ChatStore
+from mlxkv.tui.messages import EngineNews
+from mlxkv.tui.screens.chat import NEW_CHAT_TITLE, ChatScreen
+from mlxkv.tui.screens.error import ErrorScreen
+from mlxkv.tui.screens.loading import LoadingScreen
+from mlxkv.tui.store import ChatStore
 
 # on_event -> a started engine (an EngineThread, or a stand-in in tests)
 EngineFactory = Callable[[Callable[[EngineEvent], None]], object]
@@ -155,14 +158,31 @@ def run(model: str, cache: CacheConfig, *, max_tokens: int, temperature: float) 
     def start_engine(on_event):
         return EngineThread(model, cache, on_event=on_event, load=load_chat_engine).start()
 
+    log_file = None
     try:
         # An empty database gets its first chat now, so one that cannot be
         # written is a one-line error here rather than a crash in the app.
         store.most_recent(NEW_CHAT_TITLE)
+        log_file = open_chat_log()
         app = ChatApp(start_engine, store, model_name=model,
                       generation={"max_tokens": max_tokens, "temperature": temperature})
         with gil_hand_off(UI_SWITCH_INTERVAL_S):
             app.run()
     finally:
         store.close()
+        if log_file is not None:
+            logs.detach(log_file)
     return app.return_code or 0
+
+
+def chat_log_path() -> Path:
+    """Where `mlxkv chat` logs: beside its conversations, readable by their owner alone."""
+    return data_dir() / "logs" / "chat.log"
+
+
+def open_chat_log():
+    """The chat's log handler (the app owns the terminal, so the log goes to a file)."""
+    try:
+        return logs.log_to_file(chat_log_path())
+    except OSError as e:
+        raise MlxkvError(f"cannot write the chat log {chat_log_path()}: {e.strerror or e}") from None

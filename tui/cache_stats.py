@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from mlxkv.records import RequestStats
+from mlxkv.cache.tiers import DISK, MEMORY, POOL, TIERS
+from mlxkv.engine.records import RequestStats
 
 # Where a prompt token can come from, in the order the engine looks.
-SOURCES = ("pool", "memory", "disk")
-SOURCE_LABELS = {"pool": "pool", "memory": "memory tier", "disk": "SSD tier"}
+SOURCES = TIERS
+SOURCE_LABELS = {POOL: "pool", MEMORY: "memory tier", DISK: "SSD tier"}
 
 
 def as_dict(stats) -> dict:

@@ -21,10 +21,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from mlxkv.engine_thread import RequestHandle, is_last
-from mlxkv.records import GenerationChunk
-from tui.messages import ReplyDelta, ReplyEnded
-from tui.widgets.message_view import MessageView
+from mlxkv.serving.engine_thread import RequestHandle, is_last
+from mlxkv.engine.records import GenerationChunk
+from mlxkv.tui.messages import ReplyDelta, ReplyEnded
+from mlxkv.tui.widgets.message_view import MessageView
 
 UPDATE_HZ = 20
 UI_BUDGET = 0.05  # of one core, for everything the UI does while a reply streams

@@ -15,8 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mlxkv.errors import MlxkvError
-from mlxkv.paths import data_dir
-from mlxkv.reply_tokens import is_token_list
+from mlxkv.system.paths import data_dir
+from mlxkv.system.private_files import make_private_dirs, private_file
+from mlxkv.chat.reply_tokens import is_token_list
 
 MIGRATIONS = [
     """
@@ -97,7 +98,10 @@ class ChatStore:
         self.path = Path(path) if path is not None else default_db_path()
         try:
             if str(self.path) != ":memory:":
-                self.path.parent.mkdir(parents=True, exist_ok=True)
+                # A person's conversations: readable by them alone. SQLite
+                # gives its journal files the database file's mode.
+                make_private_dirs(self.path.parent)
+                private_file(self.path)
             self.db = sqlite3.connect(self.path)
             self._migrate()  # before foreign keys are on: a migration may rebuild a table
             self.db.execute("PRAGMA foreign_keys = ON")

@@ -27,10 +27,10 @@ from mlxkv.benchmarks.engine import (
     _stderr, _tokens, bench_model_path, check_context, describe_model, mlx_lm_kv_bytes,
 )
 from mlxkv.benchmarks.rows import format_rows, row  # noqa: F401  (format_rows: the suite's printer)
-from mlxkv.cache_manager import blocks_for
+from mlxkv.cache.manager import blocks_for
 from mlxkv.config import CacheConfig
-from mlxkv.engine import Engine
-from mlxkv.model_loader import load_model
+from mlxkv.engine.engine import Engine
+from mlxkv.models.loader import load_model
 
 SCALES = (1, 4, 8, 16)
 SHARED = 16  # prompts sharing the prefix in the batch_generate case
@@ -59,7 +59,7 @@ def run_batch_benchmark(prefix: int = 1024, decode_tokens: int = 64, model=None,
 def _run(engine: Engine, prompts: list[list[int]], max_tokens: int) -> dict:
     """Run prompts as one batch; token lists, timings, peak blocks in use and peak copy bytes."""
     salt = f"bench-batch-{time.perf_counter_ns()}"  # cold: no hits from an earlier run
-    loop = engine.batch_loop()
+    loop = engine.loop
     outs: list[list[int]] = [[] for _ in prompts]
     stamps: list[float] = []
     for i, p in enumerate(prompts):

@@ -82,7 +82,7 @@ def _child_env(real_blas: bool) -> dict:
     root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
     if real_blas:
-        from mlxkv.blas import ENV_VAR, OFF_VALUES
+        from mlxkv.system.blas import ENV_VAR, OFF_VALUES
 
         if env.get(ENV_VAR, "").strip().lower() in OFF_VALUES:
             env.pop(ENV_VAR)  # an opt-out in the shell would void the comparison
@@ -131,7 +131,7 @@ def _build_model():
     from mlx_lm.models.llama import Model, ModelArgs
 
     from mlxkv.benchmarks.engine import BENCH_SPEC
-    from mlxkv.tiny_model import model_config
+    from mlxkv.models.tiny import model_config
 
     mx.random.seed(0)
     model = Model(ModelArgs.from_dict(model_config(BENCH_SPEC)))
@@ -172,7 +172,7 @@ def _model_rates(prompt_tokens: int, decode_tokens: int, budget_s: float) -> dic
 
 
 def _child(spec: dict) -> dict:
-    from mlxkv.blas import load_blas
+    from mlxkv.system.blas import load_blas
 
     status = load_blas()  # already ran at `import mlxkv`; this reads it
     rates = _matmul_rates(spec["matmul_sizes"], spec["budget_s"])

@@ -34,13 +34,13 @@ from mlx.utils import tree_flatten
 from mlx_lm.generate import stream_generate
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-from mlxkv.cache_manager import blocks_for
+from mlxkv.cache.manager import blocks_for
 from mlxkv.config import CacheConfig
-from mlxkv.engine import PREFILL_STEP, Engine
+from mlxkv.engine.engine import PREFILL_STEP, Engine
 from mlxkv.errors import MlxkvError
-from mlxkv.model_loader import load_model
+from mlxkv.models.loader import load_model
 from mlxkv.benchmarks.rows import format_rows, row  # noqa: F401  (format_rows: the suite's printer)
-from mlxkv.tiny_model import TinyModelSpec, cached_tiny_model
+from mlxkv.models.tiny import TinyModelSpec, cached_tiny_model
 
 # A 4-layer slice of a ~1B llama: head dim 128, 8 query heads over 2 KV heads.
 BENCH_SPEC = TinyModelSpec(
@@ -253,7 +253,7 @@ def _held_blocks(engine: Engine, prompt: list[int], salt: str) -> int:
 
     Stepped by hand: a request's blocks are back before its last record.
     """
-    loop = engine.batch_loop()
+    loop = engine.loop
     loop.add(engine.make_request(prompt, lambda record: None, max_tokens=1, cache_salt=salt))
     held = 0
     while loop.has_work:

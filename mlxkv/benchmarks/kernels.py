@@ -24,9 +24,9 @@ import time
 import mlx.core as mx
 import numpy as np
 
-from mlxkv.attention import paged_attention, resolve_attention
-from mlxkv.kv_pool import KVLayout, KVPool
-from mlxkv.paged_cache import PagedBatch, PagedKVCache
+from mlxkv.attention.dispatch import paged_attention, resolve_attention
+from mlxkv.cache.kv_pool import KVLayout, KVPool
+from mlxkv.attention.paged_cache import PagedBatch, PagedKVCache
 
 CONTEXTS = (1024, 4096, 16384)
 BATCHES = (1, 8)

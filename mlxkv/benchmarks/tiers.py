@@ -3,7 +3,7 @@
 - restore: time to first token of a prompt whose 4k-token prefix comes
   back from the SSD tier (a new engine on the same directory, as after a
   restart) against the same prompt with the prefix recomputed.
-- SSD read: `DiskKvCacheConnector.load_blocks` throughput (checksums and
+- SSD read: `DiskKVCacheConnector.load_blocks` throughput (checksums and
   all, files of block runs as a prefill writes them) against a raw
   sequential read of one file of the same size on the same disk. Both
   sides first drop the files from the page cache with
@@ -35,10 +35,10 @@ import numpy as np
 from mlxkv.benchmarks.engine import _tokens, bench_model_path, describe_model
 from mlxkv.benchmarks.rows import format_rows, row  # noqa: F401  (format_rows: the suite's printer)
 from mlxkv.config import DEFAULT_MEMORY_TIER_BYTES, CacheConfig
-from mlxkv.connectors.memory import InMemoryKvCacheConnector
-from mlxkv.connectors.read_buffer import ReadBuffer, huge_pages_available
-from mlxkv.engine import Engine
-from mlxkv.model_loader import load_model
+from mlxkv.connectors.memory import InMemoryKVCacheConnector
+from mlxkv.connectors.disk.read_buffer import ReadBuffer, huge_pages_available
+from mlxkv.engine.engine import Engine
+from mlxkv.models.loader import load_model
 
 RESTORE_TOKENS = 4096
 SUFFIX = 16
@@ -106,10 +106,10 @@ def _fill_pool(engine: Engine, n: int) -> list[int]:
 
 
 def _ssd_read_row(engine: Engine, block_ids: list[int], directory: Path, log) -> dict:
-    from mlxkv.connectors.disk import DiskKvCacheConnector
+    from mlxkv.connectors.disk.connector import DiskKVCacheConnector
 
     log(f"ssd read: {len(block_ids)} blocks ...")
-    disk = DiskKvCacheConnector(directory / "tier", engine.fingerprint, block_size=16,
+    disk = DiskKVCacheConnector(directory / "tier", engine.fingerprint, block_size=16,
                                 num_layers=engine.layout.num_layers, dtype=engine.layout.dtype, min_free_bytes=0)
     kvs = engine.kv_pool.read_blocks(block_ids)
     hashes = [bytes([i % 256, i // 256]) * 16 for i in range(len(kvs))]
@@ -177,12 +177,11 @@ def _direct_read_seconds(path: Path) -> float:
 def _memory_hydrate_row(engine: Engine, block_ids: list[int], log) -> dict:
     log("memory hydrate ...")
     kvs = engine.kv_pool.read_blocks(block_ids)
-    tier = InMemoryKvCacheConnector(DEFAULT_MEMORY_TIER_BYTES, engine.layout.block_size)
+    tier = InMemoryKVCacheConnector(DEFAULT_MEMORY_TIER_BYTES, engine.layout.block_size)
     hashes = [bytes([i % 256, i // 256]) * 16 for i in range(len(kvs))]
-    # Filled as the engine fills it: the pool evicts a freed sequence's
-    # blocks one at a time, last block first.
-    for h, block_id in reversed(list(zip(hashes, block_ids))):
-        tier.evict_block(h, lambda block_id=block_id: engine.kv_pool.read_blocks([block_id]))
+    # Filled as the engine fills it: one allocation evicts a freed
+    # sequence's blocks last first, read from the pool in prefix order.
+    tier.evict_blocks(hashes[::-1], lambda: engine.kv_pool.read_blocks(block_ids)[::-1])
     nbytes = sum(kv.nbytes for kv in kvs)
     source = mx.stack([kv.keys for kv in kvs])
     mx.eval(source)
@@ -223,7 +222,7 @@ def _continue_from(engine: Engine, blocks: list, suffix: list[int]) -> tuple[lis
 def _quantized_row(engine: Engine, block_ids: list[int], log) -> dict:
     log("8-bit memory tier: greedy and log-prob drift ...")
     kvs = engine.kv_pool.read_blocks(block_ids)
-    tier = InMemoryKvCacheConnector(1 << 40, engine.layout.block_size, quantize_bits=8)
+    tier = InMemoryKVCacheConnector(1 << 40, engine.layout.block_size, quantize_bits=8)
     hashes = [bytes([i % 256, i // 256]) * 16 for i in range(len(kvs))]
     for h, kv in zip(hashes, kvs):
         tier.store(h, kv)

@@ -5,11 +5,12 @@ along the head dim, groups of 32) to hold 1.78x as many fp16 blocks (3.2x
 fp32; 4 bits: 3.2x and 5.3x), at a small cost in accuracy.
 
 Exact blocks live in layer-major `KVRun`s, so a hydrate copies a stretch of
-blocks into the pool with one slice per layer. The pool evicts one block at a
-time, so evicted blocks wait as one-block runs until enough of them are
-packed into one run; runs that arrive whole (an SSD hit being promoted) are
-kept as they are. The budget counts the bytes runs really hold: a run stays
-in memory until its last block is dropped.
+blocks into the pool with one slice per layer. The blocks one allocation
+evicts arrive as one run, read from the pool at once, and are kept as it
+(cut to at most MAX_RUN_BLOCKS); so are runs that arrive whole (an SSD hit
+being promoted). Blocks that arrive alone wait as one-block runs until
+enough of them are packed into one. The budget counts the bytes runs
+really hold: a run stays in memory until its last block is dropped.
 """
 
 from __future__ import annotations
@@ -19,9 +20,11 @@ from collections.abc import Callable, Sequence
 
 import mlx.core as mx
 
-from mlxkv.connectors.base import BlockKV, KVRun, LoadedBlock, TierStats
+from mlxkv.cache.block_kv import BlockKV, KVRun
+from mlxkv.connectors.base import LoadedBlock, TierStats
 from mlxkv.errors import MlxkvError
-from mlxkv.hashing import BlockHash
+from mlxkv.cache.hashing import BlockHash
+from mlxkv.cache.tiers import MEMORY
 
 QUANT_GROUP = 32
 # Evicted blocks packed per run. Each run costs one slice update per layer
@@ -49,14 +52,14 @@ class _Quantized:
         return x.reshape(self.shape).astype(self.dtype)
 
 
-class InMemoryKvCacheConnector:
+class InMemoryKVCacheConnector:
     def __init__(
         self,
         budget_bytes: int,
         block_size: int,
         quantize_bits: int | None = None,
         on_evict: Callable[[BlockHash, BlockKV], None] | None = None,
-        tier_name: str = "memory",
+        tier_name: str = MEMORY,
     ):
         if quantize_bits not in (None, 4, 8):
             raise MlxkvError(f"memory tier quantization must be 4 or 8 bits, got {quantize_bits}")
@@ -99,12 +102,42 @@ class InMemoryKvCacheConnector:
     def cache_blocks(self, block_hashes, read) -> None:
         pass  # the pool holds registered blocks; this tier takes them on eviction
 
-    def evict_block(self, block_hash: BlockHash, read) -> None:
-        if block_hash in self._blocks:
-            self._blocks.move_to_end(block_hash)  # still here from an earlier spill
+    def evict_blocks(self, block_hashes: Sequence[BlockHash], read) -> None:
+        wanted = []
+        for i, h in enumerate(block_hashes):
+            if h in self._blocks:
+                self._blocks.move_to_end(h)  # still here from an earlier spill
+            else:
+                wanted.append(i)
+        if not wanted:
             return
-        if self.store(block_hash, read()[0]):
-            self._stats.spills += 1
+        everything = read()
+        blocks = self._in_runs([everything[i] for i in wanted])
+        for i, kv in zip(wanted, blocks):
+            if self.store(block_hashes[i], kv):
+                self._stats.spills += 1
+
+    def _in_runs(self, blocks: list[BlockKV]) -> list[BlockKV]:
+        """The evicted blocks as views of runs no longer than this tier keeps whole.
+
+        One read of the pool is one run; a run leaves memory only with its
+        last block, so a long one is cut into copies of at most a run's length.
+        """
+        limit = self._run_blocks(blocks[0].nbytes)
+        run = blocks[0].run
+        if limit < 1 or run is None or len(run) <= limit:
+            return blocks
+        # Cut in the read's order (the prefix's), whatever order they came in.
+        order = sorted(range(len(blocks)), key=lambda i: blocks[i].index)
+        cut: list[BlockKV | None] = [None] * len(blocks)
+        runs = []
+        for start in range(0, len(order), limit):
+            chunk = order[start : start + limit]
+            runs.append(KVRun.stack([blocks[i] for i in chunk]))
+            for j, i in enumerate(chunk):
+                cut[i] = runs[-1].block(j)
+        mx.eval([(r.keys, r.values) for r in runs])
+        return cut
 
     def store(self, block_hash: BlockHash, kv: BlockKV) -> bool:
         """Keep `kv` (its run, when it is a view of one that fits); push LRU blocks out past the budget."""

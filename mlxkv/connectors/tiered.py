@@ -1,4 +1,4 @@
-"""The memory tier in front of the SSD tier, and building tiers from a CacheConfig.
+"""The memory tier in front of the SSD tier.
 
 What the memory tier pushes out goes to SSD; an SSD hit is promoted into
 memory. Newly full blocks are written through to SSD at registration, so a
@@ -10,13 +10,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from mlxkv.connectors.base import LoadedBlock, NoopKvCacheConnector
-from mlxkv.connectors.memory import InMemoryKvCacheConnector
-from mlxkv.hashing import BlockHash
+from mlxkv.connectors.base import LoadedBlock
+from mlxkv.connectors.memory import InMemoryKVCacheConnector
+from mlxkv.cache.hashing import BlockHash
 
 
-class TieredKvCacheConnector:
-    def __init__(self, memory: InMemoryKvCacheConnector, disk):
+class TieredKVCacheConnector:
+    def __init__(self, memory: InMemoryKVCacheConnector, disk):
         self.memory = memory
         self.disk = disk
         memory.on_evict = self._spill_to_disk
@@ -41,8 +41,8 @@ class TieredKvCacheConnector:
     def cache_blocks(self, block_hashes, read) -> None:
         self.disk.cache_blocks(block_hashes, read)
 
-    def evict_block(self, block_hash, read) -> None:
-        self.memory.evict_block(block_hash, read)
+    def evict_blocks(self, block_hashes, read) -> None:
+        self.memory.evict_blocks(block_hashes, read)
 
     def stats(self) -> dict[str, dict[str, int]]:
         return {**self.memory.stats(), **self.disk.stats()}
@@ -54,31 +54,3 @@ class TieredKvCacheConnector:
     def close(self) -> None:
         self.disk.close()
 
-
-def build_connector(cache_config, fingerprint: bytes, layout):
-    """The connector a CacheConfig asks for: explicit, tiers, or the no-op."""
-    if cache_config.connector is not None:
-        return cache_config.connector
-    memory = None
-    if cache_config.memory_tier_bytes:
-        memory = InMemoryKvCacheConnector(
-            cache_config.memory_tier_bytes, layout.block_size, cache_config.memory_tier_bits
-        )
-    disk = None
-    if cache_config.disk_tier is not None:
-        from mlxkv.connectors.disk import DiskKvCacheConnector
-
-        disk = DiskKvCacheConnector(
-            cache_config.disk_tier,
-            fingerprint,
-            block_size=layout.block_size,
-            num_layers=layout.num_layers,
-            dtype=str(layout.dtype).removeprefix("mlx.core."),
-            budget_bytes=cache_config.disk_tier_bytes,
-        )
-        if disk.disabled:  # it warned why; left in, it would show as an empty tier
-            disk.close()
-            disk = None
-    if memory and disk:
-        return TieredKvCacheConnector(memory, disk)
-    return memory or disk or NoopKvCacheConnector()

@@ -125,7 +125,7 @@ _capture_lock = threading.Lock()
 
 
 def generated_source(launch) -> Source:
-    """The exact Metal source MLX generates for `launch` (a mlxkv.kernels.Launch)."""
+    """The exact Metal source MLX generates for `launch` (a mlxkv.attention.kernels.Launch)."""
     inputs = list(launch.inputs)
 
     def traced(*arrays):

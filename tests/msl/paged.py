@@ -16,9 +16,9 @@ import mlxkv  # noqa: F401  (before mlx)
 import mlx.core as mx
 import numpy as np
 
-from mlxkv import attention
-from mlxkv.kv_pool import KVLayout, KVPool
-from mlxkv.paged_cache import PagedBatch, PagedKVCache
+from mlxkv.attention import dispatch as attention
+from mlxkv.cache.kv_pool import KVLayout, KVPool
+from mlxkv.attention.paged_cache import PagedBatch, PagedKVCache
 
 # Relative tolerances of the acceptance criteria. The absolute floor is the
 # same fraction of the largest expected magnitude, so values near zero are
@@ -129,7 +129,7 @@ def instantiation_launches() -> dict[tuple, object]:
     Block size, lengths and batch are runtime values, so a tiny case per
     (dtype, head dim, group size) stands for every call of that instantiation.
     """
-    from mlxkv import kernels
+    from mlxkv.attention import kernels
 
     launches = {}
     for dtype in kernels.DTYPES:

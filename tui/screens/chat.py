@@ -13,19 +13,19 @@ from textual.screen import Screen
 from textual.widgets import Footer, Header, OptionList
 
 from mlxkv.errors import MlxkvError
-from mlxkv.pool_view import PoolSnapshot
-from tui.cache_stats import as_dict
-from tui.messages import ReplyDelta, ReplyEnded
-from tui.replies import ActiveReply, Pacer, relay
-from tui.screens.confirm import ConfirmScreen
-from tui.screens.rename import RenameScreen
-from tui.screens.system_prompt import SystemPromptScreen
-from tui.store import ChatStore, Message
-from tui.widgets.cache_panel import CachePanel
-from tui.widgets.chat_log import ChatLog
-from tui.widgets.conversation_list import ConversationList
-from tui.widgets.message_view import MessageView
-from tui.widgets.prompt_input import PromptInput
+from mlxkv.serving.pool_view import PoolSnapshot
+from mlxkv.tui.cache_stats import as_dict
+from mlxkv.tui.messages import ReplyDelta, ReplyEnded
+from mlxkv.tui.replies import ActiveReply, Pacer, relay
+from mlxkv.tui.screens.confirm import ConfirmScreen
+from mlxkv.tui.screens.rename import RenameScreen
+from mlxkv.tui.screens.system_prompt import SystemPromptScreen
+from mlxkv.tui.store import ChatStore, Message
+from mlxkv.tui.widgets.cache_panel import CachePanel
+from mlxkv.tui.widgets.chat_log import ChatLog
+from mlxkv.tui.widgets.conversation_list import ConversationList
+from mlxkv.tui.widgets.message_view import MessageView
+from mlxkv.tui.widgets.prompt_input import PromptInput
 
 NEW_CHAT_TITLE = "New chat"
 AUTO_TITLE_CHARS = 48

@@ -5,13 +5,13 @@ from __future__ import annotations
 from textual.app import ComposeResult
 from textual.containers import VerticalScroll
 
-from mlxkv.pool_view import PoolSnapshot
-from tui.cache_stats import reuse_ratio
-from tui.widgets.block_map import BlockMap
-from tui.widgets.pool_usage import PoolUsage
-from tui.widgets.reuse_sparkline import ReuseSparkline
-from tui.widgets.tier_table import TierTable
-from tui.widgets.turn_stats import TurnStats
+from mlxkv.serving.pool_view import PoolSnapshot
+from mlxkv.tui.cache_stats import reuse_ratio
+from mlxkv.tui.widgets.block_map import BlockMap
+from mlxkv.tui.widgets.pool_usage import PoolUsage
+from mlxkv.tui.widgets.reuse_sparkline import ReuseSparkline
+from mlxkv.tui.widgets.tier_table import TierTable
+from mlxkv.tui.widgets.turn_stats import TurnStats
 
 
 class CachePanel(VerticalScroll):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from textual.containers import VerticalScroll
 
-from tui.widgets.message_view import MessageView
+from mlxkv.tui.widgets.message_view import MessageView
 
 
 class ChatLog(VerticalScroll, can_focus=True):

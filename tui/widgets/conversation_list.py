@@ -6,7 +6,7 @@ from textual.content import Content
 from textual.widgets import OptionList
 from textual.widgets.option_list import Option
 
-from tui.store import Conversation
+from mlxkv.tui.store import Conversation
 
 
 class ConversationList(OptionList):

@@ -10,7 +10,7 @@ from textual.reactive import reactive
 from textual.widgets import Markdown
 from textual.widgets.markdown import MarkdownStream
 
-from tui.segments import Segmenter
+from mlxkv.tui.segments import Segmenter
 
 ROLE_TITLES = {"user": "you", "assistant": "assistant", "system": "system"}
 # "context" is the app's own: a "length" before max_tokens (ChatScreen._finish_reason).

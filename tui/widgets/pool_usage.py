@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tui.widgets.panel_text import PanelText
+from mlxkv.tui.widgets.panel_text import PanelText
 
 
 class PoolUsage(PanelText):

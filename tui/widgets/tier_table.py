@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from tui.cache_stats import HitRates, human_bytes
-from tui.widgets.panel_text import PanelText
+from mlxkv.cache.tiers import DISK, MEMORY, POOL
+from mlxkv.tui.cache_stats import HitRates, human_bytes
+from mlxkv.tui.widgets.panel_text import PanelText
 
-SHORT_LABELS = {"memory": "memory", "disk": "SSD"}
+SHORT_LABELS = {MEMORY: "memory", DISK: "SSD"}
 
 
 def _row(*cells: str) -> str:
@@ -34,8 +35,8 @@ class TierTable(PanelText):
 
     def _show(self) -> None:
         rows = [_row("tier", "held", "hit rate", "spills"),
-                _row("pool", f"{self.cached_blocks:,} blk", self._rate("pool"), "")]
-        for name in ("memory", "disk"):
+                _row(POOL, f"{self.cached_blocks:,} blk", self._rate(POOL), "")]
+        for name in (MEMORY, DISK):
             tier = self.tiers.get(name)
             if tier is None:
                 rows.append(_row(SHORT_LABELS[name], "off", "", ""))

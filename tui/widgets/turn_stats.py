@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from tui.cache_stats import SOURCE_LABELS, SOURCES, reused_tokens
-from tui.widgets.panel_text import PanelText
+from mlxkv.tui.cache_stats import SOURCE_LABELS, SOURCES, reused_tokens
+from mlxkv.tui.widgets.panel_text import PanelText
 
 TITLES = {"reply": "Last turn", "prefill": "Reopened chat (prefix prefill)"}
 

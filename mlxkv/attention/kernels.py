@@ -1,0 +1,222 @@
+"""Metal paged-attention kernels: sources, instantiations and dispatch sizes.
+
+The sources ship in the `metal` package: `common.metal` is the header of
+every kernel, the other files are kernel bodies whose signatures
+`mx.fast.metal_kernel` generates from the input and output names. Kernel
+objects are built on first use; building one needs no GPU, which is how the
+MSL test harness (tests/msl) gets at the generated source on Linux.
+
+Decode attention is one `mlxkv_paged_decode` launch, plus one
+`mlxkv_paged_reduce` when long sequences are split into partitions to give a
+small grid more threadgroups. Every call describes itself as a `Launch`
+and goes through `run_launch`: the kernel itself on Metal, a CPU runner in
+the harness tests.
+
+Instantiations: one per (dtype, head dim, GQA group size), the group size
+rounded up to 1, 2, 4 or 8. Block size, context lengths, partitioning and
+the real group size are runtime values. Inputs under 8 elements would reach
+the kernel in the `constant` address space, which changes the generated
+signature, so the small index inputs are padded to 8.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any
+
+import mlx.core as mx
+
+from mlxkv.errors import MlxkvError
+
+DTYPES = (mx.float16, mx.bfloat16, mx.float32)
+HEAD_DIMS = (64, 80, 96, 128, 256)
+BLOCK_SIZES = (16, 32)
+GROUP_SIZES = (1, 2, 4, 8)  # built for these; 3, 5, 6, 7 round up
+SIMDGROUPS = 4
+THREADS = 32 * SIMDGROUPS  # per decode threadgroup
+TILE = 256  # tokens per pass of the decode loop
+PARTITION_SIZES = (256, 512)
+REDUCE_THREADS = 64
+# A grid under this many threadgroups leaves an Apple GPU mostly idle:
+# split sequences longer than one partition.
+SMALL_GRID = 128
+# Beyond this context, partitions of 512 tokens (half the partials to merge).
+LONG_CONTEXT = 8192
+_MIN_ELEMENTS = 8  # MLX passes smaller inputs in the constant address space
+
+_SIGNATURES = {
+    "paged_decode": (
+        ["queries", "k_pool", "v_pool", "block_tables", "context_lens", "scale", "params"],
+        ["out", "partials"],
+    ),
+    "paged_reduce": (["partials", "params"], ["out"]),
+}
+
+
+def kernel_source(name: str) -> str:
+    """The text of metal/<name>.metal, from the installed package."""
+    return resources.files("mlxkv.metal").joinpath(f"{name}.metal").read_text()
+
+
+def make_kernel(name: str, body: str | None = None, header: str | None = None):
+    """An `mx.fast.metal_kernel` for one of `_SIGNATURES`, from the shipped
+    source unless `body` / `header` replace it (the harness tests plant bugs)."""
+    input_names, output_names = _SIGNATURES[name]
+    return mx.fast.metal_kernel(
+        name=f"mlxkv_{name}",
+        input_names=input_names,
+        output_names=output_names,
+        source=kernel_source(name) if body is None else body,
+        header=kernel_source("common") if header is None else header,
+    )
+
+
+@functools.cache
+def kernel(name: str):
+    return make_kernel(name)
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One kernel call: everything `mx.fast.metal_kernel` is called with."""
+
+    kernel: Any
+    inputs: tuple[mx.array, ...]
+    template: tuple[tuple[str, Any], ...]
+    grid: tuple[int, int, int]
+    threadgroup: tuple[int, int, int]
+    output_shapes: tuple[tuple[int, ...], ...]
+    output_dtypes: tuple[mx.Dtype, ...]
+
+    def __call__(self, inputs=None, verbose: bool = False) -> list[mx.array]:
+        return self.kernel(
+            inputs=list(self.inputs if inputs is None else inputs),
+            template=list(self.template),
+            grid=self.grid,
+            threadgroup=self.threadgroup,
+            output_shapes=list(self.output_shapes),
+            output_dtypes=list(self.output_dtypes),
+            verbose=verbose,
+        )
+
+
+def run_launch(launch: Launch) -> list[mx.array]:
+    """Run a launch on the GPU. Tests replace this to run it elsewhere."""
+    if not mx.metal.is_available():
+        raise MlxkvError("the attention kernels need a Metal GPU; use attention=reference "
+                         "(MLXKV_ATTENTION=reference)")
+    return launch()
+
+
+def group_size_for(group: int) -> int | None:
+    """The instantiated group size serving `group` query heads per kv head."""
+    return next((g for g in GROUP_SIZES if g >= group), None)
+
+
+def supports(dtype, head_dim: int, v_head_dim: int, block_size: int, group: int) -> bool:
+    """Whether decode attention of this shape can run on the kernels."""
+    return (
+        dtype in DTYPES
+        and head_dim in HEAD_DIMS
+        and v_head_dim == head_dim
+        and block_size in BLOCK_SIZES
+        and group_size_for(group) is not None
+    )
+
+
+def partition_size(batch: int, n_kv_heads: int, max_context: int) -> int:
+    """Tokens per partition, or 0 for one pass over each sequence.
+
+    Partitioning pays for a second launch with more parallelism, so only
+    long sequences on a small grid are split.
+    """
+    if max_context <= PARTITION_SIZES[0] or batch * n_kv_heads >= SMALL_GRID:
+        return 0
+    return PARTITION_SIZES[1] if max_context > LONG_CONTEXT else PARTITION_SIZES[0]
+
+
+def _padded(x: mx.array) -> mx.array:
+    """x with trailing zeros on its last axis up to 8 elements in all."""
+    if x.size >= _MIN_ELEMENTS:
+        return x
+    rows = x.shape[0] if x.ndim > 1 else 1
+    extra = math.ceil(_MIN_ELEMENTS / rows) - x.shape[-1]
+    return mx.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, extra)])
+
+
+def decode_launch(queries, k_pool, v_pool, block_tables, context_lens, scale: float,
+                  partition: int = 0, decode_kernel=None) -> Launch:
+    """The first (or only) launch of paged decode attention.
+
+    queries [B, Hq, D]; pools [blocks, Hkv, block_size, D]; block_tables
+    [B, nb] int32 (rows padded with any valid id); context_lens: B ints;
+    partition: tokens per partition, 0 for a single pass.
+    """
+    B, n_heads, D = queries.shape
+    _, n_kv_heads, block_size, _ = k_pool.shape
+    group = n_heads // n_kv_heads
+    if n_heads % n_kv_heads or not supports(queries.dtype, D, v_pool.shape[3], block_size, group):
+        raise MlxkvError(f"no paged-attention kernel for {queries.dtype}, head dim {D}, "
+                         f"block size {block_size}, {n_heads} over {n_kv_heads} kv heads")
+    max_context = max(context_lens)
+    n_parts = 1 if partition == 0 else math.ceil(max_context / partition)
+    part_tokens = partition if n_parts > 1 else max(max_context, 1)
+    block_tables = _padded(block_tables.astype(mx.int32))
+    params = [n_heads, n_kv_heads, group, block_size, block_tables.shape[1], part_tokens, n_parts]
+    partials_shape = (B, n_heads, n_parts, D + 2) if n_parts > 1 else (1,)
+    return Launch(
+        kernel=decode_kernel or kernel("paged_decode"),
+        inputs=(
+            queries,
+            k_pool,
+            v_pool,
+            block_tables,
+            _padded(mx.array(list(context_lens), dtype=mx.int32)),
+            mx.array(scale, dtype=mx.float32),
+            mx.array(params, dtype=mx.int32),
+        ),
+        template=(("T", queries.dtype), ("D", D), ("G", group_size_for(group)),
+                  ("NSG", SIMDGROUPS), ("TILE", TILE)),
+        grid=(THREADS * n_parts, n_kv_heads, B),
+        threadgroup=(THREADS, 1, 1),
+        output_shapes=((B, n_heads, D), partials_shape),
+        output_dtypes=(queries.dtype, mx.float32),
+    )
+
+
+def reduce_launch(partials: mx.array, dtype, reduce_kernel=None) -> Launch:
+    """The second pass: merge partials [B, Hq, parts, D + 2] into [B, Hq, D]."""
+    B, n_heads, n_parts, row = partials.shape
+    D = row - 2
+    return Launch(
+        kernel=reduce_kernel or kernel("paged_reduce"),
+        inputs=(partials, mx.array([n_heads, D, n_parts], dtype=mx.int32)),
+        template=(("T", dtype),),
+        grid=(D, n_heads, B),
+        threadgroup=(REDUCE_THREADS, 1, 1),
+        output_shapes=((B, n_heads, D),),
+        output_dtypes=(dtype,),
+    )
+
+
+def paged_decode(queries, k_pool, v_pool, block_tables, context_lens, scale: float,
+                 partition: int | None = None, kernels: dict | None = None) -> mx.array:
+    """Decode attention `[B, Hq, 1, D]` of one query token per sequence over the pool.
+
+    partition: tokens per partition, 0 for one pass, None to choose
+    (`partition_size`). kernels: replacements for the shipped kernel objects,
+    by name ("paged_decode", "paged_reduce").
+    """
+    kernels = kernels or {}
+    B, n_heads, _, D = queries.shape
+    if partition is None:
+        partition = partition_size(B, k_pool.shape[1], max(context_lens))
+    first = decode_launch(queries.reshape(B, n_heads, D), k_pool, v_pool, block_tables,
+                          context_lens, scale, partition, kernels.get("paged_decode"))
+    out, partials = run_launch(first)
+    if partials.ndim > 1:
+        (out,) = run_launch(reduce_launch(partials, queries.dtype, kernels.get("paged_reduce")))
+    return out.reshape(B, n_heads, 1, D)

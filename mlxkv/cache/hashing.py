@@ -1,0 +1,52 @@
+"""Content hashes of KV blocks.
+
+A block's hash is SHA-256 over (parent hash, the block's token ids), so
+equal hashes mean equal prefixes, not just equal blocks. The chain starts
+at a root derived from the model fingerprint and an optional per-request
+cache salt. Nothing here depends on the process (no `hash()`), so hashes
+written to disk by one process are found by the next.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+from array import array
+from collections.abc import Sequence
+
+BlockHash = bytes
+
+
+def root_hash(fingerprint: bytes, cache_salt: str | None = None) -> BlockHash:
+    h = hashlib.sha256(b"mlxkv-root\0")
+    h.update(fingerprint)
+    if cache_salt:
+        h.update(b"\0salt\0" + cache_salt.encode())
+    return h.digest()
+
+
+def _token_bytes(token_ids: Sequence[int]) -> bytes:
+    # Fixed little-endian int64 so hashes agree across machines.
+    packed = array("q", token_ids)
+    if sys.byteorder != "little":
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def hash_block(parent: BlockHash, token_ids: Sequence[int]) -> BlockHash:
+    h = hashlib.sha256(parent)
+    h.update(_token_bytes(token_ids))
+    return h.digest()
+
+
+def extend_block_hashes(
+    hashes: list[BlockHash],
+    root: BlockHash,
+    token_ids: Sequence[int],
+    block_size: int,
+) -> list[BlockHash]:
+    """Append the hashes of the full blocks of `token_ids` not yet in `hashes`."""
+    for start in range(len(hashes) * block_size, len(token_ids) - block_size + 1, block_size):
+        parent = hashes[-1] if hashes else root
+        hashes.append(hash_block(parent, token_ids[start : start + block_size]))
+    return hashes

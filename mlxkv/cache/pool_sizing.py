@@ -1,0 +1,44 @@
+"""How many blocks the pool gets: asked for, from a byte budget, or a share of memory."""
+
+from __future__ import annotations
+
+from mlxkv.cache.kv_pool import KVLayout
+from mlxkv.cache.manager import blocks_for
+from mlxkv.config import DEFAULT_MEMORY_SHARE, CacheConfig
+from mlxkv.errors import MlxkvError
+from mlxkv.system.machine import physical_memory
+
+# Without a size from the user, never hold more than this many full contexts.
+MAX_DEFAULT_CONTEXTS = 16
+DEFAULT_CONTEXT = 8192  # for a model that does not say
+
+
+def size_pool(cfg: CacheConfig, layout: KVLayout, max_context: int | None) -> int:
+    """Number of blocks; never more than the machine's memory holds."""
+    memory = physical_memory()
+    blocks = _pool_blocks(cfg, layout, max_context, memory)
+    need = blocks * layout.bytes_per_block
+    if need > memory:
+        # (machine.py: an allocation MLX cannot make is a segmentation fault)
+        raise MlxkvError(
+            f"a KV pool of {blocks:,} block{'s' * (blocks != 1)} of {layout.block_size:,} tokens needs "
+            f"{need / 2**30:,.1f} GiB, "
+            f"more than this machine's {memory / 2**30:,.1f} GiB; lower --num-blocks or --block-size"
+        )
+    return blocks
+
+
+def _pool_blocks(cfg: CacheConfig, layout: KVLayout, max_context: int | None, memory: int) -> int:
+    if cfg.num_blocks is not None:
+        return cfg.num_blocks
+    if cfg.memory_budget_bytes is not None:
+        blocks = cfg.memory_budget_bytes // layout.bytes_per_block
+        if blocks < 1:
+            raise MlxkvError(
+                f"memory budget of {cfg.memory_budget_bytes} bytes holds no block "
+                f"({layout.bytes_per_block} bytes each)"
+            )
+        return blocks
+    share = int(memory * DEFAULT_MEMORY_SHARE) // layout.bytes_per_block
+    contexts = MAX_DEFAULT_CONTEXTS * blocks_for(max_context or DEFAULT_CONTEXT, layout.block_size)
+    return max(1, min(share, contexts))

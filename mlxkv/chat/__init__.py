@@ -1,0 +1,1 @@
+"""Chat prompts from a tokenizer alone: templates, reply ids and context fitting."""

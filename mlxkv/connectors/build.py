@@ -1,0 +1,36 @@
+"""The connector a CacheConfig asks for: explicit, tiers, or the no-op."""
+
+from __future__ import annotations
+
+from mlxkv.connectors.base import NoopKVCacheConnector
+from mlxkv.connectors.memory import InMemoryKVCacheConnector
+from mlxkv.connectors.tiered import TieredKVCacheConnector
+
+
+def build_connector(cache_config, fingerprint: bytes, layout):
+    """The connector a CacheConfig asks for: explicit, tiers, or the no-op."""
+    if cache_config.connector is not None:
+        return cache_config.connector
+    memory = None
+    if cache_config.memory_tier_bytes:
+        memory = InMemoryKVCacheConnector(
+            cache_config.memory_tier_bytes, layout.block_size, cache_config.memory_tier_bits
+        )
+    disk = None
+    if cache_config.disk_tier is not None:
+        from mlxkv.connectors.disk.connector import DiskKVCacheConnector
+
+        disk = DiskKVCacheConnector(
+            cache_config.disk_tier,
+            fingerprint,
+            block_size=layout.block_size,
+            num_layers=layout.num_layers,
+            dtype=str(layout.dtype).removeprefix("mlx.core."),
+            budget_bytes=cache_config.disk_tier_bytes,
+        )
+        if disk.disabled:  # it warned why; left in, it would show as an empty tier
+            disk.close()
+            disk = None
+    if memory and disk:
+        return TieredKVCacheConnector(memory, disk)
+    return memory or disk or NoopKVCacheConnector()

@@ -1,0 +1,226 @@
+"""The Python API: load a model onto a paged KV pool and generate."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections import deque
+from collections.abc import Callable, Iterator
+
+import mlx.core as mx
+
+from mlxkv.attention.dispatch import resolve_attention
+from mlxkv.cache.block_pool import BlockPool
+from mlxkv.cache.fingerprint import model_fingerprint
+from mlxkv.cache.hashing import root_hash
+from mlxkv.cache.kv_pool import KVPool
+from mlxkv.cache.manager import KVCacheManager
+from mlxkv.cache.pool_sizing import size_pool
+from mlxkv.chat import prompting
+from mlxkv.config import CacheConfig
+from mlxkv.connectors.build import build_connector
+from mlxkv.engine.limits import RequestLimits
+from mlxkv.engine.loop import BatchLoop
+from mlxkv.engine.model_runner import ModelRunner
+from mlxkv.engine.records import GenerationChunk, GenerationResult, RequestFailed
+from mlxkv.engine.request import Request
+from mlxkv.engine.results import collect, failed_result
+from mlxkv.engine.sampling import make_request_sampler, whole
+from mlxkv.errors import MlxkvError, error_line
+from mlxkv.models.loader import LoadedModel, load_model, probe_kv_layout
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_TOKENS = 256
+# Same prefill chunk as mlx-lm's generate_step, so both compute the same
+# matmul shapes and greedy output matches token for token.
+PREFILL_STEP = 2048
+MAX_RUNNING = 64
+
+
+class Engine:
+    """A model on a paged, prefix-cached KV pool, generating for one thread at a time.
+
+    `prefill_chunk` is the most prompt tokens one step computes, solo and
+    batched alike (same chunks, same numerics); `max_running` the most
+    sequences decoding at once.
+    """
+
+    def __init__(self, loaded: LoadedModel, cache: CacheConfig, *,
+                 prefill_chunk: int = PREFILL_STEP, max_running: int = MAX_RUNNING):
+        self.loaded = loaded
+        self.model = loaded.model
+        self.tokenizer = loaded.tokenizer
+        self.cache_config = cache
+        self.layout = probe_kv_layout(loaded, cache.block_size)
+        self.fingerprint = model_fingerprint(self.model, loaded.config, self.layout.dtype, cache.block_size)
+        self.kv_pool = KVPool(self.layout, size_pool(cache, self.layout, loaded.max_context))
+        self.block_pool = BlockPool(self.kv_pool.num_blocks)
+        self.connector = build_connector(cache, self.fingerprint, self.layout)
+        self.manager = KVCacheManager(self.block_pool, cache.block_size, self.kv_pool, self.connector)
+        self.runner = ModelRunner(self.model, self.kv_pool, resolve_attention(cache.attention))
+        self.loop = BatchLoop(self.manager, self.runner, self.tokenizer.eos_token_ids, prefill_chunk, max_running)
+        self.limits = RequestLimits(loaded.vocab_size, loaded.max_context, self.kv_pool.num_blocks, cache.block_size)
+        self._request_ids = itertools.count()
+
+    @classmethod
+    def load(cls, model: str, cache: CacheConfig | None = None, **cache_fields) -> Engine:
+        """Load `model` (a path, a Hugging Face id, or "demo") onto a new pool."""
+        cache = cache or CacheConfig(**cache_fields)
+        return cls(load_model(model), cache)
+
+    # -- prompts ----------------------------------------------------------
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return prompting.has_chat_template(self.tokenizer)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """The chat's prompt ids; replies that carry their generated ids keep them (reply_tokens.py)."""
+        return prompting.chat_prompt(self.tokenizer, messages, add_generation_prompt, self.loaded.name)
+
+    def chat_prompt(self, messages: list[dict], max_tokens: int | None = None,
+                    fit: bool = False) -> tuple[list[int], int]:
+        """The prompt of chat `messages`, and how many messages were left out.
+
+        With `fit`, a chat longer than the context loses its oldest turns
+        (context_window.py); otherwise nothing is left out, and the request
+        check refuses a prompt that is too long.
+        """
+        max_tokens = DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
+        if not fit or not whole(max_tokens) or max_tokens < 1:  # a bad option is named by the request check
+            return self.apply_chat_template(messages), 0
+        limit = self.limits.prompt_limit(max_tokens)
+        return prompting.fitted_chat_prompt(self.tokenizer, messages, limit, self.loaded.name)
+
+    def prompt_tokens(self, prompt) -> list[int]:
+        """A prompt's ids: text is encoded, ids are checked against the vocabulary."""
+        if isinstance(prompt, str):
+            return self.encode(prompt) if prompt else []
+        return self.limits.token_ids(prompt)
+
+    # -- generation -------------------------------------------------------
+
+    def generate(self, prompt, **kwargs) -> GenerationResult:
+        """Generate a whole reply to `prompt` (text or token ids)."""
+        prompt_tokens = self.prompt_tokens(prompt)
+        return collect(list(self.stream(prompt_tokens, **kwargs)), prompt_tokens)
+
+    def chat(self, messages: list[dict], **kwargs) -> GenerationResult:
+        """Reply to chat messages. For the next turn, append `result.as_message()`
+        (the reply with its ids): then the whole of this turn is a prefix hit."""
+        return self.generate(self.apply_chat_template(messages), **kwargs)
+
+    def stream(self, prompt, should_stop: Callable[[], bool] | None = None, **options) -> Iterator[GenerationChunk]:
+        """Yield one `GenerationChunk` per generated token; the last carries stats.
+
+        Options: max_tokens (256), temperature, top_p, top_k, min_p, seed,
+        cache_salt. The request runs on the engine's batch loop, so streams
+        consumed side by side decode as one batch. `should_stop` is asked
+        after each token; when it says yes the reply ends there with
+        finish_reason "cancelled" (before the first token: no chunks).
+        Closing the generator ends the request and releases its blocks.
+        """
+        records: deque = deque()
+        request = self.make_request(prompt, records.append, should_stop, **options)
+        if not self.loop.has_work:
+            mx.reset_peak_memory()
+        self.loop.add(request)
+        try:
+            while True:
+                while not records:
+                    self.loop.step()
+                record = records.popleft()
+                if isinstance(record, RequestFailed):
+                    if record.finish_reason == "cancelled":
+                        return
+                    raise MlxkvError(record.message)
+                yield record
+                if record.finish_reason is not None:
+                    return
+        finally:
+            self.loop.abort(request)
+
+    def generate_batch(self, prompts: list, **options) -> list[GenerationResult]:
+        """Whole replies to several prompts, generated as one continuous batch.
+
+        Options as for `stream` (without should_stop). A bad prompt fails
+        alone: its result has finish_reason "error" and `extra["error"]`.
+        """
+        records: list[list] = [[] for _ in prompts]
+        results: list[GenerationResult | None] = [None] * len(prompts)
+        for i, prompt in enumerate(prompts):
+            try:
+                self.loop.add(self.make_request(prompt, records[i].append, **options))
+            except Exception as e:  # a bad prompt fails alone
+                results[i] = failed_result(self._tokens_or_none(prompt), error_line(e, log))
+        while self.loop.has_work:
+            self.loop.step()
+        return [result or collect(recs, self.prompt_tokens(prompt))
+                for result, recs, prompt in zip(results, records, prompts)]
+
+    def _tokens_or_none(self, prompt) -> list[int]:
+        try:
+            return self.prompt_tokens(prompt)
+        except MlxkvError:
+            return []
+
+    def make_request(self, prompt, sink, should_stop: Callable[[], bool] | None = None, **options) -> Request:
+        """A checked `Request` for the batch loop (options as for `stream`); raises MlxkvError on bad input."""
+        prompt_tokens, sampler, root = self._prepare(prompt, **options)
+        max_tokens = self.limits.reply_room(len(prompt_tokens), options.get("max_tokens", DEFAULT_MAX_TOKENS))
+        return Request(
+            next(self._request_ids), prompt_tokens, max_tokens, sampler,
+            root, sink, self.tokenizer.detokenizer, should_stop,
+        )
+
+    def _prepare(
+        self,
+        prompt,
+        max_tokens: int = DEFAULT_MAX_TOKENS,
+        temperature: float = 0.0,
+        top_p: float = 0.0,
+        top_k: int = 0,
+        min_p: float = 0.0,
+        seed: int | None = None,
+        cache_salt: str | None = None,
+    ):
+        """A request's checked prompt tokens, its sampler and its hash root.
+
+        Options are checked before the pool fit, so a bad one is named
+        rather than a pool too small for it."""
+        prompt_tokens = self.prompt_tokens(prompt)
+        sampler = make_request_sampler(temperature, top_p, min_p, top_k, seed)  # checks those options
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise MlxkvError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
+        self.limits.check(prompt_tokens, max_tokens)
+        root = root_hash(self.fingerprint, cache_salt) if self.cache_config.prefix_cache else None
+        return prompt_tokens, sampler, root
+
+    # -- state ------------------------------------------------------------
+
+    def stats(self) -> dict:
+        """Pool state and configuration, as plain data."""
+        return {
+            "model": self.loaded.name,
+            "block_size": self.layout.block_size,
+            "kv_bytes_per_block": self.layout.bytes_per_block,
+            "pool_bytes": self.kv_pool.nbytes,
+            "prefix_cache": self.cache_config.prefix_cache,
+            "requests": self.loop.requests_served,
+            "pool": self.block_pool.usage(),
+            "connector": self.connector.stats(),
+        }
+
+    def close(self) -> None:
+        """Finish the connector's pending work (e.g. SSD writes)."""
+        self.connector.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

@@ -1,0 +1,153 @@
+"""Continuous batching: many requests on one pool, a step at a time.
+
+A step is three lines: schedule (scheduler.py) → run (run.py) →
+postprocess (postprocess.py). Requests join and leave between steps;
+each answers through its own sink, so any number can stream at once.
+The loop is not thread-safe: one thread (the engine thread) steps it, and
+`add` refuses a second thread while the first has work.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from mlxkv.cache.manager import KVCacheManager
+from mlxkv.cache.sequence import Sequence
+from mlxkv.engine.model_runner import ModelRunner
+from mlxkv.engine.postprocess import postprocess, register_prefill
+from mlxkv.engine.records import RequestFailed
+from mlxkv.engine.request import Request, RequestState
+from mlxkv.engine.run import run_step
+from mlxkv.engine.scheduler import Scheduler, StepPlan
+from mlxkv.errors import MlxkvError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _InFlight:
+    """A queued step whose sampled tokens have not been read yet."""
+
+    plan: StepPlan
+    sampled: mx.array  # lazy: one token per decode request of the plan
+
+
+class BatchLoop:
+    """Owns the requests in flight: the scheduler's queues, the sequences
+    running now, and how many requests it has served."""
+
+    def __init__(self, manager: KVCacheManager, runner: ModelRunner, eos, prefill_chunk: int,
+                 max_running: int = 64):
+        self.runner = runner
+        self.eos = eos
+        self.scheduler = Scheduler(manager, prefill_chunk, max_running,
+                                   on_start=self._on_start, on_release=self._on_release)
+        self.running: dict[int, Sequence] = {}  # by request id: what a pool view reads
+        self.requests_served = 0
+        self._in_flight: _InFlight | None = None
+        # Each decode request's token from the last queued step (lazy until read).
+        self._last_sampled: dict[Request, mx.array] = {}
+        self._owner: int | None = None  # the thread stepping the loop while it has work
+        self._owner_lock = threading.Lock()
+
+    def add(self, request: Request) -> None:
+        """Queue a request, from the thread that steps the loop.
+
+        Two threads generating on one engine at once broke it for good: MLX
+        arrays left lazy on one thread's stream cannot be evaluated on
+        another's ("There is no Stream(cpu, 2) in current thread"). Taking
+        turns is fine; EngineThread shares one engine between threads.
+        """
+        me = threading.get_ident()
+        with self._owner_lock:
+            if self.has_work and self._owner != me:
+                raise MlxkvError("the engine is generating on another thread; to share one engine "
+                                 "between threads, use EngineThread")
+            self._owner = me
+            self.scheduler.add(request)
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work or self._in_flight is not None
+
+    def step(self) -> list[Request]:
+        """One step; returns the requests that finished in it.
+
+        Pipelined as mlx-lm's generate loop is: step n+1 is queued on the
+        device before step n's tokens are read, so the model computes while
+        Python hands out records. A request that ends on a token (EOS, a
+        cancel) thus gets one more row, computed and dropped. Preemption
+        would take blocks from a request whose token is not read yet, so a
+        step that may preempt first reads the step in flight.
+        """
+        finished: list[Request] = []
+        try:
+            if self._in_flight is not None and not self.scheduler.decode_fits():
+                finished += self._read_in_flight()
+                self._last_sampled = {}
+            plan = self.scheduler.schedule()
+            flight = self._queue(plan)
+            finished += register_prefill(plan, self.scheduler.manager)
+            finished += self._read_in_flight()
+            self._in_flight = flight
+        except Exception as e:  # a bug or a failed step ends the requests in it, not the loop
+            log.exception("a step failed; ending the requests in it")
+            finished += self.fail_all(f"{type(e).__name__}: {e}")
+        self.requests_served += len(finished)
+        return finished
+
+    def _queue(self, plan: StepPlan) -> _InFlight | None:
+        """Start the plan's work on the device; the decode rows' tokens stay lazy."""
+        inputs = None
+        if plan.decode:
+            last = [self._last_sampled.get(r) for r in plan.decode]
+            inputs = mx.concatenate(
+                [t if t is not None else mx.array([r.seq.last_token]) for t, r in zip(last, plan.decode)]
+            )[:, None]
+        sampled = run_step(plan, self.runner, inputs)
+        if sampled is None:
+            return None
+        # The pool's writes too: a lone sequence attends to its mirror, so
+        # the sampled token does not depend on them, and unevaluated they
+        # piled up as lazy scatters until the pool was next read (46-124 ms
+        # of them after a 500-token demo reply, landing on the next prompt).
+        mx.async_eval(sampled, *self.runner.kv_pool.arrays)
+        self._last_sampled = {r: sampled[i : i + 1] for i, r in enumerate(plan.decode)}
+        for r in plan.decode:
+            r.issued += 1
+        return _InFlight(plan, sampled)
+
+    def _read_in_flight(self) -> list[Request]:
+        flight, self._in_flight = self._in_flight, None
+        if flight is None:
+            return []
+        return postprocess(flight.plan, flight.sampled.tolist(), self.scheduler, self.eos)
+
+    def abort(self, request: Request) -> None:
+        """End an unfinished request without more records (its stream was closed)."""
+        if request.state != RequestState.FINISHED:
+            self.scheduler.drop(request)
+            self.requests_served += 1
+
+    def fail_all(self, message: str) -> list[Request]:
+        self._in_flight, self._last_sampled = None, {}
+        failed = list(self.scheduler.running) + list(self.scheduler.waiting)
+        for request in list(self.scheduler.running):
+            self.scheduler.finish(request)
+        self.scheduler.waiting.clear()
+        for request in failed:
+            request.state = RequestState.FINISHED
+            request.sink(RequestFailed(message))
+        return failed
+
+    def _on_start(self, seq: Sequence) -> None:
+        self.running[seq.request_id] = seq
+
+    def _on_release(self, seq: Sequence) -> None:
+        self.running.pop(seq.request_id, None)
+        self.runner.release(seq)
+

@@ -1,0 +1,92 @@
+"""After a step: record sampled tokens, register full blocks, end finished requests.
+
+Each request gets its records through its own sink: a `GenerationChunk`
+per token (the last one with finish_reason and stats), or one
+`RequestFailed` for a request dropped on a cancel while it waited (before
+its first token, or after a preemption: then with its stats).
+
+Steps are pipelined (batching.py): a step's tokens are handed out after the
+next step is queued, so a request that ended on its previous token may
+have one more row here, which is dropped.
+"""
+
+from __future__ import annotations
+
+import time
+
+import mlx.core as mx
+
+from mlxkv.engine.records import GenerationChunk, RequestFailed
+from mlxkv.engine.request import Request, RequestState
+from mlxkv.engine.scheduler import Scheduler, StepPlan
+
+
+def register_prefill(plan: StepPlan, manager) -> list[Request]:
+    """Register the blocks the plan's prefill filled; end the requests it dropped.
+
+    Runs as soon as the step is queued, so the next step's admissions hit
+    those blocks. Returns the dropped (cancelled) requests.
+    """
+    for request, _ in plan.prefill:
+        manager.cache_blocks(request.seq)
+    for request in plan.cancelled:
+        if request.output:  # preempted, then cancelled while it waited for blocks
+            _finish_stats(request, time.perf_counter())
+            request.sink(RequestFailed("cancelled while waiting for blocks", "cancelled", request.stats))
+        else:
+            request.sink(RequestFailed("cancelled before it started", "cancelled"))
+    return list(plan.cancelled)
+
+
+def postprocess(plan: StepPlan, sampled: list[int], scheduler: Scheduler, eos) -> list[Request]:
+    """Hand out the tokens of the plan's decode rows; returns the requests that finished."""
+    manager = scheduler.manager
+    finished = []
+    now = time.perf_counter()
+    for request, token in zip(plan.decode, sampled):
+        if request.state != RequestState.RUNNING:
+            continue  # it ended on its previous token; this row was speculative
+        request.seq.output.append(token)
+        request.output.append(token)
+        manager.cache_blocks(request.seq, store_now=False)
+        if request.first_token_at is None:
+            _first_token(request, now)
+        finish = _finish_reason(request, token, eos)
+        detok = request.detokenizer
+        if finish != "stop":
+            detok.add_token(token)
+        if finish is None:
+            request.sink(GenerationChunk(detok.last_segment, token))
+            continue
+        detok.finalize()
+        _finish_stats(request, now)
+        scheduler.finish(request)  # blocks are back before the last record is seen
+        finished.append(request)
+        request.sink(GenerationChunk(detok.last_segment, token, finish, request.stats))
+    return finished
+
+
+def _finish_reason(request: Request, token: int, eos) -> str | None:
+    if token in eos:
+        return "stop"
+    if len(request.output) >= request.max_tokens:
+        return "length"
+    return "cancelled" if request.cancelled else None
+
+
+def _first_token(request: Request, now: float) -> None:
+    request.first_token_at = now
+    stats = request.stats
+    stats.ttft_s = now - request.arrival  # queued time included; it is in queued_s too
+    busy = stats.ttft_s - stats.queued_s - stats.preempted_s
+    if busy > 0:
+        stats.prompt_tokens_per_s = stats.computed_tokens / busy
+
+
+def _finish_stats(request: Request, now: float) -> None:
+    stats = request.stats
+    stats.generation_tokens = len(request.output)
+    elapsed = now - request.first_token_at
+    if stats.generation_tokens > 1 and elapsed > 0:
+        stats.decode_tokens_per_s = (stats.generation_tokens - 1) / elapsed
+    stats.peak_memory_gb = mx.get_peak_memory() / 1e9

@@ -1,0 +1,68 @@
+"""The one place mlxkv touches mlx-lm's internals.
+
+Everything here is a name mlx-lm does not promise to keep: a private base
+class, a module attribute we rebind, a table of its loader. When mlx-lm
+changes one of them, tests/models/test_compat.py fails here, not somewhere
+downstream with a wrong answer.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import sys
+from collections.abc import Callable
+
+from mlx_lm.models.cache import _BaseCache, create_attention_mask, make_prompt_cache  # noqa: F401
+
+log = logging.getLogger(__name__)
+
+# The base class of mlx-lm's cache objects: a paged cache subclasses it so
+# that mlx-lm code that checks for it (and its default methods) works.
+BaseCache = _BaseCache
+
+# The name each model module imports from mlx_lm.models.base and calls.
+_ATTENTION_NAME = "scaled_dot_product_attention"
+_ROUTED = "_mlxkv_routed"
+
+
+def route_attention(model, routed: Callable[[Callable], Callable]) -> bool:
+    """Rebind the attention function the model's module calls to `routed(original)`.
+
+    mlx-lm model modules call `scaled_dot_product_attention`, imported from
+    `mlx_lm.models.base` into their own namespace. Wrapping that name in the
+    model's module routes our caches to us and leaves every other model of
+    the family (an mlx-lm run in the same process) on the original. Returns
+    False, and logs why, when the module has no such name.
+    """
+    module = sys.modules[type(model).__module__]
+    original = getattr(module, _ATTENTION_NAME, None)
+    if original is None:
+        log.warning("%s has no %s to route; attention takes the gathered K/V", module.__name__, _ATTENTION_NAME)
+        return False
+    if getattr(original, _ROUTED, False):
+        return True
+    wrapper = routed(original)
+    setattr(wrapper, _ROUTED, True)
+    setattr(module, _ATTENTION_NAME, wrapper)
+    return True
+
+
+def model_classes(model_type: str):
+    """(Model, ModelArgs) of an mlx-lm family, as its loader picks them (mistral -> llama)."""
+    from mlx_lm.utils import MODEL_REMAPPING  # deferred: pulls in transformers
+
+    arch = importlib.import_module(f"mlx_lm.models.{MODEL_REMAPPING.get(model_type, model_type)}")
+    return arch.Model, arch.ModelArgs
+
+
+def model_file_patterns() -> list[str]:
+    """The files mlx_lm.load reads from a model repository."""
+    from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS
+
+    return list(DEFAULT_ALLOW_PATTERNS)
+
+
+def cache_layout(model) -> list:
+    """The model's own cache objects, one per cache slot: what it would run mlx-lm with."""
+    return make_prompt_cache(model)

@@ -1,0 +1,91 @@
+"""Finding a model on disk before loading it, with progress for downloads.
+
+`demo` is written locally, a directory is used as it is, and a Hugging Face
+id is taken from the local Hugging Face cache or downloaded with the files
+mlx-lm's loader reads, reporting bytes as they arrive.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+from collections.abc import Callable
+
+from mlxkv.errors import MlxkvError
+
+# A small real instruct model: the chat app's default when --model is not given.
+DEFAULT_CHAT_MODEL = "mlx-community/Qwen2.5-0.5B-Instruct-4bit"
+
+# report(what, fraction done or None)
+Report = Callable[[str, "float | None"], None]
+
+
+HF_REPO = re.compile(r"^[\w.-]+/[\w.-]+$")
+
+
+def local_model(name: str, report: Report = lambda what, fraction: None) -> str | None:
+    """The directory `name` names here (`demo`, written on first use, or a
+    path), or None for a Hugging Face id; MlxkvError for anything else."""
+    if name == "demo":
+        from mlxkv.models.tiny import demo_model_path  # imports mlx; keep DEFAULT_CHAT_MODEL light
+
+        report("preparing the demo model (random weights, no download)", None)
+        return str(demo_model_path())
+    if os.path.isdir(name):
+        return name
+    if not HF_REPO.match(name):
+        raise MlxkvError(f"model not found: {name!r} is not a directory or a Hugging Face id (try --model demo)")
+    return None
+
+
+def fetch_model(name: str, report: Report) -> str:
+    """A local directory holding `name`, downloading it if it is a Hugging Face id."""
+    return local_model(name, report) or _cached(name) or _download(name, report)
+
+
+def _snapshot_download(name: str, **kwargs) -> str:
+    from huggingface_hub import snapshot_download
+
+    from mlxkv.models import compat
+
+    return snapshot_download(name, allow_patterns=compat.model_file_patterns(), **kwargs)
+
+
+def _cached(name: str) -> str | None:
+    try:
+        return _snapshot_download(name, local_files_only=True)
+    except Exception:  # not cached, or cached incompletely
+        return None
+
+
+def _download(name: str, report: Report) -> str:
+    report(f"downloading {name}", 0.0)
+    try:
+        return _snapshot_download(name, tqdm_class=progress_bar_class(name, report))
+    except Exception as e:
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise MlxkvError(
+            f"cannot download {name} and it is not in the Hugging Face cache ({reason}). "
+            "Offline? Use `--model demo` (built in, no download) or a local model directory: "
+            "`--model /path/to/mlx-model`"
+        ) from None
+
+
+def progress_bar_class(name: str, report: Report):
+    """A tqdm class for huggingface_hub that reports byte counts instead of drawing."""
+    from tqdm.auto import tqdm
+
+    class ReportingBar(tqdm):
+        def __init__(self, *args, **kwargs):
+            kwargs["file"] = io.StringIO()
+            kwargs.setdefault("mininterval", 0.25)
+            super().__init__(*args, **kwargs)
+
+        def display(self, msg=None, pos=None):
+            if self.unit == "B" and self.total:
+                mb, total = self.n / 1e6, self.total / 1e6
+                report(f"downloading {name}: {mb:.0f} / {total:.0f} MB", min(1.0, self.n / self.total))
+            return True
+
+    return ReportingBar

@@ -1,0 +1,363 @@
+"""Tiny random-weight models in the Hugging Face layout.
+
+`write_tiny_model` writes a directory that `mlx_lm.load` opens like any
+downloaded checkpoint: config.json, model.safetensors, and a byte-level BPE
+tokenizer with a ChatML template. Nothing is downloaded: the tokenizer is
+trained on a built-in corpus and the weights are drawn from `seed`, so the
+same spec always gives byte-identical files. Tests and the `demo` model use it.
+"""
+
+import argparse
+import dataclasses
+import itertools
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+import mlx.core as mx
+import platformdirs
+from mlx.utils import tree_flatten
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from mlxkv.errors import MlxkvError
+from mlxkv.models import compat
+from mlxkv.system.machine import physical_memory
+from mlxkv.system.paths import cache_root
+
+# Extra config.json keys per family, on top of the ones every family shares.
+FAMILIES = {
+    "llama": {},
+    "mistral": {},
+    "qwen2": {},
+    "qwen3": {},
+    "gemma": {},
+    "phi3": {},
+    "starcoder2": {"norm_epsilon": 1e-5},
+    "olmo2": {},
+    # Every other layer is sliding-window, so make_cache() returns some
+    # RotatingKVCache: this family exercises the "unsupported family" path.
+    "gemma3_text": {"sliding_window": 64, "sliding_window_pattern": 2},
+}
+UNSUPPORTED_CACHE_FAMILY = "gemma3_text"
+# Gains for the projections that write back into the residual stream. At
+# 1/sqrt(fan_in) the stream stays dominated by the input token's embedding, so
+# greedy decoding becomes a token -> token map stuck in short loops (tied-
+# embedding gemma just repeats the input). Louder layers make it use context.
+_RESIDUAL_GAINS = {"o_proj": 3.0, "down_proj": 3.0, "c_proj": 3.0}
+# These attention classes derive head_dim from hidden_size / num_heads.
+_DERIVED_HEAD_DIM = {"qwen2", "phi3", "starcoder2"}
+DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+MAX_VOCAB_SIZE = 65536  # the built-in corpus fills exactly this many tokens
+BUILD_COPIES = 3  # float32 copies of the weights alive while a model is built
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class TinyModelSpec:
+    family: str = "llama"
+    num_layers: int = 2
+    hidden_size: int = 64
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int | None = None
+    vocab_size: int = 512
+    intermediate_size: int | None = None
+    dtype: str = "float32"
+    seed: int = 0
+    max_position_embeddings: int = 4096
+
+    def __post_init__(self):
+        self._check_values()
+        self._check_shapes()
+        self._check_size()
+
+    def _check_values(self) -> None:
+        for what, value, choices in (("model family", self.family, FAMILIES),
+                                     ("dtype", self.dtype, DTYPES)):
+            if value not in choices:
+                raise MlxkvError(f"unknown {what} {value!r}; choose one of: {', '.join(choices)}")
+        for field in dataclasses.fields(self):
+            value, low = getattr(self, field.name), 0 if field.name == "seed" else 1
+            optional = field.name in ("head_dim", "intermediate_size") and value is None
+            if field.type is not str and not optional and (type(value) is not int or value < low):
+                raise MlxkvError(f"{field.name} must be an integer >= {low}, got {value!r}")
+
+    def _check_shapes(self) -> None:
+        if self.family == "gemma3_text" and self.num_layers < 2:
+            raise MlxkvError("gemma3_text needs num_layers >= 2 (one sliding, one global)")
+        if self.num_heads % self.num_kv_heads:
+            raise MlxkvError(f"num_heads ({self.num_heads}) must be a multiple of "
+                             f"num_kv_heads ({self.num_kv_heads})")
+        if self.head_dim is None and self.hidden_size % self.num_heads:
+            raise MlxkvError(f"hidden_size ({self.hidden_size}) must be a multiple of "
+                             f"num_heads ({self.num_heads})")
+        if (self.family in _DERIVED_HEAD_DIM and self.head_dim is not None
+                and self.head_dim * self.num_heads != self.hidden_size):
+            raise MlxkvError(f"{self.family} needs head_dim == hidden_size / num_heads; "
+                             "leave head_dim unset")
+        if self.resolved_head_dim % 2:
+            raise MlxkvError(f"head_dim must be even for rotary embeddings, "
+                             f"got {self.resolved_head_dim}")
+        low = 256 + len(SPECIAL_TOKENS)
+        if not low <= self.vocab_size <= MAX_VOCAB_SIZE:
+            raise MlxkvError(f"vocab_size must be between {low} (bytes + special tokens) "
+                             f"and {MAX_VOCAB_SIZE}, got {self.vocab_size}")
+
+    def _check_size(self) -> None:
+        # Building holds the class's float32 parameters, the random draws and
+        # the cast: about three copies. MLX does not fail an allocation it
+        # cannot make (machine.py): --hidden-size 100000000 was a segfault.
+        need, memory = BUILD_COPIES * 4 * self.approx_parameters, physical_memory()
+        if need > memory:
+            raise MlxkvError(f"a model of about {self.approx_parameters:,} parameters needs about "
+                             f"{need / 2**30:,.1f} GiB to build, more than this machine's {memory / 2**30:,.1f} GiB; "
+                             "lower --hidden-size, --intermediate-size, --layers or --vocab-size")
+
+    @property
+    def approx_parameters(self) -> int:
+        """Embedding, head, attention and a three-matrix MLP: an upper bound, within
+        a third (a tied head or a two-matrix MLP counts extra; norms, biases are noise)."""
+        hidden, head_dim = self.hidden_size, self.resolved_head_dim
+        attention = hidden * head_dim * 2 * (self.num_heads + self.num_kv_heads)
+        mlp = 3 * hidden * (self.intermediate_size or 3 * hidden)
+        return 2 * self.vocab_size * hidden + self.num_layers * (attention + mlp)
+
+    @property
+    def resolved_head_dim(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_heads
+
+
+DEMO_SPEC = TinyModelSpec(hidden_size=128, vocab_size=1024)
+
+
+def model_config(spec: TinyModelSpec) -> dict:
+    """The config.json contents; mlx-lm's ModelArgs.from_dict ignores extra keys."""
+    head_dim = spec.resolved_head_dim
+    return {
+        "model_type": spec.family,
+        "hidden_size": spec.hidden_size,
+        "num_hidden_layers": spec.num_layers,
+        "num_attention_heads": spec.num_heads,
+        "num_key_value_heads": spec.num_kv_heads,
+        "head_dim": head_dim,
+        "query_pre_attn_scalar": head_dim,
+        "intermediate_size": spec.intermediate_size or 3 * spec.hidden_size,
+        "vocab_size": spec.vocab_size,
+        "max_position_embeddings": spec.max_position_embeddings,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        # Untied where the family allows: a tied head favours repeating the input.
+        "tie_word_embeddings": False,
+        "bos_token_id": SPECIAL_TOKENS.index("<|endoftext|>"),
+        "pad_token_id": SPECIAL_TOKENS.index("<|endoftext|>"),
+        "eos_token_id": [SPECIAL_TOKENS.index(t) for t in ("<|im_end|>", "<|endoftext|>")],
+        "torch_dtype": spec.dtype,
+        "mlxkv_tiny_model": dataclasses.asdict(spec),
+        **FAMILIES[spec.family],
+    }
+
+
+def _random_weights(config: dict, spec: TinyModelSpec) -> dict[str, mx.array]:
+    """Weights named and shaped by mlx-lm's own class, drawn from `spec.seed`.
+
+    The class's initialisers use the global RNG; we redraw every random
+    tensor from an explicit key so no global state is touched or relied on.
+    """
+    model_class, args_class = compat.model_classes(spec.family)
+    params = sorted(tree_flatten(model_class(args_class.from_dict(config)).parameters()))
+    keys = mx.random.split(mx.random.key(spec.seed), len(params))
+    weights = {}
+    for key, (name, value) in zip(keys, params):
+        if value.ndim >= 2:
+            # std 1/sqrt(fan_in) keeps activations O(1).
+            gain = _RESIDUAL_GAINS.get(name.split(".")[-2], 1.0)
+            value = gain * mx.random.normal(value.shape, key=key) / value.shape[-1] ** 0.5
+        elif name.endswith(".bias"):
+            value = 0.02 * mx.random.normal(value.shape, key=key)
+        # Other 1-D tensors are norm scales, constants in every class.
+        weights[name] = value.astype(DTYPES[spec.dtype])
+    mx.eval(weights)
+    return weights
+
+
+def _corpus(vocab_size: int) -> list[str]:
+    """English-ish text, then made-up words until BPE can fill `vocab_size`."""
+    english = (
+        "The quick brown fox jumps over the lazy dog. Hello, world! How are you today?\n"
+        "Once upon a time a small model lived in a cache. It read every token and wrote\n"
+        "keys and values into blocks of memory; when the same prompt came back, it\n"
+        "remembered the prefix and skipped the work. Numbers: 0 1 2 3 10 42 100 2024.\n"
+        'Questions? Answers! "Quotes", (parens), [brackets], {braces} - and dashes.\n'
+        'def main():\n    print("hello")\n    return 0\n'
+    )
+    onsets = "b c d f g h j k l m n p r s t v w y z br ch cl dr fl gr pl sh st th tr".split()
+    vowels = "a e i o u ai ea ee oo ou".split()
+    codas = ["", "n", "r", "s", "t", "l", "m", "nd", "st", "ng"]
+    syllables = ["".join(p) for p in itertools.product(onsets, vowels, codas)]
+    n = len(syllables)
+    # 7919 is prime and coprime to n*n, so this walks distinct syllable pairs.
+    pairs = (divmod(i * 7919 % (n * n), n) for i in range(2 * vocab_size))
+    return [english] * 20 + [" ".join(syllables[a] + syllables[b] for a, b in pairs)]
+
+
+def _tokenizer(vocab_size: int) -> Tokenizer:
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        # All 256 byte symbols, even unseen ones, so any text encodes.
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(_corpus(vocab_size), trainer)
+    return tokenizer
+
+
+def _write_files(directory: Path, spec: TinyModelSpec) -> None:
+    config = model_config(spec)
+    weights = _random_weights(config, spec)
+    mx.save_safetensors(str(directory / "model.safetensors"), weights, {"format": "mlx"})
+    _tokenizer(spec.vocab_size).save(str(directory / "tokenizer.json"))
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": None,
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "chat_template": CHAT_TEMPLATE,
+        "model_max_length": spec.max_position_embeddings,
+        "clean_up_tokenization_spaces": False,
+    }
+    for name, content in (("config.json", config), ("tokenizer_config.json", tokenizer_config)):
+        (directory / name).write_text(json.dumps(content, indent=2, sort_keys=True) + "\n")
+
+
+def _is_model(path: Path) -> bool:
+    return (path / "config.json").is_file() and (path / "model.safetensors").is_file()
+
+
+def _sibling(path: Path, tag: str) -> Path:
+    """A new hidden dir beside `path` (same filesystem, so rename is atomic).
+
+    Not tempfile.mkdtemp: its 0700 mode would stick to the published model.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    sibling = path.parent / f".{path.name}.{tag}.{uuid.uuid4().hex}"
+    sibling.mkdir()
+    return sibling
+
+
+def _build(path: Path, spec: TinyModelSpec) -> Path:
+    """Write the model into a fresh staging dir beside `path` and return it."""
+    staging = _sibling(path, "staging")
+    try:
+        _write_files(staging, spec)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return staging
+
+
+def write_tiny_model(path: str | os.PathLike, spec: TinyModelSpec = TinyModelSpec()) -> Path:
+    """Write a random-weight model to `path`, replacing a model already there.
+
+    Readers never see a half-written model: files are staged in a temp dir
+    beside `path` and renamed into place.
+    """
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise MlxkvError(f"{path} exists and is not a directory")
+    if path.is_dir() and any(path.iterdir()) and not _is_model(path):
+        raise MlxkvError(f"{path} is not empty and holds no model; "
+                         "pick a new or empty directory")
+    try:
+        _put_in_place(_build(path, spec), path)
+    except OSError as e:  # no such parent, read-only, disk full...
+        where = f" ({e.filename})" if e.filename and Path(e.filename) != path else ""
+        raise MlxkvError(f"cannot write a model to {path}: {e.strerror or e}{where}") from None
+    return path
+
+
+def _put_in_place(staging: Path, path: Path) -> None:
+    old = None
+    if _is_model(path):
+        # rename() will not replace a non-empty directory, so move it aside.
+        old = _sibling(path, "old")
+        os.rename(path, old / "model")
+    os.rename(staging, path)  # an empty directory is replaced atomically
+    if old is not None:
+        shutil.rmtree(old)
+
+
+def _written_spec(path: Path) -> dict | None:
+    try:
+        return json.loads((path / "config.json").read_text()).get("mlxkv_tiny_model")
+    except (OSError, ValueError):
+        return None
+
+
+def demo_model_path() -> Path:
+    """The demo model, written into the user cache on first use and reused."""
+    return cached_tiny_model("demo", DEMO_SPEC)
+
+
+def cached_tiny_model(name: str, spec: TinyModelSpec, log=None) -> Path:
+    """The model `spec` under `name` in the user cache, written on first use and reused.
+
+    Processes racing to create it each build privately; the first rename
+    wins and the others discard theirs.
+    """
+    path = cache_root() / "models" / name
+    if _written_spec(path) == dataclasses.asdict(spec) and _is_model(path):
+        return path
+    if log is not None:
+        log(f"writing the model {name!r} to {path} (once)")
+    if path.exists():  # written by an older mlxkv with another spec
+        return write_tiny_model(path, spec)
+    staging = _build(path, spec)
+    try:
+        os.rename(staging, path)
+    except OSError:
+        shutil.rmtree(staging, ignore_errors=True)
+        if not _is_model(path):
+            raise
+    return path
+
+
+# CLI flag -> (TinyModelSpec field, help). Types and defaults come from the spec.
+_FLAGS = {
+    "--family": ("family", f"mlx-lm model family: {', '.join(FAMILIES)}"),
+    "--layers": ("num_layers", "transformer layers"),
+    "--hidden-size": ("hidden_size", "model width"),
+    "--heads": ("num_heads", "attention (query) heads"),
+    "--kv-heads": ("num_kv_heads", "key/value heads"),
+    "--head-dim": ("head_dim", "per-head width (default: hidden-size / heads)"),
+    "--vocab-size": ("vocab_size", "tokenizer and embedding rows"),
+    "--intermediate-size": ("intermediate_size", "MLP width (default: 3 * hidden-size)"),
+    "--dtype": ("dtype", f"weight dtype: {', '.join(DTYPES)}"),
+    "--seed": ("seed", "the weights are a pure function of the spec and this seed"),
+}
+
+
+def add_tiny_model_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("dir", help="where to write the model: a new or empty directory, "
+                                    "or one holding an earlier model, which is replaced")
+    defaults = TinyModelSpec()
+    for flag, (field, help) in _FLAGS.items():
+        default = getattr(defaults, field)
+        # TinyModelSpec validates values, so a bad one is an MlxkvError, not a usage error.
+        kind = str if field in ("family", "dtype") else int
+        parser.add_argument(flag, dest=field, type=kind, default=default, help=help)
+
+
+def spec_from_args(args: argparse.Namespace) -> TinyModelSpec:
+    return TinyModelSpec(**{field: getattr(args, field) for field, _ in _FLAGS.values()})

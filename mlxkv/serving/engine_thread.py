@@ -1,0 +1,317 @@
+"""One long-lived thread that owns all MLX state: model, stream, pool and tiers.
+
+Like mlx-lm's server, the thread loads the model itself, makes its own MLX
+stream (streams belong to the thread that made them), then serves requests
+from a `queue.Queue`. Each request answers on its own queue through a
+`RequestHandle`: iterate it for `GenerationChunk` records (or a
+`RequestFailed`), or call `cancel()`. Requests run as one continuous batch
+(engine/loop.py): a reply keeps streaming while others join, prefill or
+end. Engine-wide news (load progress, ready, failure, pool snapshots) goes
+to an `on_event` callback, called on the engine thread; it must not block
+(a UI posts a message and returns).
+
+    engine = EngineThread("demo", CacheConfig()).start()
+    engine.wait_ready()
+    for record in engine.submit(messages=[{"role": "user", "content": "Hi"}], max_tokens=32):
+        print(record.text, end="")
+    engine.close()
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import queue
+import threading
+import time
+import warnings
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+from mlxkv.config import CacheConfig
+from mlxkv.engine.records import GenerationChunk, RequestFailed, is_last  # noqa: F401  (re-exported)
+from mlxkv.engine.sampling import whole
+from mlxkv.errors import MlxkvError, MlxkvWarning, error_line, warning_text
+from mlxkv.serving.request_handle import RequestHandle
+
+log = logging.getLogger(__name__)
+
+# Pool snapshots during a reply: at most this often (they cost O(blocks)).
+SNAPSHOT_INTERVAL_S = 0.25
+
+
+@dataclass
+class EngineEvent:
+    """Engine-wide news. kind: "progress", "ready", "failed", "snapshot" or "closed"."""
+
+    kind: str
+    text: str = ""
+    fraction: float | None = None  # of a download, when known
+    info: dict = field(default_factory=dict)  # "ready": engine.stats()
+    snapshot: object = None  # "snapshot" and "ready": a pool_view.PoolSnapshot
+    warnings: list[str] = field(default_factory=list)  # "ready": MlxkvWarnings raised while loading
+
+
+@dataclass
+class _Request:
+    handle: RequestHandle
+    prompt: object  # text or token ids; None when messages are given
+    messages: list[dict] | None
+    options: dict
+    fit_context: bool = False
+    reply_room: int | None = None
+
+
+def load_engine(model: str, cache: CacheConfig, report: Callable[[str, float | None], None]):
+    """Fetch (download with progress if needed) and load `model` onto a new pool."""
+    from mlxkv.engine.engine import Engine
+    from mlxkv.models.fetch import fetch_model
+    from mlxkv.models.loader import load_model
+
+    path = fetch_model(model, report)
+    report(f"loading {model}", None)
+    loaded = load_model(path)
+    loaded.name = model
+    report("sizing the KV pool and opening the cache tiers", None)
+    return Engine(loaded, cache)
+
+
+_CLOSE = object()
+
+
+@contextlib.contextmanager
+def _mlxkv_warnings():
+    """Collect the MlxkvWarnings raised inside (e.g. an SSD tier left off), for
+    the ready event: a UI owns the terminal, so a line on stderr would be lost.
+    Other warnings are shown as usual.
+
+    warnings.catch_warnings is process-wide: a warning another thread raises
+    meanwhile is caught here too, and so still shown, or still reported.
+    """
+    caught: list[warnings.WarningMessage] = []
+    try:
+        with warnings.catch_warnings(record=True) as recorded:
+            warnings.simplefilter("always", MlxkvWarning)
+            yield caught
+    finally:
+        for w in recorded:
+            if issubclass(w.category, MlxkvWarning):
+                caught.append(w)
+            else:
+                warnings.showwarning(w.message, w.category, w.filename, w.lineno, w.file, w.line)
+
+
+class EngineThread:
+    def __init__(
+        self,
+        model: str,
+        cache: CacheConfig | None = None,
+        *,
+        on_event: Callable[[EngineEvent], None] | None = None,
+        load: Callable = load_engine,
+        snapshot_interval: float = SNAPSHOT_INTERVAL_S,
+    ):
+        self.model = model
+        self.cache = cache or CacheConfig()
+        self.on_event = on_event or (lambda event: None)
+        self._load = load
+        self.snapshot_interval = snapshot_interval
+        self._queue: queue.Queue = queue.Queue()
+        self._ids = itertools.count()
+        self._open: dict[int, RequestHandle] = {}  # submitted and not finished
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._main, name="mlxkv-engine", daemon=True)
+        self.engine = None  # read it only on the engine thread (see call())
+        self.error: str | None = None
+        self._closed = False
+        self._snapshot_due = False
+        self._next_snapshot = 0.0
+
+    # -- any thread -------------------------------------------------------
+
+    def start(self) -> EngineThread:
+        self._thread.start()
+        return self
+
+    def wait_ready(self, timeout: float | None = None) -> None:
+        """Block until the model is loaded; raise MlxkvError if it failed."""
+        if not self._ready.wait(timeout):
+            raise TimeoutError(f"model {self.model!r} did not load in {timeout} s")
+        if self.error is not None:
+            raise MlxkvError(self.error)
+
+    def submit(self, prompt=None, *, messages: list[dict] | None = None, fit_context: bool = False,
+               reply_room: int | None = None, **options) -> RequestHandle:
+        """Queue a request: a prompt (text or token ids) or chat messages.
+
+        `fit_context` leaves out a chat's oldest turns when the messages are
+        longer than the context (see context_window.py), leaving room for a
+        reply of `reply_room` tokens (default: max_tokens); the handle's
+        `left_out` says how many. A chat's prefill (max_tokens=1) passes its
+        replies' max_tokens as `reply_room`, so it loads the window they
+        will use. `options` go to `Engine.stream` (max_tokens, temperature, ...).
+        """
+        if (prompt is None) == (messages is None):
+            raise ValueError("give a prompt or messages, not both")
+        if self._closed:
+            raise MlxkvError("the engine is closed")
+        if reply_room is not None and (not whole(reply_room) or reply_room < 1):
+            raise MlxkvError(f"reply_room must be a whole number, at least 1, got {reply_room!r}")
+        handle = RequestHandle(next(self._ids))
+        self._open[handle.id] = handle
+        self._queue.put(_Request(handle, prompt, messages, options, fit_context, reply_room))
+        return handle
+
+    def call(self, fn: Callable) -> Future:
+        """Run `fn(engine)` on the engine thread between requests."""
+        future: Future = Future()
+        self._queue.put((fn, future))
+        return future
+
+    def close(self, timeout: float | None = 30.0) -> None:
+        """Cancel open requests, finish SSD writes, and end the thread."""
+        if self._closed:
+            return
+        self._closed = True
+        for handle in list(self._open.values()):
+            handle.cancel()
+        self._queue.put(_CLOSE)
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    # -- the engine thread ------------------------------------------------
+
+    def _main(self) -> None:
+        import mlx.core as mx
+
+        stream = mx.new_thread_local_stream(mx.default_device())
+        with mx.stream(stream):
+            if self._start_engine():
+                self._serve()
+                self.engine.close()
+            else:
+                self._refuse_all()
+        # A stream outliving its thread made the interpreter's exit abort
+        # ("terminate called without an active exception", exit code 134)
+        # after any request; MLX asks threads to free their streams first.
+        mx.synchronize(stream)
+        mx.clear_streams()
+        self.on_event(EngineEvent("closed"))
+
+    def _start_engine(self) -> bool:
+        from mlxkv.serving.pool_view import PoolWatcher
+
+        def report(text: str, fraction: float | None = None) -> None:
+            self.on_event(EngineEvent("progress", text, fraction))
+
+        try:
+            with _mlxkv_warnings() as caught:
+                self.engine = self._load(self.model, self.cache, report)
+            self.watcher = PoolWatcher.of(self.engine)
+        except Exception as e:  # any load failure becomes one line for the user
+            if isinstance(e, MlxkvError):
+                self.error = str(e)
+            else:
+                log.exception("loading %s failed", self.model)
+                self.error = f"could not load model {self.model!r}: {e}"
+            self._ready.set()
+            self.on_event(EngineEvent("failed", self.error))
+            return False
+        self._ready.set()
+        self.on_event(EngineEvent("ready", self.model, info=self.engine.stats(), snapshot=self.watcher.snapshot(),
+                                  warnings=[warning_text(w.message) for w in caught]))
+        return True
+
+    def _serve(self) -> None:
+        """Serve queued requests as one continuous batch, stepping while any is open."""
+        loop = self.engine.loop
+        closing = False
+        while not closing or loop.has_work:
+            for item in self._take(block=not closing and not loop.has_work):
+                if item is _CLOSE:
+                    closing = True
+                elif isinstance(item, tuple):
+                    self._call(*item)
+                else:
+                    self._submit(loop, item)
+            if loop.has_work:
+                loop.step()
+                self._snapshot_if_due()
+
+    def _take(self, block: bool) -> list:
+        """Whatever is queued now; when `block`, wait for at least one item."""
+        items = [self._queue.get()] if block else []
+        while True:
+            try:
+                items.append(self._queue.get_nowait())
+            except queue.Empty:
+                return items
+
+    def _refuse_all(self) -> None:
+        while (item := self._queue.get()) is not _CLOSE:
+            if isinstance(item, tuple):
+                item[1].set_exception(MlxkvError(self.error))
+            else:
+                self._open.pop(item.handle.id, None)
+                item.handle._put(RequestFailed(self.error))
+
+    def _call(self, fn: Callable, future: Future) -> None:
+        try:
+            future.set_result(fn(self.engine))
+        except Exception as e:
+            future.set_exception(e)
+
+    def _submit(self, loop, request: _Request) -> None:
+        handle = request.handle
+        if handle.cancelled:
+            self._end(handle, RequestFailed("cancelled before it started", "cancelled"))
+            return
+        try:
+            prompt = request.prompt
+            if request.messages is not None:
+                room = request.options.get("max_tokens") if request.reply_room is None else request.reply_room
+                prompt, handle.left_out = self.engine.chat_prompt(request.messages, room, fit=request.fit_context)
+            sink = self._sink(handle)
+            queued = self.engine.make_request(prompt, sink, should_stop=handle._cancel.is_set, **request.options)
+        except Exception as e:  # one request's failure never ends the thread
+            self._end(handle, RequestFailed(error_line(e, log)))
+            return
+        if not loop.has_work:
+            self.watcher.begin()  # marks are per turn: from an idle pool on
+        loop.add(queued)
+
+    def _sink(self, handle: RequestHandle) -> Callable:
+        """Where the batch loop puts a request's records; notes when a snapshot is due."""
+        first = [True]
+
+        def put(record) -> None:
+            handle._put(record)
+            if is_last(record):
+                self._open.pop(handle.id, None)
+                self._snapshot_due = True
+            elif first[0]:  # the first token's snapshot shows the prefix hits
+                first[0] = False
+                self._snapshot_due = True
+
+        return put
+
+    def _end(self, handle: RequestHandle, record) -> None:
+        self._open.pop(handle.id, None)
+        handle._put(record)
+        self._snapshot_due = True
+
+    def _snapshot_if_due(self) -> None:
+        now = time.monotonic()
+        if self._snapshot_due or now >= self._next_snapshot:
+            self._snapshot()
+            self._snapshot_due = False
+            self._next_snapshot = now + self.snapshot_interval
+
+    def _snapshot(self) -> None:
+        self.on_event(EngineEvent("snapshot", snapshot=self.watcher.snapshot()))

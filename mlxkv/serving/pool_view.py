@@ -1,0 +1,100 @@
+"""What the block pool looks like right now, and what the current turn did to it.
+
+A `PoolSnapshot` is plain data for a UI: one state character per block
+(see `BlockPool.block_states`), one event mark per block, pool usage and the
+tiers' counters. `PoolWatcher` makes snapshots; it runs on the engine thread,
+the only thread that may read the pool.
+
+Marks say what happened to a block since `PoolWatcher.begin()` (the start of
+a turn): a prefix hit in the pool, a block hydrated from the memory or SSD
+tier, a block computed new, or a cached block evicted to make room (spilled
+to a tier when one is on).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from mlxkv.cache.block_pool import BlockPool
+from mlxkv.cache.tiers import DISK, MEMORY, POOL
+from mlxkv.engine.loop import BatchLoop
+
+MARK_NONE = " "
+MARK_POOL_HIT = "p"
+MARK_MEMORY = "m"
+MARK_DISK = "d"
+MARK_NEW = "n"
+MARK_SPILL = "x"
+# Where a sequence's blocks came from, in block-table order: the cache
+# manager takes pool hits first, then hydrates from memory, then from disk.
+_SOURCES = ((POOL, MARK_POOL_HIT), (MEMORY, MARK_MEMORY), (DISK, MARK_DISK))
+
+
+@dataclass(frozen=True)
+class PoolSnapshot:
+    states: str  # per block: '.' free, 'c' cached-free, 'u' in use, 's' shared
+    marks: str  # per block: one of the MARK_* characters
+    usage: dict[str, int]  # BlockPool.usage()
+    tiers: dict[str, dict[str, int]]  # connector stats per tier name
+    block_size: int
+    requests: int = 0
+    mark_counts: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.states)
+
+
+class PoolWatcher:
+    """Snapshots of a pool, with marks for the turn since `begin()`.
+
+    `running` is the batch loop's map of running sequences, read at each
+    snapshot; `connector` gives the tiers' counters.
+    """
+
+    def __init__(self, pool: BlockPool, loop: BatchLoop, connector, block_size: int):
+        self.pool, self.loop, self.connector, self.block_size = pool, loop, connector, block_size
+        self.begin()
+
+    @classmethod
+    def of(cls, engine) -> PoolWatcher:
+        return cls(engine.block_pool, engine.loop, engine.connector, engine.layout.block_size)
+
+    def begin(self) -> None:
+        blocks = self.pool.blocks
+        self._hashes = [b.block_hash for b in blocks]
+        self._marks = bytearray(MARK_NONE.encode() * len(blocks))
+
+    def snapshot(self) -> PoolSnapshot:
+        pool = self.pool
+        self._mark_spills(pool.blocks)
+        for seq in self.loop.running.values():
+            self._mark_sequence(seq, self.block_size)
+        marks = self._marks.decode()
+        return PoolSnapshot(
+            states=pool.block_states(),
+            marks=marks,
+            usage=pool.usage(),
+            tiers=self.connector.stats(),
+            block_size=self.block_size,
+            requests=self.loop.requests_served,
+            mark_counts={m: marks.count(m) for m in (MARK_POOL_HIT, MARK_MEMORY, MARK_DISK, MARK_NEW, MARK_SPILL)},
+        )
+
+    def _mark_spills(self, blocks) -> None:
+        """A block whose cached hash changed since begin() was evicted."""
+        spill = ord(MARK_SPILL)
+        for block, old in zip(blocks, self._hashes):
+            if old is not None and block.block_hash != old:
+                self._marks[block.block_id] = spill
+
+    def _mark_sequence(self, seq, block_size: int) -> None:
+        ends, total = [], 0
+        for source, mark in _SOURCES:
+            total += seq.cached_tokens.get(source, 0) // block_size
+            ends.append((total, ord(mark)))
+        new = ord(MARK_NEW)
+        for i, block in enumerate(seq.blocks):
+            if self._marks[block.block_id] == ord(MARK_SPILL):
+                continue  # it was evicted first; the spill is the news
+            self._marks[block.block_id] = next((m for end, m in ends if i < end), new)

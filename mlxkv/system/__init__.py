@@ -1,0 +1,1 @@
+"""What the machine has and where things go: BLAS, memory, paths, logging."""

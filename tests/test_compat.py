@@ -1,0 +1,68 @@
+"""The mlx-lm internals mlxkv relies on (models/compat.py) are still there, and
+every supported family's attention really runs on the paged path."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+import mlxkv  # noqa: F401  (before mlx: it loads the BLAS)
+from mlxkv.attention import dispatch
+from mlxkv.attention.paged_cache import PagedKVCache
+from mlxkv.config import CacheConfig
+from mlxkv.engine.engine import Engine
+from mlxkv.models import compat
+from mlxkv.models.loader import load_model
+from mlxkv.models.tiny import FAMILIES, UNSUPPORTED_CACHE_FAMILY, TinyModelSpec, write_tiny_model
+
+SUPPORTED = [f for f in FAMILIES if f != UNSUPPORTED_CACHE_FAMILY]
+MAX_TOKENS = 4
+
+
+def test_the_private_names_compat_takes_exist():
+    from mlx_lm.models import base, cache
+
+    assert compat.BaseCache is cache._BaseCache
+    assert callable(base.scaled_dot_product_attention)
+    assert compat.model_file_patterns()  # the loader's file list
+    model_class, args_class = compat.model_classes("mistral")
+    assert model_class.__module__ == "mlx_lm.models.llama"  # remapped as mlx_lm.load does
+    assert hasattr(args_class, "from_dict")
+
+
+@pytest.fixture(scope="module")
+def family_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("families")
+    return {f: str(write_tiny_model(root / f, TinyModelSpec(family=f, seed=11))) for f in SUPPORTED}
+
+
+@pytest.mark.parametrize("family", SUPPORTED)
+def test_every_layer_of_every_supported_family_attends_through_the_paged_path(family, family_dirs, monkeypatch):
+    calls = Counter()
+    paged = dispatch.paged_attention
+
+    def counted(queries, keys, values, cache, scale, mask):
+        assert isinstance(cache, PagedKVCache)
+        calls[cache.layer] += 1
+        return paged(queries, keys, values, cache, scale, mask)
+
+    monkeypatch.setattr(dispatch, "paged_attention", counted)
+    loaded = load_model(family_dirs[family])
+    engine = Engine(loaded, CacheConfig(block_size=16, num_blocks=32, memory_tier_bytes=0))
+    result = engine.generate([3, 4, 5, 6, 7], max_tokens=MAX_TOKENS)
+    assert len(result.tokens) == MAX_TOKENS
+    # One prefill forward, then a decode forward per token after the first
+    # (the pipeline queues one more, computed and dropped, at the end).
+    forwards = {1 + MAX_TOKENS - 1, 1 + MAX_TOKENS}
+    assert set(calls) == set(range(loaded.num_layers)), f"{family}: layers off the paged path"
+    assert all(n in forwards for n in calls.values()), calls
+
+
+def test_a_model_whose_module_cannot_be_routed_is_said_in_the_log(caplog):
+    class Unroutable:
+        pass
+
+    with caplog.at_level("WARNING", logger="mlxkv"):
+        assert compat.route_attention(Unroutable(), lambda original: original) is False
+    assert any("scaled_dot_product_attention" in r.getMessage() for r in caplog.records)
