@@ -14,9 +14,9 @@ import argparse
 import json
 
 import mlxkv  # noqa: F401  (first: loads the real BLAS before mlx)
-from mlxkv.config import CacheConfig
-from mlxkv.engine.engine import Engine
-from mlxkv.errors import MlxkvError
+from mlxkv import CacheConfig, Engine, MlxkvError
+from mlxkv.chat.prompting import chat_prompt
+from mlxkv.models.loader import load_tokenizer
 
 BLOCK = 16
 
@@ -41,9 +41,8 @@ def main() -> None:
     a = [system, {"role": "user", "content": "Tell me a story about the sea. " * 3}]
     b = [{"role": "user", "content": "Now something else entirely: mountains and snow. " * 4}]
 
-    probe = Engine.load(args.model, CacheConfig(block_size=BLOCK, num_blocks=4096, memory_tier_bytes=0))
-    longest = max(len(probe.apply_chat_template(m)) for m in (a, b)) + 2 * 24 + 40
-    del probe
+    tokenizer = load_tokenizer(args.model)  # prompts need no model and no pool
+    longest = max(len(chat_prompt(tokenizer, m)) for m in (a, b)) + 2 * 24 + 40
     # Room for the longest conversation, not for two of them.
     blocks = -(-longest // BLOCK) + 1
     config = CacheConfig(block_size=BLOCK, num_blocks=blocks, disk_tier=args.disk_tier)

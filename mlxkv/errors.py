@@ -34,3 +34,9 @@ def error_line(error: BaseException, log) -> str:
         return str(error)
     log.error("unexpected %s", type(error).__name__, exc_info=error)
     return f"{type(error).__name__}: {error}"
+
+
+def first_line(error: BaseException) -> str:
+    """An exception's message cut to its first line (a third party's may run to many), or its type."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__

@@ -131,12 +131,9 @@ def load_chat_engine(model: str, cache: CacheConfig, report):
 
 
 # The engine thread lets go of the GIL inside every step's mx.eval and must
-# win it back from the UI thread to go on. CPython makes a running thread
-# hand the GIL over only every switch interval (5 ms by default), several
-# times a small model's whole decode step, while one UI update holds it for
-# 30-60 ms on a 2-core VM. 0.5 ms caps that wait. Demo model, 2-core VM:
-# chat/generate decode (tests/chat_decode_speed.py, sets of 10-16 runs) had
-# medians 0.78-0.93 at 5 ms, 0.90-1.02 at 0.5 ms; 0.2 ms was no better.
+# win it back from the UI thread to go on; CPython hands it over only every
+# switch interval (5 ms by default, longer than a small model's decode
+# step). 0.5 ms caps that wait (docs/chat-app.md, docs/benchmarks.md).
 UI_SWITCH_INTERVAL_S = 0.0005
 
 

@@ -9,11 +9,7 @@ The batches come `UPDATE_HZ` times a second, unless rendering them costs
 the UI thread more than `UI_BUDGET` of a core: then they come less often.
 The UI shares the GIL (and, on a small machine, the cores) with the engine,
 so a slow terminal or a slow machine gets fewer, bigger updates instead of
-a slower model. (On a 2-core Linux box an update costs the UI 30-60 ms
-while the engine decodes, so replies there update about 1-2 times a second;
-where it costs 2 ms, 20 times.) The slowest rate is once a second: with a
-cap at 2 a second, the cap and not the budget set the rate there, and the UI
-took 0.09-0.135 of a core while the engine decoded.
+a slower model. The slowest rate is once a second.
 """
 
 from __future__ import annotations
@@ -42,14 +38,12 @@ class Pacer:
     used since the last tick is what one update cycle costs it. One pacer
     serves all replies of a screen, so each reply starts at the interval the
     last one learned: on a slow machine a short reply was otherwise over
-    before the pacer caught up, its updates at the full rate (on a 2-core
-    VM, 0.12-0.15 of a core of UI work while the engine decoded, against
-    0.09-0.11 with the shared pacer).
+    before the pacer caught up, its updates at the full rate.
 
     A costly update slows the rate at once; cheap ones speed it up by
     halves. An app's first reply starts at FIRST_INTERVAL_S, not the full
-    rate: started at 20 Hz, the first reply of a fresh app on a 2-core VM
-    drew 5 updates in its 0.7 s of decoding before the pacer caught up.
+    rate: on a slow machine a fresh app's first reply would otherwise be
+    over before the pacer caught up.
     """
 
     def __init__(self) -> None:

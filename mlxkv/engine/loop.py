@@ -113,7 +113,7 @@ class BatchLoop:
             return None
         # The pool's writes too: a lone sequence attends to its mirror, so
         # the sampled token does not depend on them, and unevaluated they
-        # piled up as lazy scatters until the pool was next read (46-124 ms
+        # piled up as lazy scatters until the pool was next read (tens of ms
         # of them after a 500-token demo reply, landing on the next prompt).
         mx.async_eval(sampled, *self.runner.kv_pool.arrays)
         self._last_sampled = {r: sampled[i : i + 1] for i, r in enumerate(plan.decode)}

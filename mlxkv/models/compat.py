@@ -63,6 +63,13 @@ def model_file_patterns() -> list[str]:
     return list(DEFAULT_ALLOW_PATTERNS)
 
 
+def load_tokenizer(path: str, eos_token_ids=None):
+    """mlx-lm's TokenizerWrapper for a model directory, without its weights."""
+    from mlx_lm.utils import load_tokenizer as mlx_lm_load_tokenizer
+
+    return mlx_lm_load_tokenizer(path, eos_token_ids=eos_token_ids)
+
+
 def cache_layout(model) -> list:
     """The model's own cache objects, one per cache slot: what it would run mlx-lm with."""
     return make_prompt_cache(model)

@@ -8,11 +8,14 @@ mlx-lm's loader reads, reporting bytes as they arrive.
 from __future__ import annotations
 
 import io
+import logging
 import os
 import re
 from collections.abc import Callable
 
-from mlxkv.errors import MlxkvError
+from mlxkv.errors import MlxkvError, first_line
+
+log = logging.getLogger(__name__)
 
 # A small real instruct model: the chat app's default when --model is not given.
 DEFAULT_CHAT_MODEL = "mlx-community/Qwen2.5-0.5B-Instruct-4bit"
@@ -56,6 +59,7 @@ def _cached(name: str) -> str | None:
     try:
         return _snapshot_download(name, local_files_only=True)
     except Exception:  # not cached, or cached incompletely
+        log.debug("%s is not (wholly) in the Hugging Face cache", name, exc_info=True)
         return None
 
 
@@ -64,7 +68,8 @@ def _download(name: str, report: Report) -> str:
     try:
         return _snapshot_download(name, tqdm_class=progress_bar_class(name, report))
     except Exception as e:
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        log.debug("downloading %s failed", name, exc_info=True)
+        reason = first_line(e)
         raise MlxkvError(
             f"cannot download {name} and it is not in the Hugging Face cache ({reason}). "
             "Offline? Use `--model demo` (built in, no download) or a local model directory: "

@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import json
+import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 
-from mlxkv.errors import MlxkvError
-from mlxkv.models.fetch import local_model
 from mlxkv.cache.kv_pool import KVLayout
+from mlxkv.errors import MlxkvError, first_line
+from mlxkv.models import compat
+from mlxkv.models.fetch import local_model
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -46,11 +52,27 @@ def load_model(name: str) -> LoadedModel:
     try:
         model, tokenizer, config = load(path, return_config=True)
     except Exception as e:  # mlx-lm raises many kinds; the user needs one line
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        log.debug("loading %s failed", name, exc_info=True)
+        reason = first_line(e)
         raise MlxkvError(f"could not load model {name!r}: {reason}") from None
     loaded = LoadedModel(model, tokenizer, config, name)
     check_supported(loaded)
     return loaded
+
+
+def load_tokenizer(name: str):
+    """The tokenizer of model `name` alone: chat prompts need no weights and no pool."""
+    path = local_model(name) or name
+    try:
+        config = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        config = {}
+    try:
+        return compat.load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
+    except Exception as e:  # mlx-lm raises many kinds; the user needs one line
+        log.debug("loading the tokenizer of %s failed", name, exc_info=True)
+        reason = first_line(e)
+        raise MlxkvError(f"could not load the tokenizer of {name!r}: {reason}") from None
 
 
 def check_supported(loaded: LoadedModel) -> None:

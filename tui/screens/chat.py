@@ -5,7 +5,6 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 
-from textual import work
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
@@ -14,9 +13,9 @@ from textual.widgets import Footer, Header, OptionList
 
 from mlxkv.errors import MlxkvError
 from mlxkv.serving.pool_view import PoolSnapshot
-from mlxkv.tui.cache_stats import as_dict
 from mlxkv.tui.messages import ReplyDelta, ReplyEnded
-from mlxkv.tui.replies import ActiveReply, Pacer, relay
+from mlxkv.tui.replies import ActiveReply
+from mlxkv.tui.reply_controller import NEW_CHAT_TITLE, ReplyController, auto_title
 from mlxkv.tui.screens.confirm import ConfirmScreen
 from mlxkv.tui.screens.rename import RenameScreen
 from mlxkv.tui.screens.system_prompt import SystemPromptScreen
@@ -27,18 +26,10 @@ from mlxkv.tui.widgets.conversation_list import ConversationList
 from mlxkv.tui.widgets.message_view import MessageView
 from mlxkv.tui.widgets.prompt_input import PromptInput
 
-NEW_CHAT_TITLE = "New chat"
-AUTO_TITLE_CHARS = 48
-
 # While a reply streams, the pool view is redrawn with the reply's updates,
 # at most this often (the first snapshot of a turn, with its prefix hits,
 # comes with the first token and is drawn at once).
 SNAPSHOT_INTERVAL_WHILE_STREAMING_S = 1.0
-
-
-def auto_title(first_message: str) -> str:
-    """A new chat's title, from its first message."""
-    return first_message.splitlines()[0][:AUTO_TITLE_CHARS]
 
 
 class _Saved:
@@ -69,13 +60,10 @@ class ChatScreen(Screen[None]):
         self.store = store
         self.cursor_blink = cursor_blink
         self.conversation_id: int | None = None
-        self.replies: dict[int, ActiveReply] = {}
         self.engine_ready = False
         self._snapshot_shown_at = 0.0
-        self._starting = False  # a reply is about to start (after the next refresh)
         self._pending_snapshot: PoolSnapshot | None = None
-        self.pacer = Pacer()
-        self._left_out: dict[int, int] = {}  # per chat: messages its last reply's prompt left out
+        self.controller = ReplyController(self)
 
     def compose(self) -> ComposeResult:
         yield Header(icon="")
@@ -95,10 +83,11 @@ class ChatScreen(Screen[None]):
     @property
     def reply(self) -> ActiveReply | None:
         """The reply streaming into the open chat, if any (others may stream in other chats)."""
-        return next(
-            (r for r in self.replies.values() if r.kind == "reply" and r.conversation_id == self.conversation_id),
-            None,
-        )
+        return self.controller.current(self.conversation_id)
+
+    @property
+    def replies(self) -> dict[int, ActiveReply]:
+        return self.controller.replies
 
     # -- engine news (from the app) --------------------------------------
 
@@ -141,7 +130,7 @@ class ChatScreen(Screen[None]):
         if not self.is_running:
             return  # the app quit while the messages were drawn: its widgets are gone
         self.query_one(CachePanel).show_history([m.stats for m in messages if m.role == "assistant" and m.stats])
-        self._show_list()
+        self.show_list()
         if streaming is None:
             self._prefill()
 
@@ -150,7 +139,7 @@ class ChatScreen(Screen[None]):
 
         If that new chat cannot be saved, the deleted one stays on screen and
         the next action on it tries again."""
-        with self._saving() as saved:
+        with self.saving() as saved:
             conversation = self.store.most_recent(NEW_CHAT_TITLE)
         if saved:
             await self.open_conversation(conversation.id)
@@ -167,7 +156,7 @@ class ChatScreen(Screen[None]):
         self.notify("This chat was deleted in another window.", severity="warning")
         await self._open_any()
 
-    def _show_list(self) -> None:
+    def show_list(self) -> None:
         conversation = self.store.get(self.conversation_id)
         self.sub_title = conversation.title if conversation else ""
         self.query_one(ConversationList).show(self.store.conversations(), self.conversation_id)
@@ -185,164 +174,56 @@ class ChatScreen(Screen[None]):
         if int(event.option_id) != self.conversation_id:
             await self.open_conversation(int(event.option_id))
 
-    def _cancel(self, conversation_id: int) -> None:
-        for reply in self.replies.values():
-            if reply.conversation_id == conversation_id:
-                reply.handle.cancel()
-
     # -- sending and streaming -------------------------------------------
 
     async def on_prompt_input_submitted(self, event: PromptInput.Submitted) -> None:
         if not self.engine_ready:
             self.notify("The model is still loading.", severity="warning")
             return
-        if self.reply is not None or self._starting:
+        if self.reply is not None or self.controller.starting:
             self.notify("A reply is still streaming; press Esc to stop it.", severity="warning")
             return
         if not await self._still_here():
             return  # the text stays in the box, to send again here
         text = event.text.strip()
         cid = self.conversation_id
-        with self._saving() as saved:
+        with self.saving() as saved:
             if self.store.get(cid).title == NEW_CHAT_TITLE and not self.store.messages(cid):
                 self.store.rename(cid, auto_title(text))
             question_id = self.store.add_message(cid, Message("user", text))
         if not saved:
             return  # the text stays in the box
         event.prompt_input.take(event.text)
-        self._show_list()
+        self.show_list()
         log = self.query_one(ChatLog)
         question = await log.add(MessageView("user", text))
         view = await log.add(MessageView("assistant"))
         log.anchor()  # sending takes the view back to the end
         # Start once the new messages are drawn: that drawing is then done
         # before the first token, not while the engine decodes.
-        self._starting = True
-        self.call_after_refresh(self._start, "reply", cid, view, question_id=question_id, question_view=question,
-                                **self.app.generation)
+        self.controller.starting = True
+        self.call_after_refresh(self.controller.start, "reply", cid, view, question_id=question_id,
+                                question_view=question, **self.app.generation)
 
     def _prefill(self) -> None:
         """Load a reopened chat's prefix into the pool now (from a tier if it is there)."""
         if self.engine_ready and self.store.messages(self.conversation_id):
-            self._start("prefill", self.conversation_id, None, max_tokens=1,
-                        reply_room=self.app.generation["max_tokens"])  # the window replies use
-
-    def _start(self, kind: str, conversation_id: int, view: MessageView | None,
-               question_id: int | None = None, question_view: MessageView | None = None, **options) -> None:
-        self._starting = False
-        if self.store.get(conversation_id) is None:
-            return  # deleted before it could start
-        handle = self.app.engine.submit(messages=self.store.prompt_messages(conversation_id), fit_context=True,
-                                        **options)
-        self.pacer.start()
-        reply = ActiveReply(handle, conversation_id, kind, self.pacer, view, question_id, question_view)
-        self.replies[reply.id] = reply
-        self._relay(reply)
-
-    @work(thread=True, group="relay")
-    def _relay(self, reply: ActiveReply) -> None:
-        relay(reply, self.post_message)
+            self.controller.start("prefill", self.conversation_id, None, max_tokens=1,
+                                  reply_room=self.app.generation["max_tokens"])  # the window replies use
 
     async def on_reply_delta(self, message: ReplyDelta) -> None:
-        reply = self.replies.get(message.reply_id)
-        if reply is None or reply.view is None:
-            return
-        reply.pacer.tick()
-        rate = reply.count(message.ids)
-        await reply.view.stream_in(message.text)
-        if reply.conversation_id == self.conversation_id and reply.live_stats_due():
-            self.query_one(CachePanel).show_live(reply.tokens, rate)
+        await self.controller.delta(message)
         self._draw_snapshot()
 
     async def on_reply_ended(self, message: ReplyEnded) -> None:
-        reply = self.replies.get(message.reply_id)
-        if reply is None:
-            return
-        record = message.record
-        stats = None if record.stats is None else as_dict(record.stats)
-        if record.finish_reason == "error":
-            taken_back = reply.tokens == 0 and await self._take_back(reply)
-            note = "\nYour message is back in the box, to edit." if taken_back else ""
-            self.notify(record.message + note, title="The engine could not answer", severity="error",
-                        timeout=8, markup=False)
-        elif reply.kind == "reply":
-            self._tell_left_out(reply)
-        if reply.view is not None:
-            await self._keep_reply(reply, self._finish_reason(record.finish_reason, stats), stats)
-        if stats is not None and reply.conversation_id == self.conversation_id:
-            self.query_one(CachePanel).show_turn(stats, reply.kind)
-        del self.replies[reply.id]  # last: the reply counts as running until it is kept
+        await self.controller.ended(message)
         self._draw_snapshot(force=True)
 
-    def _finish_reason(self, finish_reason: str | None, stats: dict | None) -> str | None:
-        """The engine's reason, or "context" for a "length" that came before
-        max_tokens: the engine cuts a reply where the model's context ends."""
-        max_tokens = self.app.generation.get("max_tokens")
-        if finish_reason == "length" and stats and max_tokens and stats["generation_tokens"] < max_tokens:
-            return "context"
-        return finish_reason
-
-    def _tell_left_out(self, reply: ActiveReply) -> None:
-        """Say when a chat's prompt starts leaving out its oldest turns, and
-        each time that start moves (not on every reply in between)."""
-        left_out = reply.handle.left_out
-        if left_out and left_out != self._left_out.get(reply.conversation_id):
-            self.notify(f"This chat is longer than the model's context: its first {left_out} "
-                        "messages are left out of the prompt from now on.", title="Context full", timeout=8)
-        self._left_out[reply.conversation_id] = left_out
-
-    async def _take_back(self, reply: ActiveReply) -> bool:
-        """Unsend the message the engine refused (e.g. a paste longer than the
-        context): kept, it would be resent, and refused, with every later
-        message of the chat. Only into an empty box of its own open chat;
-        otherwise it stays where it is."""
-        box = self.query_one(PromptInput)
-        question = reply.question_view
-        if question is None or reply.conversation_id != self.conversation_id or box.text:
-            return False
-        cid = reply.conversation_id
-        with self._saving() as saved:
-            self.store.delete_message(reply.question_id)
-            # A chat named after the message it no longer has is new again.
-            if not self.store.messages(cid) and self.store.get(cid).title == auto_title(question.text):
-                self.store.rename(cid, NEW_CHAT_TITLE)
-        if not saved:
-            return False
-        self._show_list()
-        if question.is_attached:
-            await question.remove()
-        box.text = question.text
-        box.move_cursor(box.document.end)
-        return True
-
-    async def _keep_reply(self, reply: ActiveReply, finish_reason: str, stats: dict | None) -> None:
-        view = reply.view
-        if view.is_attached:
-            await view.end_stream(finish_reason)
-            if not view.text:
-                await view.remove()
-        if reply.id in self.replies:  # not if the app quit meanwhile: keep_partial_replies kept it then
-            self._store_reply(reply, finish_reason, stats)
-
     def keep_partial_replies(self) -> None:
-        """On quit: keep each reply still streaming as far as it was shown,
-        as Esc keeps it; the engine is closed next and never finishes them."""
-        for reply in self.replies.values():
-            if reply.view is not None:
-                self._store_reply(reply, "cancelled", None)
-        self.replies.clear()
-
-    def _store_reply(self, reply: ActiveReply, finish_reason: str, stats: dict | None) -> None:
-        """Save a reply's text, if any, unless its chat is gone. If the save
-        fails, the reply stays on screen and the notification says why."""
-        text = reply.view.text
-        if text and self.store.get(reply.conversation_id) is not None:
-            with self._saving():
-                message = Message("assistant", text, finish_reason, stats, reply.ids)
-                self.store.add_message(reply.conversation_id, message)
+        self.controller.keep_partial()
 
     @contextmanager
-    def _saving(self):
+    def saving(self):
         """Around chat database writes: one that fails (disk full, a read-only
         file) is a notification, the rest of the block is skipped, and the
         app goes on. `saved` says whether the block ran to its end."""
@@ -357,14 +238,13 @@ class ChatScreen(Screen[None]):
     # -- actions ---------------------------------------------------------
 
     # Stop stays enabled in the footer: dimming it while idle rebuilt the
-    # footer as each reply started, UI work in the decode window (about 0.025
-    # of a core of the 0.1 the UI used while decoding, on a 2-core VM).
+    # footer as each reply started, UI work in the decode window.
     def action_stop(self) -> None:
         if self.reply is not None:
             self.reply.handle.cancel()
 
     async def action_new_chat(self) -> None:
-        with self._saving() as saved:
+        with self.saving() as saved:
             conversation = self.store.create(NEW_CHAT_TITLE)
         if not saved:
             return
@@ -378,9 +258,9 @@ class ChatScreen(Screen[None]):
 
         def rename(title: str | None) -> None:
             if title:
-                with self._saving():
+                with self.saving():
                     self.store.rename(cid, title)
-                self._show_list()
+                self.show_list()
 
         self.app.push_screen(RenameScreen(self.store.get(cid).title), rename)
 
@@ -391,7 +271,7 @@ class ChatScreen(Screen[None]):
 
         async def save(text: str | None) -> None:
             if text is not None and self.store.get(cid) is not None:
-                with self._saving() as saved:
+                with self.saving() as saved:
                     self.store.set_system_prompt(cid, text)
                 if not saved:
                     return
@@ -410,11 +290,11 @@ class ChatScreen(Screen[None]):
         async def delete(yes: bool | None) -> None:
             if not yes:
                 return
-            with self._saving() as saved:
+            with self.saving() as saved:
                 self.store.delete(cid)
             if not saved:
                 return
-            self._cancel(cid)
+            self.controller.cancel(cid)
             await self._open_any()
 
         self.app.push_screen(ConfirmScreen(f"Delete the chat {self.store.get(cid).title!r}?"), delete)

@@ -1,13 +1,10 @@
 """A reusable read buffer on huge pages, where O_DIRECT reads land first.
 
 Why: the kernel sends an O_DIRECT read to the device in requests of at
-most `max_segments` physically contiguous pieces of the buffer (254 on the
-dev VMs' virtio disk). Into 4 KiB pages that caps a request near 1 MiB;
-into 2 MiB transparent huge pages one request carries a whole run file.
-Measured on the dev VM, 32 MiB with the page cache dropped: 1.0-1.5 GB/s
-into 4 KiB pages, 1.8-2.6 GB/s into huge pages, against 1.4-2.0 GB/s for a
-buffered sequential read. MLX allocates with malloc, on pages we cannot
-choose, so a read lands here and is copied into MLX memory (~10 GB/s).
+most `max_segments` physically contiguous pieces of the buffer, so into
+4 KiB pages a request is small, and into 2 MiB huge pages one request
+carries a whole run file. MLX allocates on pages we cannot choose, so a
+read lands here and is copied into MLX memory (docs/tiers.md).
 """
 
 from __future__ import annotations

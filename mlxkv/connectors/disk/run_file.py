@@ -123,9 +123,8 @@ def _crc32(parts) -> str:
 
 
 # Both catch torn writes and flipped bits, the faults a cache file meets,
-# and both drop the GIL. XXH3 runs at ~17 GB/s on the dev VM against
-# CRC-32's ~3 GB/s: at CRC-32's speed, verifying a hydrate cost as much
-# CPU as the device took to read it.
+# and both drop the GIL; XXH3 is several times faster, which matters once
+# the device reads as fast as the checksum runs.
 CHECKSUMS = {"xxh3_64": _xxh3_64, "crc32": _crc32}
 
 
@@ -151,11 +150,7 @@ def read_into(path, dest: Callable[[], np.ndarray], size: int,
     start before it exists. Read with O_DIRECT where the file system allows:
     DMA, no page cache pages to allocate and copy from, and no second copy of
     the tier in the page cache once its blocks are in MLX memory. An O_DIRECT
-    read goes through `staging` when given: into huge pages it measured 1.4x
-    of one buffered sequential stream, while into 4 KiB pages it was within
-    noise of chunked reads through the page cache, both 0.5-0.8x of it (see
-    read_buffer). (RWF_NOWAIT, to take what the page cache holds first, was
-    measured to start readahead: every byte read twice.)
+    read goes through `staging` when given (huge pages: see read_buffer).
     """
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -219,7 +214,6 @@ def prefetch(paths) -> None:
     For reads through the page cache (no O_DIRECT): it queues every file's
     I/O at once, so the device sees a deep queue, as a sequential read's
     readahead gives it, instead of one file per reader thread at a time.
-    Measured: 0.5x of a sequential read without it, 0.67x with it.
     """
     if not hasattr(os, "posix_fadvise"):
         return  # macOS

@@ -2,7 +2,7 @@
 
 Not a test (it takes minutes and needs a quiet machine): run it by hand,
 
-    python tests/chat_decode_speed.py --model demo --max-tokens 500 --runs 9
+    python scripts/chat_decode_speed.py --model demo --max-tokens 500 --runs 9
 
 `--model` takes any model `mlxkv generate` takes; the README reports the
 demo model (a toy: ~1.5 ms a token, so per-token thread hand-offs show)

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
+
 import json
 
 from test_cli import mlxkv
+
+pytestmark = pytest.mark.slow  # subprocesses, apps and real terminals
 
 PROMPTS = ["the ships sail on the sea and the wind is strong",
            "the ships sail on the sea and the wind is strong and then they come home",

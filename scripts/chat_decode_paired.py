@@ -2,7 +2,7 @@
 
 Not a test: run it by hand in a real terminal (it opens the app), e.g.
 
-    tmux new-session -x 160 -y 48 "python tests/chat_decode_paired.py --model demo --pairs 10"
+    tmux new-session -x 160 -y 48 "python scripts/chat_decode_paired.py --model demo --pairs 10"
 
 On a noisy 2-core VM the same `mlxkv generate` run varies 2x between
 processes and between runs of one process, so chat_decode_speed.py needs

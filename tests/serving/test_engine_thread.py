@@ -198,6 +198,7 @@ thread.close()
 """
 
 
+@pytest.mark.slow
 def test_a_process_that_used_the_engine_thread_exits_cleanly(llama_dir):
     # Its MLX stream outlived the thread and the exit aborted (code 134) in
     # about half the runs; four runs all pass only 1 time in 16 without the fix.

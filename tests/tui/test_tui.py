@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 import json
 import shutil
 import sys
@@ -19,6 +21,8 @@ from mlxkv.tui.widgets.prompt_input import PromptInput
 from mlxkv.tui.widgets.tier_table import TierTable
 from mlxkv.tui.widgets.turn_stats import TurnStats
 from tui_support import pilot_test, shown, wait_until
+
+pytestmark = pytest.mark.slow  # subprocesses, apps and real terminals
 
 SIZE = (140, 44)
 

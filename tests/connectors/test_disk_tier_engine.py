@@ -27,6 +27,8 @@ from mlxkv.connectors.tiered import TieredKVCacheConnector
 from mlxkv.engine.engine import Engine
 from mlxkv.models.tiny import TinyModelSpec, write_tiny_model
 
+pytestmark = pytest.mark.slow  # real processes, restarts and faults
+
 BLOCK = 4
 PROMPT = "the ships sail on the sea and the wind is strong and cold tonight"
 

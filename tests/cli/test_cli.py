@@ -13,6 +13,8 @@ from faults import remount_read_only
 from mlxkv.errors import MlxkvError
 from mlxkv.tui.store import ChatStore
 
+pytestmark = pytest.mark.slow  # subprocesses, apps and real terminals
+
 
 def mlxkv(*args, input=None, env=None):
     return subprocess.run(

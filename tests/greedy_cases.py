@@ -1,8 +1,10 @@
-"""Greedy output through the paged engine equals mlx-lm's, token for token."""
+"""Greedy equality with mlx-lm, token for token: test bodies shared by the
+plain engine's suite (engine/test_engine_equality.py) and the kernel path's
+(attention/test_kernels_engine.py). Each collects them with its own
+`family` fixture."""
 
 from __future__ import annotations
 
-import mlx_lm
 import pytest
 from mlx_lm.generate import stream_generate
 
@@ -15,13 +17,6 @@ MAX_TOKENS = 12
 
 def reference_tokens(model, tokenizer, prompt: list[int], max_tokens: int = MAX_TOKENS) -> list[int]:
     return [r.token for r in stream_generate(model, tokenizer, prompt, max_tokens=max_tokens)]
-
-
-@pytest.fixture(scope="module", params=["llama", "qwen3", "mistral", "qwen2", "phi3"])
-def family(request, model_dirs):
-    path = model_dirs[request.param]
-    model, tokenizer = mlx_lm.load(path)
-    return request.param, path, model, tokenizer
 
 
 def prompt_of(n: int, salt: int = 0) -> list[int]:

@@ -41,6 +41,9 @@ from mlxkv.cache.hashing import hash_block, root_hash
 
 from faults import remount_read_only, rewrite
 
+# This file runs itself as a child process; the helpers it imports live in tests/.
+CHILD_ENV = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+
 FP = root_hash(b"\x01" * 32, "fingerprint-a")
 FP_OTHER = root_hash(b"\x02" * 32, "fingerprint-b")
 LAYERS, HEADS, BS, HEAD_DIM = 2, 2, 4, 8
@@ -613,8 +616,9 @@ def _spill_child(directory: str) -> None:
     time.sleep(60)
 
 
+@pytest.mark.slow
 def test_sigkill_mid_spill_serves_no_corrupt_block(tmp_path):
-    child = subprocess.Popen([sys.executable, __file__, "spill", str(tmp_path)])
+    child = subprocess.Popen([sys.executable, __file__, "spill", str(tmp_path)], env=CHILD_ENV)
     try:
         deadline = time.monotonic() + 20
         while len(block_files(tmp_path)) < 30 and time.monotonic() < deadline:
@@ -832,9 +836,11 @@ def _share_child(directory: str, seed: str, iterations: str) -> None:
     print(json.dumps(report))
 
 
+@pytest.mark.slow
 def test_two_processes_share_a_directory(tmp_path):
     args = [sys.executable, __file__, "share", str(tmp_path)]
-    children = [subprocess.Popen(args + [seed, "150"], stdout=subprocess.PIPE, text=True) for seed in ("1", "2")]
+    children = [subprocess.Popen(args + [seed, "150"], stdout=subprocess.PIPE, text=True, env=CHILD_ENV)
+                for seed in ("1", "2")]
     results = []
     for child in children:
         out, _ = child.communicate(timeout=60)

@@ -1,6 +1,6 @@
 """The engine's greedy-equality tests, with decode attention on the Metal kernel.
 
-The tests of test_engine_equality.py run again here on a model whose head
+The tests of greedy_cases.py run again here on a model whose head
 dim the kernels serve (64, 4 query heads per kv head), with attention forced
 to "kernel" and every kernel launch executed by the MSL harness on the CPU
 (the GPU where Metal is available). Greedy tokens must still equal mlx-lm's.
@@ -21,11 +21,13 @@ from mlxkv.config import CacheConfig
 from mlxkv.engine.engine import Engine
 from mlxkv.models.tiny import TinyModelSpec, write_tiny_model
 from msl.harness import SKIP_REASON, clang_available, shared_harness
-from test_engine_equality import (  # noqa: F401  (collected here again)
+from greedy_cases import (  # noqa: F401  (collected here again)
     test_cold_prompts_match_mlx_lm,
     test_prefix_hits_match_mlx_lm,
     test_prompt_of_whole_cached_blocks,
 )
+
+pytestmark = pytest.mark.slow  # each decode step runs the kernel in the MSL harness
 
 SPEC = TinyModelSpec(family="llama", hidden_size=64, num_heads=4, num_kv_heads=1, head_dim=64,
                      seed=21)

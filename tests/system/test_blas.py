@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.skipif(
     not sys.platform.startswith("linux"), reason="the BLAS swap is Linux-only"
@@ -178,6 +178,7 @@ def test_missing_blas_is_logged_once_for_a_program_that_listens():
     assert notices[0].startswith("mlxkv.system.blas: ") and "/nonexistent/libnope.so" in notices[0]
 
 
+@pytest.mark.slow
 def test_the_cli_says_the_blas_is_missing_in_one_line():
     env = {**os.environ, "MLXKV_BLAS": "/nonexistent/libnope.so"}
     done = subprocess.run([sys.executable, "-m", "mlxkv.cli", "doctor"], capture_output=True, text=True, env=env)
@@ -209,6 +210,7 @@ GREEDY = """
 """
 
 
+@pytest.mark.slow
 @needs_openblas
 def test_greedy_output_identical_with_and_without_real_blas():
     real = last_json(run_py(GREEDY))

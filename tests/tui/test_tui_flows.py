@@ -33,6 +33,8 @@ from mlxkv.tui.widgets.message_view import MessageView, printable
 from mlxkv.tui.widgets.prompt_input import PromptInput
 from tui_support import ScriptedEngine, fixed_stats, pilot_test, shown, wait_until
 
+pytestmark = pytest.mark.slow  # subprocesses, apps and real terminals
+
 SIZE = (120, 40)
 
 
@@ -186,7 +188,7 @@ async def test_a_chat_deleted_by_another_window_is_noticed_not_a_crash(tmp_path)
             assert any("deleted in another window" in n.message for n in app._notifications)
         # Picking a chat from a list drawn before another window deleted it.
         listed = other.create("listed").id
-        app.chat_screen._show_list()
+        app.chat_screen.show_list()
         other.delete(listed)
         await app.chat_screen.open_conversation(listed)
         assert app.chat_screen.conversation_id != listed and store.get(app.chat_screen.conversation_id)
@@ -569,7 +571,7 @@ async def test_replies_of_a_screen_share_its_pacer(tmp_path):
         for n, text in enumerate(("one", "two")):
             await type_and_send(pilot, text)
             await wait_until(pilot, lambda: len(engines[0].handles) == n + 1)
-            assert screen.reply.pacer is screen.pacer
+            assert screen.reply.pacer is screen.controller.pacer
             engines[0].handles[n]._put(GenerationChunk("ok", 0, "length", fixed_stats()))
             await idle(pilot)
 

@@ -192,7 +192,7 @@ def test_signature_is_the_same_for_every_call():
 def test_sources_ship_in_the_metal_package():
     for name in ("common", "paged_decode", "paged_reduce"):
         assert kernels.kernel_source(name).strip()
-    pyproject = (Path(__file__).parents[1] / "pyproject.toml").read_text()
+    pyproject = (Path(__file__).parents[2] / "pyproject.toml").read_text()
     assert re.search(r'^"mlxkv.metal" = \[.*"\*\.metal".*\]$', pyproject, re.M)
 
 

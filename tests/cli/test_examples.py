@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import pytest
+
 import subprocess
 import sys
 from pathlib import Path
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+pytestmark = pytest.mark.slow  # subprocesses, apps and real terminals
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
 def test_kv_cache_connector_example_hydrates_from_memory():

@@ -111,4 +111,4 @@ TierMachine.TestCase.settings = settings(
     max_examples=12, stateful_step_count=14, deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
-test_tiers = TierMachine.TestCase
+test_tiers = pytest.mark.slow(TierMachine.TestCase)

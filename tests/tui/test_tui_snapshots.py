@@ -1,10 +1,12 @@
 """Snapshots of the chat app's screens at a fixed size, with fixed content.
 
-Update them after a deliberate UI change with `pytest tests/test_tui_snapshots.py --snapshot-update`
+Update them after a deliberate UI change with `pytest tests/tui/test_tui_snapshots.py --snapshot-update`
 and look at the report before committing.
 """
 
 from __future__ import annotations
+
+import pytest
 
 from mlxkv.serving.engine_thread import EngineEvent
 from mlxkv.models.fetch import DEFAULT_CHAT_MODEL
@@ -12,6 +14,8 @@ from mlxkv.tui.app import ChatApp
 from mlxkv.tui.store import ChatStore, Message
 from mlxkv.tui.widgets.prompt_input import PromptInput
 from tui_support import ScriptedEngine, StuckEngine, fixed_stats, wait_until
+
+pytestmark = pytest.mark.slow  # subprocesses, apps and real terminals
 
 SIZE = (140, 42)
 

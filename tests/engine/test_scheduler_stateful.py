@@ -126,7 +126,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert [c.token for c in records] == solo_tokens(r["prompt"], r["max_tokens"])
 
 
-TestScheduler = SchedulerMachine.TestCase
+TestScheduler = pytest.mark.slow(SchedulerMachine.TestCase)
 TestScheduler.settings = settings(
     max_examples=40, stateful_step_count=25, deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],

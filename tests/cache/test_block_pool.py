@@ -704,7 +704,7 @@ PoolMachine.TestCase.settings = settings(
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
-TestPoolMachine = PoolMachine.TestCase
+TestPoolMachine = pytest.mark.slow(PoolMachine.TestCase)
 
 
 def test_block_states_map():

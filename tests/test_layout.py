@@ -1,0 +1,49 @@
+"""The project's shape: small modules, a quiet import, nothing installed at the top level but mlxkv."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+MAX_LINES = 400
+
+
+def test_no_module_is_over_400_lines():
+    modules = [p for d in ("mlxkv", "tui") for p in (ROOT / d).rglob("*.py")]
+    assert len(modules) > 50
+    long = {str(p.relative_to(ROOT)): n for p in modules if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert long == {}
+
+
+def _python(code: str, **env) -> subprocess.CompletedProcess:
+    # Run from outside the checkout, so only what is installed can be imported.
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          cwd=Path(os.sep), env={**os.environ, **env})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("blas", ["", "off", "/nonexistent/libnope.so"])
+def test_import_mlxkv_prints_nothing(blas):
+    done = _python("import mlxkv; from mlxkv import Engine, CacheConfig", MLXKV_BLAS=blas)
+    assert done.returncode == 0, done.stderr
+    assert (done.stdout, done.stderr) == ("", "")
+
+
+@pytest.mark.slow
+def test_only_mlxkv_is_installed_at_the_top_level():
+    done = _python("import importlib.util as u, mlxkv.tui.app, mlxkv.metal; "
+                   "print(u.find_spec('tui'), u.find_spec('metal'))")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["None", "None"]
+
+
+@pytest.mark.slow
+def test_the_kernel_sources_are_package_data_of_mlxkv():
+    done = _python("from importlib import resources; "
+                   "print(sorted(p.name for p in resources.files('mlxkv.metal').iterdir() if p.suffix == '.metal'))")
+    assert done.stdout.strip() == "['common.metal', 'paged_decode.metal', 'paged_reduce.metal']"
