@@ -121,10 +121,6 @@ class ChatStore:
             with self.db:
                 self.db.executescript(f"BEGIN; {script}; PRAGMA user_version = {target}; COMMIT;")
 
-    @property
-    def schema_version(self) -> int:
-        return self.db.execute("PRAGMA user_version").fetchone()[0]
-
     def close(self) -> None:
         self.db.close()
 

@@ -262,7 +262,7 @@ async def test_an_unusable_ssd_tier_is_shown_as_off_with_the_reason(tmp_path, ll
         await ready(pilot)
         await wait_until(pilot, lambda: "SSD tier disabled" in toasts(), what="a notification")
         assert "Not a directory" in toasts()
-        ssd_row = next(line for line in app.chat_screen.query_one(TierTable).shown_text.splitlines() if "SSD" in line)
+        ssd_row = next(line for line in str(app.chat_screen.query_one(TierTable).render()).splitlines() if "SSD" in line)
         assert ssd_row.split() == ["SSD", "off"]
         await send(pilot, "still chatting")  # the app works on without the tier
         await reply_done(pilot)

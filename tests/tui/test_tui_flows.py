@@ -411,7 +411,7 @@ def test_every_binding_has_an_id_and_a_tooltip():
 def test_store_schema_version_and_refusing_a_newer_file(tmp_path):
     path = tmp_path / "chats.sqlite3"
     store = ChatStore(path)
-    assert store.schema_version == SCHEMA_VERSION == 3
+    assert store.db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 3
     cid = store.create("t", system_prompt="be brief").id
     store.add_message(cid, Message("user", "hi"))
     store.add_message(cid, Message("assistant", "yo", "length", {"prompt_tokens": 3}))
@@ -447,7 +447,7 @@ def test_a_version_1_database_is_upgraded_in_place_and_ids_are_never_reused(tmp_
     db.commit()
     db.close()
     store = ChatStore(path)
-    assert store.schema_version == 3
+    assert store.db.execute("PRAGMA user_version").fetchone()[0] == 3
     assert [(c.id, c.title) for c in store.conversations()] == [(2, "newest"), (1, "kept")]
     assert [m.content for m in store.messages(1)] == ["hello kept"]
     assert store.prompt_messages(1) == [{"role": "user", "content": "hello kept"}]  # no ids: sent as text

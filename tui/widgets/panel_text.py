@@ -18,7 +18,3 @@ class PanelText(Static):
         if text != self._shown:
             self._shown = text
             self.update(text, layout=False)  # fixed height in the stylesheet
-
-    @property
-    def shown_text(self) -> str:
-        return self._shown
