@@ -43,23 +43,25 @@ def resolve_attention(mode: str | None = None) -> str:
     return mode
 
 
-def paged_attention(queries, keys, values, cache: PagedKVCache, scale: float, mask):
+def paged_attention(queries, keys, values, cache: PagedKVCache, scale: float, mask, sinks=None):
     """Attention of `queries [B, Hq, L, D]` over the pool, through the block table.
 
     `keys`/`values` are the gathered contiguous K/V from `update_and_fetch`;
     the reference path uses them, a kernel reads the pool directly and
-    leaves that gather unevaluated, and so does cascade attention.
+    leaves that gather unevaluated, and so does cascade attention. `sinks`
+    (gpt-oss): one logit per query head that joins every softmax.
     """
-    if cache.batch.prefix is not None and queries.shape[2] == 1:
+    decode = queries.shape[2] == 1
+    if cache.batch.prefix is not None and decode and sinks is None:
         return cascade_decode(queries, cache, scale)
-    if cache.batch.attention == "kernel" and queries.shape[2] == 1:
-        out = _kernel_decode(queries, cache, scale)
+    if cache.batch.attention == "kernel" and decode:
+        out = _kernel_decode(queries, cache, scale, sinks)
         if out is not None:
             return out
-    return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+    return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
 
 
-def _kernel_decode(queries, cache: PagedKVCache, scale: float):
+def _kernel_decode(queries, cache: PagedKVCache, scale: float, sinks=None):
     """Decode attention on the kernels, or None where they do not serve the shape.
 
     The kernels read each sequence's first `context_lens` tokens, which is
@@ -73,8 +75,9 @@ def _kernel_decode(queries, cache: PagedKVCache, scale: float):
     if not kernels.supports(queries.dtype, queries.shape[3], v_pool.shape[3], k_pool.shape[2],
                             n_heads // n_kv_heads):
         return None
-    b = cache.batch
-    return kernels.paged_decode(queries, k_pool, v_pool, b.block_tables, b.context_lens, scale)
+    if cache.window is not None or sinks is not None:
+        return None  # not yet on the kernels
+    return kernels.paged_decode(queries, k_pool, v_pool, cache.tables.block_tables, cache.lengths, scale)
 
 
 def route_model_attention(model) -> bool:
@@ -88,8 +91,8 @@ def route_model_attention(model) -> bool:
 
     def routed(original):
         def attention(queries, keys, values, cache, scale, mask, sinks=None):
-            if isinstance(cache, PagedKVCache) and sinks is None:
-                return paged_attention(queries, keys, values, cache, scale, mask)
+            if isinstance(cache, PagedKVCache):
+                return paged_attention(queries, keys, values, cache, scale, mask, sinks)
             return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
 
         return attention

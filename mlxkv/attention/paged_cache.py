@@ -1,9 +1,13 @@
 """The per-layer cache objects the unmodified mlx-lm models talk to.
 
-A model forward sees a list of `PagedKVCache`, one per layer, all sharing
-one `PagedBatch`: the block tables, write slots and offsets of the step.
-They speak mlx-lm's cache protocol (`offset`, `update_and_fetch`,
-`make_mask`, `state`, `nbytes`), so no model code is forked.
+A model forward sees one `PagedKVCache` per attention layer, all sharing
+one `PagedBatch`: the write slots and offsets of the step, and each layer
+group's block tables (cache/layer_groups.py). They speak mlx-lm's cache
+protocol (`offset`, `update_and_fetch`, `make_mask`, `state`, `nbytes`),
+so no model code is forked.
+
+A sliding-window group's tables start at each row's first held block
+(`starts`, in tokens), and its mask hides what is older than the window.
 """
 
 from __future__ import annotations
@@ -13,50 +17,62 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from mlxkv.attention.mirror import KVMirror
-from mlxkv.cache.kv_pool import KVPool
 from mlxkv.attention.shared_prefix import SharedPrefix
+from mlxkv.cache.kv_pool import KVPool
 from mlxkv.models.compat import BaseCache, create_attention_mask
+
+
+@dataclass(frozen=True)
+class GroupTables:
+    """One layer group's part of a step: where its rows' K/V are, and its window."""
+
+    block_tables: mx.array  # [B, nb] block ids from each row's first held block, padded with any valid id
+    write_blocks: mx.array  # [B, L] block id of each new token's slot
+    starts: tuple[int, ...]  # token position of each row's first table entry
+    window: int | None = None  # tokens a query sees (itself included); None: all before it
+
+    @classmethod
+    def build(cls, tables: list[list[int]], starts: list[int], offsets: list[int], num_new: int,
+              block_size: int, window: int | None = None) -> GroupTables:
+        width = max(len(t) for t in tables)
+        padded = [t + [t[0]] * (width - len(t)) for t in tables]
+        write_blocks = [[t[(p - s) // block_size] for p in range(o, o + num_new)]
+                        for t, s, o in zip(tables, starts, offsets)]
+        return cls(mx.array(padded, dtype=mx.int32), mx.array(write_blocks, dtype=mx.int32),
+                   tuple(starts), window)
 
 
 @dataclass(frozen=True)
 class PagedBatch:
     """Where one forward step reads and writes KV, for B sequences of L new tokens."""
 
-    block_tables: mx.array  # [B, nb] block ids, padded with any valid id
-    write_blocks: mx.array  # [B, L] block id of each new token's slot
-    write_offsets: mx.array  # [B, L] offset of that slot inside its block
-    offsets: tuple[int, ...]  # tokens already in the pool, per sequence
+    groups: tuple[GroupTables, ...]
+    write_offsets: mx.array  # [B, L] offset of each new token's slot inside its block
+    offsets: tuple[int, ...]  # tokens already computed, per sequence
     num_new: int
     attention: str = "reference"
     mirror: KVMirror | None = None  # contiguous copy of a lone sequence's K/V
     prefix: SharedPrefix | None = None  # leading blocks all rows share (cascade.py)
 
     @classmethod
-    def build(
-        cls,
-        block_tables: list[list[int]],
-        offsets: list[int],
-        num_new: int,
-        block_size: int,
-        attention: str = "reference",
-        mirror: KVMirror | None = None,
-        prefix: SharedPrefix | None = None,
-    ):
-        width = max(len(t) for t in block_tables)
-        padded = [t + [t[0]] * (width - len(t)) for t in block_tables]
-        positions = [range(o, o + num_new) for o in offsets]
-        write_blocks = [[t[p // block_size] for p in pos] for t, pos in zip(block_tables, positions)]
-        write_offsets = [[p % block_size for p in pos] for pos in positions]
-        return cls(
-            block_tables=mx.array(padded, dtype=mx.int32),
-            write_blocks=mx.array(write_blocks, dtype=mx.int32),
-            write_offsets=mx.array(write_offsets, dtype=mx.int32),
-            offsets=tuple(offsets),
-            num_new=num_new,
-            attention=attention,
-            mirror=mirror,
-            prefix=prefix,
-        )
+    def build(cls, block_tables: list[list[int]], offsets: list[int], num_new: int, block_size: int,
+              attention: str = "reference", mirror: KVMirror | None = None,
+              prefix: SharedPrefix | None = None) -> PagedBatch:
+        """A step of one full-attention group (a plain model)."""
+        group = GroupTables.build(block_tables, [0] * len(offsets), offsets, num_new, block_size)
+        return cls.of_groups((group,), offsets, num_new, block_size, attention, mirror, prefix)
+
+    @classmethod
+    def of_groups(cls, groups: tuple[GroupTables, ...], offsets: list[int], num_new: int, block_size: int,
+                  attention: str = "reference", mirror: KVMirror | None = None,
+                  prefix: SharedPrefix | None = None) -> PagedBatch:
+        write_offsets = [[p % block_size for p in range(o, o + num_new)] for o in offsets]
+        return cls(tuple(groups), mx.array(write_offsets, dtype=mx.int32), tuple(offsets), num_new,
+                   attention, mirror, prefix)
+
+    @property
+    def block_tables(self) -> mx.array:
+        return self.groups[0].block_tables
 
     @property
     def batch_size(self) -> int:
@@ -68,10 +84,15 @@ class PagedBatch:
 
 
 class PagedKVCache(BaseCache):
-    def __init__(self, pool: KVPool, layer: int, batch: PagedBatch):
+    """Page layer `layer` of group `group`'s blocks; `slot` names it for the mirror."""
+
+    def __init__(self, pool: KVPool, layer: int, batch: PagedBatch, group: int = 0, slot: int | None = None):
         self.pool = pool
         self.layer = layer
         self.batch = batch
+        self.group = group
+        self.slot = layer if slot is None else slot
+        self.tables = batch.groups[group]
 
     @property
     def offset(self):
@@ -80,33 +101,49 @@ class PagedKVCache(BaseCache):
             return self.batch.offsets[0]
         return mx.array(self.batch.offsets)
 
+    @property
+    def window(self) -> int | None:
+        return self.tables.window
+
+    @property
+    def lengths(self) -> list[int]:
+        """Tokens each row's gathered K/V holds: from its table's start to its context end."""
+        return [n - s for n, s in zip(self.batch.context_lens, self.tables.starts)]
+
     def update_and_fetch(self, keys, values):
-        b = self.batch
-        self.pool.write(self.layer, b.write_blocks, b.write_offsets, keys, values)
-        if b.mirror is not None:
+        b, t = self.batch, self.tables
+        self.pool.write(self.layer, t.write_blocks, b.write_offsets, keys, values)
+        if b.mirror is not None and t.window is None:
             return self._fetch_mirrored(keys, values)
         # The gathered copy is what any attention code can use; when the
         # kernel path or cascade attention serves instead, MLX never evaluates it.
-        length = b.context_lens[0] if b.batch_size == 1 else None
-        return self.pool.gather(self.layer, b.block_tables, length)
+        length = self.lengths[0] if b.batch_size == 1 else None
+        return self.pool.gather(self.layer, t.block_tables, length)
 
     def _fetch_mirrored(self, keys, values):
         mirror, offset = self.batch.mirror, self.batch.offsets[0]
-        if not mirror.holds(self.layer, offset):
+        if not mirror.holds(self.slot, offset):
             # First step of a request (maybe on prefix hits): copy once from the pool.
-            k, v = self.pool.gather(self.layer, self.batch.block_tables, self.batch.context_lens[0])
-            return mirror.reset(self.layer, k, v)
-        return mirror.append(self.layer, keys, values)
+            k, v = self.pool.gather(self.layer, self.tables.block_tables, self.batch.context_lens[0])
+            return mirror.reset(self.slot, k, v)
+        return mirror.append(self.slot, keys, values)
 
     def make_mask(self, N: int, return_array: bool = False, window_size=None):
-        b = self.batch
-        if b.batch_size == 1:
+        b, t = self.batch, self.tables
+        if t.window is None and b.batch_size == 1:
             return create_attention_mask(N, offset=b.offsets[0], return_array=return_array, window_size=window_size)
-        # Key j is visible to query i of sequence s when j <= offsets[s] + i;
-        # that also hides the padding past each sequence's context.
-        width = b.block_tables.shape[1] * self.pool.layout.block_size
+        # Key j of row s (position starts[s] + j) is visible to query i
+        # (position offsets[s] + i) when it is not later, within the window,
+        # and inside the row's context (the tables are padded).
+        width = t.block_tables.shape[1] * self.pool.layout.block_size
+        k_pos = mx.array(t.starts)[:, None, None, None] + mx.arange(width)
         q_pos = mx.array(b.offsets)[:, None, None, None] + mx.arange(N)[:, None]
-        return mx.arange(width) <= q_pos
+        mask = k_pos <= q_pos
+        if t.window is not None:
+            mask = mask & (q_pos - k_pos < t.window)
+        if b.batch_size == 1:
+            return mask[0, 0, :, : self.lengths[0]]
+        return mask
 
     def size(self):
         return self.batch.context_lens[0] if self.batch.batch_size == 1 else 0

@@ -30,7 +30,10 @@ def _sample_bytes(param: mx.array) -> bytes:
     return np.array(sample.view(_UINT_OF_SIZE[param.dtype.size])).tobytes()
 
 
-def model_fingerprint(model, config: dict, kv_dtype: mx.Dtype, block_size: int) -> bytes:
+def model_fingerprint(model, config: dict, kv_dtype: mx.Dtype, block_size: int,
+                      groups: str | None = None) -> bytes:
+    """`groups`: the layer-group layout (GroupLayout.describe) of a model that
+    is not one full-attention group; a plain model's fingerprint is as before."""
     h = hashlib.sha256(b"mlxkv-fingerprint\0")
     header = {
         "layout_version": LAYOUT_VERSION,
@@ -38,6 +41,8 @@ def model_fingerprint(model, config: dict, kv_dtype: mx.Dtype, block_size: int) 
         "kv_dtype": str(kv_dtype),
         "config": config,
     }
+    if groups is not None:
+        header["groups"] = groups
     h.update(json.dumps(header, sort_keys=True, default=str).encode())
     for name, param in sorted(tree_flatten(model.parameters()), key=lambda kv: kv[0]):
         h.update(f"\0{name}:{param.shape}:{param.dtype}\0".encode())

@@ -50,3 +50,12 @@ def extend_block_hashes(
         parent = hashes[-1] if hashes else root
         hashes.append(hash_block(parent, token_ids[start : start + block_size]))
     return hashes
+
+
+def group_hash(block_hash: BlockHash, group: int) -> BlockHash:
+    """The key of a block's K/V for one layer group: the block hash itself
+    for group 0, chained with the group's index for the others. Each group
+    holds its own copy of a block, in the pool and in every tier."""
+    if group == 0:
+        return block_hash
+    return hashlib.sha256(block_hash + b"\0group\0" + group.to_bytes(4, "little")).digest()

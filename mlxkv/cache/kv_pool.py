@@ -16,16 +16,25 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from mlxkv.cache.block_kv import BlockKV, KVRun
+from mlxkv.cache.layer_groups import GroupLayout
 
 
 @dataclass(frozen=True, slots=True)
 class KVLayout:
+    """What a block holds: `num_layers` page layers (every layer of a plain
+    model; a group's share of a hybrid one) of K/V in one shape."""
+
     num_layers: int
     n_kv_heads: int
     head_dim: int
     v_head_dim: int
     block_size: int
     dtype: mx.Dtype
+    groups: GroupLayout | None = None  # None: one full-attention group of all layers
+
+    @property
+    def group_layout(self) -> GroupLayout:
+        return self.groups or GroupLayout.plain(self.num_layers)
 
     @property
     def bytes_per_token(self) -> int:

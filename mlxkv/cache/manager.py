@@ -1,9 +1,16 @@
 """Sequence-level block management on top of the block pool.
 
 This is where a prompt meets the pool: prefix lookup (pool first, then the
-connector's tiers), slot allocation as tokens are computed, registration of
-blocks once they are full, and release. It is also the connector seam: the
-three calls of connectors/base.py are made here and nowhere else.
+connector's tiers; prefix_lookup.py), slot allocation as tokens are
+computed, registration of blocks once they are full, and release. It is
+also the connector seam: the three calls of connectors/base.py are made
+here and nowhere else.
+
+A sequence holds a block table per layer group (layer_groups.py). Every
+group registers the same blocks of tokens as they fill, each under its
+own key (hashing.group_hash); a sliding-window group lets go of the
+blocks its window has passed, so they stay cached (and spill to the tiers
+when evicted) without holding the pool.
 """
 
 from __future__ import annotations
@@ -11,21 +18,24 @@ from __future__ import annotations
 import logging
 
 from mlxkv.cache.block_pool import Block, BlockPool
-from mlxkv.connectors.base import KVCacheConnector, LoadedBlock, NoopKVCacheConnector
-from mlxkv.cache.hashing import BlockHash, extend_block_hashes
+from mlxkv.cache.hashing import BlockHash, extend_block_hashes, group_hash
 from mlxkv.cache.kv_pool import KVPool
+from mlxkv.cache.layer_groups import GroupLayout, KVGroup
+from mlxkv.cache.prefix_lookup import PrefixHit, PrefixLookup
 from mlxkv.cache.sequence import Sequence
-from mlxkv.cache.tiers import POOL
+from mlxkv.cache.tiers import POOL, TIERS
+from mlxkv.connectors.base import KVCacheConnector, NoopKVCacheConnector
 
 log = logging.getLogger(__name__)
 
-
 # Decode fills a block every block_size tokens. Offered one at a time, each
-# costs a pool read and the SSD tier a file with its own fsync: 32 files for
-# a 500-token demo reply. Offered in batches of this many (and whatever is
-# left when the sequence lets go of its blocks), the same reply is 3 files,
-# so a restored conversation reads runs, as a restored prompt does.
+# costs a pool read and the SSD tier a file with its own fsync. Offered in
+# batches of this many (and whatever is left when the sequence lets go of
+# its blocks), a restored conversation reads runs, as a restored prompt does.
 STORE_BATCH_BLOCKS = 16
+# Hydrates that find a tier's copy gone or bad look again this often, then
+# settle for what the pool holds.
+HYDRATE_ATTEMPTS = 3
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -39,6 +49,7 @@ class KVCacheManager:
         block_size: int,
         kv_pool: KVPool | None = None,
         connector: KVCacheConnector | None = None,
+        layout: GroupLayout | None = None,
     ):
         # Without a KV pool (pure bookkeeping, as in the pool's property
         # tests) there are no bytes to move, so only the no-op connector fits.
@@ -48,7 +59,13 @@ class KVCacheManager:
         self.block_size = block_size
         self.kv_pool = kv_pool
         self.connector = connector or NoopKVCacheConnector()
+        self.layout = layout or GroupLayout.plain(kv_pool.layout.num_layers if kv_pool else 1)
+        self.lookup = PrefixLookup(pool, self.layout, block_size, self.connector)
         pool.on_evict = self._on_evict
+
+    @property
+    def groups(self) -> tuple[KVGroup, ...]:
+        return self.layout.groups
 
     def _reader(self, block_ids: list[int]):
         return lambda: self.kv_pool.read_blocks(block_ids)
@@ -63,6 +80,8 @@ class KVCacheManager:
         except Exception:  # a failed spill loses cached copies, never a request
             log.exception("the connector could not spill %d blocks", len(blocks))
 
+    # -- admission ------------------------------------------------------------
+
     def _usable_hashes(self, seq: Sequence) -> list[BlockHash]:
         """Hashes of the prompt's full blocks, less the one holding its last token.
 
@@ -72,56 +91,140 @@ class KVCacheManager:
         extend_block_hashes(seq.block_hashes, seq.hash_root, seq.prompt, self.block_size)
         return seq.block_hashes[: (len(seq.prompt) - 1) // self.block_size]
 
-    def get_computed_blocks(self, seq: Sequence) -> list[Block]:
-        """The pool's cached blocks for the prompt's prefix."""
+    def pool_hit(self, seq: Sequence) -> PrefixHit:
+        """The prefix hit the pool alone holds for the prompt (no tier is asked)."""
         if seq.hash_root is None:
-            return []
-        return self.pool.get_computed_blocks(self._usable_hashes(seq))
+            return PrefixHit(0, [[] for _ in self.groups], [[] for _ in self.groups])
+        return self.lookup.find(self._usable_hashes(seq), use_tiers=False)
+
+    def get_computed_blocks(self, seq: Sequence) -> list[Block]:
+        """The pool's cached blocks for the prompt's prefix, in group 0."""
+        return [block for _, block in self.pool_hit(seq).pool[0]]
 
     def admit(self, seq: Sequence) -> None:
-        """Take the prompt's prefix hits from the pool, then from the tiers."""
-        hits = self.get_computed_blocks(seq)
-        self.pool.touch(hits)
-        seq.blocks = list(hits)
-        seq.num_cached_blocks = len(hits)
-        seq.num_computed = len(hits) * self.block_size
-        seq.cached_tokens[POOL] = seq.num_computed
-        if seq.hash_root is not None:
-            self._hydrate(seq, self._usable_hashes(seq)[len(hits) :])
+        """Take the prompt's prefix hit from the pool and the tiers."""
+        seq.tables = [[] for _ in self.groups]
+        seq.unstored = [[] for _ in self.groups]
+        seq.num_computed = seq.num_cached_blocks = 0
+        if seq.hash_root is None:
+            return
+        hashes = self._usable_hashes(seq)
+        for _ in range(HYDRATE_ATTEMPTS):
+            hit = self.lookup.find(hashes)
+            if not self._room_for(hit):
+                break  # computing those blocks would not fit either: the scheduler waits or preempts
+            if self._take(seq, hit):
+                return
+        self._take(seq, self.lookup.find(hashes, use_tiers=False))
 
-    def _hydrate(self, seq: Sequence, wanted: list[BlockHash]) -> None:
-        n = min(self.connector.get_computed_blocks(wanted), self.pool.num_free)
-        if n == 0:
-            return
-        loaded = self._matching(wanted[:n], self.connector.load_blocks(wanted[:n]))
-        if not loaded:
-            return
-        # Which free block takes which hash is ours to choose: in id order, a
+    def _room_for(self, hit: PrefixHit) -> bool:
+        """Whether the pool can take the hit's tier blocks beside its own."""
+        unreferenced = sum(1 for pool in hit.pool for _, block in pool if block.ref_count == 0)
+        return sum(len(t) for t in hit.tiers) <= self.pool.num_free - unreferenced
+
+    def _take(self, seq: Sequence, hit: PrefixHit) -> bool:
+        """Hold the hit's blocks; False (holding nothing) if a tier could not supply its share."""
+        b = hit.num_blocks
+        touched = [block for pool in hit.pool for _, block in pool]
+        self.pool.touch(touched)
+        tables = [[None] * b for _ in self.groups]
+        for group, pool in zip(self.groups, hit.pool):
+            for i, block in pool:
+                tables[group.index][i] = block
+        sources = [POOL] * b
+        loaded_blocks = []
+        for group, tiers in zip(self.groups, hit.tiers):
+            loaded = self._load(group, tiers, tables[group.index], sources)
+            if loaded is None:
+                self.pool.free(touched + loaded_blocks)
+                return False
+            loaded_blocks += loaded
+        seq.tables = tables
+        seq.num_cached_blocks = b
+        seq.num_computed = b * self.block_size
+        for source in sources:
+            seq.cached_tokens[source] = seq.cached_tokens.get(source, 0) + self.block_size
+        return True
+
+    def _load(self, group: KVGroup, wanted: list[tuple[int, BlockHash]], table: list, sources: list[str]):
+        """Hydrate a group's blocks from the tiers into the table; None if any is missing."""
+        if not wanted:
+            return []
+        keys = [key for _, key in wanted]
+        loaded = self.connector.load_blocks(keys)
+        good = 0
+        while good < min(len(loaded), len(keys)) and loaded[good].block_hash == keys[good]:
+            good += 1
+        # Which free block takes which key is ours to choose: in id order, a
         # run of tier blocks lands on runs of ids, one slice copy per layer.
-        blocks = sorted(self.pool.allocate(len(loaded)), key=lambda b: b.block_id)
-        self.kv_pool.write_blocks([b.block_id for b in blocks], [l.kv for l in loaded])
-        self.pool.cache_blocks(blocks, [l.block_hash for l in loaded])
-        seq.blocks.extend(blocks)
-        seq.num_cached_blocks += len(blocks)
-        seq.num_computed += len(blocks) * self.block_size
-        for block in loaded:
-            seq.cached_tokens[block.tier] = seq.cached_tokens.get(block.tier, 0) + self.block_size
+        blocks = sorted(self.pool.allocate(good), key=lambda blk: blk.block_id) if good else []
+        if good:
+            self.kv_pool.write_blocks([blk.block_id for blk in blocks], [block.kv for block in loaded[:good]])
+            self.pool.cache_blocks(blocks, keys[:good])
+        if good < len(keys):
+            self.pool.free(blocks)  # they stay cached under their keys; the hit is looked up again
+            return None
+        for (i, _), block, found in zip(wanted, blocks, loaded):
+            table[i] = block
+            sources[i] = max(sources[i], found.tier, key=TIERS.index)  # a block comes as slow as its slowest group
+        return blocks
 
-    @staticmethod
-    def _matching(wanted: list[BlockHash], loaded: list[LoadedBlock]) -> list[LoadedBlock]:
-        """The leading run of loaded blocks that are the ones asked for, in order."""
-        run = []
-        for want, block in zip(wanted, loaded):
-            if block.block_hash != want:
-                break
-            run.append(block)
-        return run
+    def admission_blocks(self, seq: Sequence, chunk: int) -> int:
+        """Free blocks admitting `seq` may take while it prefills in chunks of `chunk` tokens."""
+        hit = self.pool_hit(seq)
+        held = sum(1 for pool in hit.pool for _, block in pool if block.ref_count == 0)
+        need = self.peak_blocks(len(seq.prompt), chunk) - sum(len(pool) for pool in hit.pool)
+        return need + held
+
+    def peak_blocks(self, num_tokens: int, chunk: int) -> int:
+        """The most blocks one sequence holds on its way to `num_tokens` tokens."""
+        bs, total = self.block_size, blocks_for(num_tokens, self.block_size)
+        peak = 0
+        for group in self.groups:
+            if group.window is None:
+                peak += total
+            else:  # the window behind a chunk, the chunk, and a partial block at each end
+                peak += min(total, blocks_for(group.window + min(chunk, num_tokens), bs) + 1)
+        return peak
+
+    # -- computing ------------------------------------------------------------
 
     def allocate_slots(self, seq: Sequence, num_new: int) -> None:
-        """Make sure blocks exist for the next `num_new` tokens of `seq`."""
-        needed = blocks_for(seq.num_computed + num_new, self.block_size) - len(seq.blocks)
-        if needed > 0:
-            seq.blocks.extend(self.pool.allocate(needed))
+        """Make sure blocks exist for the next `num_new` tokens of `seq`, in every group.
+
+        Sliding groups first let go of the blocks their window has passed.
+        All or nothing: PoolExhaustedError leaves every table as it was.
+        """
+        self._release_passed(seq)
+        target = blocks_for(seq.num_computed + num_new, self.block_size)
+        short = [max(0, target - len(table)) for table in seq.tables]
+        if not any(short):
+            return
+        fresh = self.pool.allocate(sum(short))
+        for table, n in zip(seq.tables, short):
+            table.extend(fresh[:n])
+            fresh = fresh[n:]
+
+    def slots_needed(self, seq: Sequence, num_new: int) -> int:
+        """Blocks `allocate_slots(seq, num_new)` would take from the pool (at most)."""
+        target = blocks_for(seq.num_computed + num_new, self.block_size)
+        return sum(max(0, target - len(table)) for table in seq.tables)
+
+    def _release_passed(self, seq: Sequence) -> None:
+        """Sliding groups drop the registered blocks before the next token's window."""
+        for group in self.layout.sliding_groups:
+            table = seq.tables[group.index]
+            end = min(group.first_needed_block(seq.num_computed, self.block_size), len(table))
+            if seq.hash_root is not None:
+                end = min(end, seq.num_cached_blocks)  # never a block not yet registered
+            passed = [i for i in range(end) if table[i] is not None]
+            if not passed:
+                continue
+            if any(table[i] in seq.unstored[group.index] for i in passed):
+                self._store_group(seq, group.index)  # read before the pool may reuse them
+            self.pool.free([table[i] for i in passed])
+            for i in passed:
+                table[i] = None
 
     def cache_blocks(self, seq: Sequence, *, store_now: bool = True) -> None:
         """Register the blocks that are now full of computed, known tokens.
@@ -140,14 +243,21 @@ class KVCacheManager:
             return
         extend_block_hashes(seq.block_hashes, seq.hash_root, seq.tokens[:known], self.block_size)
         start = seq.num_cached_blocks
-        newly = self.pool.cache_blocks(seq.blocks[start:full], seq.block_hashes[start:full])
+        for group, table in zip(self.groups, seq.tables):
+            held = [(b, group_hash(h, group.index))
+                    for b, h in zip(table[start:full], seq.block_hashes[start:full]) if b is not None]
+            newly = self.pool.cache_blocks([b for b, _ in held], [key for _, key in held])
+            seq.unstored[group.index].extend(newly)
         seq.num_cached_blocks = full
-        seq.unstored.extend(newly)
-        if store_now or len(seq.unstored) >= STORE_BATCH_BLOCKS:
+        if store_now or max(len(u) for u in seq.unstored) >= STORE_BATCH_BLOCKS:
             self._store(seq)
 
     def _store(self, seq: Sequence) -> None:
-        blocks, seq.unstored = seq.unstored, []
+        for g in range(len(seq.unstored)):
+            self._store_group(seq, g)
+
+    def _store_group(self, seq: Sequence, g: int) -> None:
+        blocks, seq.unstored[g] = seq.unstored[g], []
         if not blocks:
             return
         try:
@@ -158,5 +268,8 @@ class KVCacheManager:
     def free(self, seq: Sequence) -> None:
         """Release the sequence's blocks, last first, so they are evicted first."""
         self._store(seq)
-        self.pool.free(reversed(seq.blocks))
-        seq.blocks = []
+        longest = max(len(table) for table in seq.tables)
+        last_first = [table[i] for i in reversed(range(longest)) for table in seq.tables
+                      if i < len(table) and table[i] is not None]
+        self.pool.free(last_first)
+        seq.tables = [[] for _ in seq.tables]

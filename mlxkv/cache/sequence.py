@@ -1,4 +1,10 @@
-"""A sequence: one request's tokens and the blocks that hold their KV."""
+"""A sequence: one request's tokens and the blocks that hold their KV.
+
+It holds a block table per layer group (layer_groups.py). A table's
+entry i is the block of the sequence's i-th block of tokens in that
+group, or None where a sliding-window group has let go of it (the window
+has moved past) or never needed it (a prefix hit started past it).
+"""
 
 from __future__ import annotations
 
@@ -16,15 +22,15 @@ class Sequence:
     # Root of the hash chain; None when prefix caching is off.
     hash_root: BlockHash | None
     output: list[int] = field(default_factory=list)
-    blocks: list[Block] = field(default_factory=list)
+    tables: list[list[Block | None]] = field(default_factory=lambda: [[]])
     block_hashes: list[BlockHash] = field(default_factory=list)
     # Tokens whose KV has been written to the pool (or came from a hit).
     num_computed: int = 0
     # Leading blocks registered in the pool's hash map.
     num_cached_blocks: int = 0
-    # Registered blocks not yet offered to the connector (cache_manager.py
-    # batches the ones decode fills).
-    unstored: list[Block] = field(default_factory=list)
+    # Registered blocks not yet offered to the connector, per group
+    # (manager.py batches the ones decode fills).
+    unstored: list[list[Block]] = field(default_factory=lambda: [[]])
     # Prompt tokens reused instead of computed, by where they came from.
     cached_tokens: dict[str, int] = field(default_factory=no_reuse)
 
@@ -42,8 +48,22 @@ class Sequence:
         return self.output[-1] if self.output else self.prompt[-1]
 
     @property
+    def blocks(self) -> list[Block | None]:
+        """Group 0's table: a plain model's only one."""
+        return self.tables[0]
+
+    @blocks.setter
+    def blocks(self, blocks: list[Block | None]) -> None:
+        self.tables[0] = blocks
+
+    @property
     def block_table(self) -> list[int]:
+        """Group 0's block ids (a plain model holds every block it has computed)."""
         return [b.block_id for b in self.blocks]
+
+    def held(self) -> list[Block]:
+        """Every block the sequence holds a reference to, in every group."""
+        return [b for table in self.tables for b in table if b is not None]
 
     @property
     def num_reused(self) -> int:

@@ -53,14 +53,18 @@ class Engine:
         self.tokenizer = loaded.tokenizer
         self.cache_config = cache
         self.layout = probe_kv_layout(loaded, cache.block_size)
-        self.fingerprint = model_fingerprint(self.model, loaded.config, self.layout.dtype, cache.block_size)
+        groups = self.layout.group_layout
+        self.fingerprint = model_fingerprint(self.model, loaded.config, self.layout.dtype, cache.block_size,
+                                             None if groups.is_plain else groups.describe())
         self.kv_pool = KVPool(self.layout, size_pool(cache, self.layout, loaded.max_context))
         self.block_pool = BlockPool(self.kv_pool.num_blocks)
         self.connector = build_connector(cache, self.fingerprint, self.layout)
-        self.manager = KVCacheManager(self.block_pool, cache.block_size, self.kv_pool, self.connector)
-        self.runner = ModelRunner(self.model, self.kv_pool, resolve_attention(cache.attention))
+        self.manager = KVCacheManager(self.block_pool, cache.block_size, self.kv_pool, self.connector, groups)
+        self.runner = ModelRunner(self.model, self.kv_pool, resolve_attention(cache.attention), groups)
         self.loop = BatchLoop(self.manager, self.runner, self.tokenizer.eos_token_ids, prefill_chunk, max_running)
-        self.limits = RequestLimits(loaded.vocab_size, loaded.max_context, self.kv_pool.num_blocks, cache.block_size)
+        peak = None if groups.is_plain else (lambda n: self.manager.peak_blocks(n, prefill_chunk))
+        self.limits = RequestLimits(loaded.vocab_size, loaded.max_context, self.kv_pool.num_blocks,
+                                    cache.block_size, peak)
         self._request_ids = itertools.count()
 
     @classmethod

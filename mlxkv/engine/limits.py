@@ -4,6 +4,7 @@ one-line MlxkvError and never reaches the model."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from mlxkv.cache.manager import blocks_for
@@ -17,6 +18,25 @@ class RequestLimits:
     max_context: int | None
     num_blocks: int
     block_size: int
+    # Blocks one sequence of n tokens holds at its peak, all layer groups
+    # together (KVCacheManager.peak_blocks); None: one block per block of tokens.
+    peak_blocks: Callable[[int], int] | None = None
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        if self.peak_blocks is None:
+            return blocks_for(num_tokens, self.block_size)
+        return self.peak_blocks(num_tokens)
+
+    @property
+    def pool_tokens(self) -> int:
+        """The longest sequence the pool holds alone."""
+        lo, hi = 0, self.num_blocks * self.block_size
+        if self.peak_blocks is None:
+            return hi
+        while lo < hi:  # the largest n whose peak fits: peak_blocks grows with n
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if self.blocks_needed(mid) <= self.num_blocks else (lo, mid - 1)
+        return lo
 
     def token_ids(self, prompt) -> list[int]:
         """Token ids as ints, each a row of the embedding table. MLX does not
@@ -47,7 +67,7 @@ class RequestLimits:
         """The longest prompt a chat is fitted to, leaving its reply room for
         `max_tokens`, in the pool and in the context. A reply asked for more
         than half the context gets the half the prompt does not keep."""
-        pool = self.num_blocks * self.block_size
+        pool = self.pool_tokens
         context = self.max_context
         if context is None:
             return pool - max_tokens
@@ -63,7 +83,7 @@ class RequestLimits:
             raise MlxkvError(f"prompt has {len(prompt)} tokens but the model's context is {limit}")
         bs = self.block_size
         reply = self.reply_room(len(prompt), max_tokens)
-        need = blocks_for(len(prompt) + reply, bs)
+        need = self.blocks_needed(len(prompt) + reply)
         if need > self.num_blocks:
             raise MlxkvError(
                 f"prompt ({len(prompt)} tokens) plus a reply of up to {reply} tokens needs {need} "

@@ -6,18 +6,22 @@ import mlx.core as mx
 
 from mlxkv.attention.dispatch import route_model_attention
 from mlxkv.attention.mirror import KVMirror
-from mlxkv.cache.kv_pool import KVPool
-from mlxkv.attention.paged_cache import PagedBatch, PagedKVCache
-from mlxkv.cache.sequence import Sequence
+from mlxkv.attention.paged_cache import GroupTables, PagedBatch, PagedKVCache
 from mlxkv.attention.shared_prefix import SharedPrefix, shared_blocks
+from mlxkv.cache.kv_pool import KVPool
+from mlxkv.cache.layer_groups import GroupLayout
+from mlxkv.cache.sequence import Sequence
 
 
 class ModelRunner:
-    def __init__(self, model, kv_pool: KVPool, attention: str = "reference"):
+    def __init__(self, model, kv_pool: KVPool, attention: str = "reference", layout: GroupLayout | None = None):
         self.model = model
         self.kv_pool = kv_pool
         self.attention = attention
-        self.num_layers = len(model.layers)
+        self.layout = layout or GroupLayout.plain(len(model.layers))
+        self.num_layers = self.layout.num_slots
+        # (group, page layer) of each cache slot, in the model's order.
+        self._places = [(g.index, j) for g, j in map(self.layout.place, range(self.num_layers))]
         # Contiguous K/V copies of lone running sequences (see kv_mirror.py).
         self._mirrors: dict[int, KVMirror] = {}
         # The shared prefix of the last batched decode step (see cascade.py).
@@ -47,7 +51,7 @@ class ModelRunner:
         """
         if len(seqs) < 2 or num_new != 1:
             return None
-        cascade = self.attention == "reference" and self._routed
+        cascade = self.attention == "reference" and self._routed and self.layout.is_plain
         blocks = shared_blocks(seqs, self.kv_pool.layout.block_size) if cascade else []
         if not blocks:
             self._prefix = None
@@ -56,6 +60,18 @@ class ModelRunner:
             self._prefix = SharedPrefix(self.num_layers)
         self._prefix.update(blocks, self.kv_pool, {s.request_id for s in seqs})
         return self._prefix
+
+    @staticmethod
+    def _group_tables(seqs: list[Sequence], g: int, window: int | None, offsets: list[int], num_new: int,
+                      block_size: int) -> GroupTables:
+        """A group's tables from each row's first held block (a sliding window holds no earlier ones)."""
+        tables, starts = [], []
+        for seq in seqs:
+            table = seq.tables[g]
+            first = next(i for i, block in enumerate(table) if block is not None)
+            tables.append([block.block_id for block in table[first:]])
+            starts.append(first * block_size)
+        return GroupTables.build(tables, starts, offsets, num_new, block_size, window)
 
     @property
     def prefix_nbytes(self) -> int:
@@ -78,16 +94,12 @@ class ModelRunner:
         sequence; this advances each sequence's `num_computed` by L.
         """
         num_new = tokens.shape[1]
-        batch = PagedBatch.build(
-            [s.block_table for s in seqs],
-            [s.num_computed for s in seqs],
-            num_new,
-            self.kv_pool.layout.block_size,
-            self.attention,
-            self._mirror_for(seqs, mirror),
-            self._prefix_for(seqs, num_new),
-        )
-        caches = [PagedKVCache(self.kv_pool, i, batch) for i in range(self.num_layers)]
+        offsets = [s.num_computed for s in seqs]
+        bs = self.kv_pool.layout.block_size
+        groups = tuple(self._group_tables(seqs, g.index, g.window, offsets, num_new, bs) for g in self.layout.groups)
+        batch = PagedBatch.of_groups(groups, offsets, num_new, bs, self.attention,
+                                     self._mirror_for(seqs, mirror), self._prefix_for(seqs, num_new))
+        caches = [PagedKVCache(self.kv_pool, j, batch, g, slot) for slot, (g, j) in enumerate(self._places)]
         logits = self.model(tokens, cache=caches)
         for s in seqs:
             s.num_computed += num_new

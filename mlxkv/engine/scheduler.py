@@ -25,7 +25,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from mlxkv.cache.manager import KVCacheManager, blocks_for
+from mlxkv.cache.manager import KVCacheManager
 from mlxkv.errors import PoolExhaustedError
 from mlxkv.engine.records import RequestStats
 from mlxkv.engine.request import Request, RequestState
@@ -96,12 +96,10 @@ class Scheduler:
 
     def _fits(self, request: Request) -> bool:
         seq = request.seq or request.new_sequence()
-        hits = self.manager.get_computed_blocks(seq)
-        if self._prefix_pending(seq, len(hits)):
+        if self._prefix_pending(seq, self.manager.pool_hit(seq).num_blocks):
             return False
-        need = blocks_for(len(seq.prompt), self.manager.block_size) - len(hits)
-        available = self.pool.num_free - sum(1 for b in hits if b.ref_count == 0)
-        return need + len(self.running) <= available
+        need = self.manager.admission_blocks(seq, self.prefill_chunk)
+        return need + len(self.running) <= self.pool.num_free
 
     def _prefix_pending(self, seq: Sequence, num_hits: int) -> bool:
         usable = (len(seq.prompt) - 1) // self.manager.block_size
@@ -145,11 +143,7 @@ class Scheduler:
 
     def decode_fits(self) -> bool:
         """Whether every request ready to decode can get its next slot without a preemption."""
-        bs = self.manager.block_size
-        needed = sum(
-            1 for r in self.running
-            if r.remaining_prefill <= 0 and len(r.seq.blocks) * bs <= r.seq.num_computed
-        )
+        needed = sum(self.manager.slots_needed(r.seq, 1) for r in self.running if r.remaining_prefill <= 0)
         return needed <= self.pool.num_free
 
     def _prefill_chunks(self) -> list[tuple[Request, int]]:

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import KVCache
 
 from mlxkv.cache.kv_pool import KVLayout
+from mlxkv.cache.layer_groups import GroupLayout, group_layout
 from mlxkv.errors import MlxkvError, first_line
 from mlxkv.models import compat
 from mlxkv.models.fetch import local_model
@@ -75,48 +75,44 @@ def load_tokenizer(name: str):
         raise MlxkvError(f"could not load the tokenizer of {name!r}: {reason}") from None
 
 
-def check_supported(loaded: LoadedModel) -> None:
-    """Only models whose every layer uses mlx-lm's plain KVCache are paged."""
-    model = loaded.model
-    if not hasattr(model, "layers"):
+def check_supported(loaded: LoadedModel) -> GroupLayout:
+    """The model's layer groups; MlxkvError naming what mlxkv cannot page."""
+    if not hasattr(loaded.model, "layers"):
         raise MlxkvError(f"unsupported model family {loaded.model_type!r}: no .layers to page")
-    if hasattr(model, "make_cache"):
-        kinds = {type(c).__name__ for c in model.make_cache() if type(c) is not KVCache}
-        if kinds:
-            raise MlxkvError(
-                f"unsupported model family {loaded.model_type!r}: it uses "
-                f"{', '.join(sorted(kinds))} layers, and mlxkv pages only plain KVCache attention"
-            )
-
-
-class _ProbeCache(KVCache):
-    """Records the K/V shape and dtype a layer writes."""
-
-    def update_and_fetch(self, keys, values):
-        self.seen = (keys.shape, values.shape, keys.dtype)
-        return super().update_and_fetch(keys, values)
+    try:
+        return group_layout(compat.cache_layout(loaded.model))
+    except MlxkvError as e:
+        raise MlxkvError(f"unsupported model family {loaded.model_type!r}: {e}") from None
 
 
 def probe_kv_layout(loaded: LoadedModel, block_size: int) -> KVLayout:
     """Run one token through the model to learn what its layers store.
 
     Reading shapes off configs differs per family; what `update_and_fetch`
-    receives is the ground truth for every family.
+    receives, on the model's own cache objects, is the ground truth. Every
+    attention layer must store the same shape: they share the pool's pages.
     """
-    caches = [_ProbeCache() for _ in range(loaded.num_layers)]
+    layout = check_supported(loaded)
+    caches = compat.cache_layout(loaded.model)
+    seen: dict[int, tuple] = {}
+    for slot, cache in enumerate(caches):
+        cache.update_and_fetch = _recording(cache.update_and_fetch, seen, slot)
     mx.eval(loaded.model(mx.array([[0]]), cache=caches))
-    missing = [i for i, c in enumerate(caches) if not hasattr(c, "seen")]
+    missing = [slot for slot in range(len(caches)) if slot not in seen]
     if missing:
-        raise MlxkvError(
-            f"unsupported model family {loaded.model_type!r}: layers {missing[:4]} "
-            "do not use the KV cache protocol"
-        )
-    k_shape, v_shape, dtype = caches[0].seen
-    return KVLayout(
-        num_layers=loaded.num_layers,
-        n_kv_heads=k_shape[1],
-        head_dim=k_shape[3],
-        v_head_dim=v_shape[3],
-        block_size=block_size,
-        dtype=dtype,
-    )
+        raise MlxkvError(f"unsupported model family {loaded.model_type!r}: cache slots {missing[:4]} "
+                         "do not use the KV cache protocol")
+    shapes = {(k[1], k[3], v[3], dtype) for k, v, dtype in seen.values()}
+    if len(shapes) > 1:
+        raise MlxkvError(f"unsupported model family {loaded.model_type!r}: its layers store K/V of "
+                         f"{len(shapes)} different shapes, and mlxkv pages one shape per pool")
+    ((n_kv_heads, head_dim, v_head_dim, dtype),) = shapes
+    return KVLayout(layout.page_layers, n_kv_heads, head_dim, v_head_dim, block_size, dtype, layout)
+
+
+def _recording(update_and_fetch, seen: dict, slot: int):
+    def record(keys, values):
+        seen[slot] = (keys.shape, values.shape, keys.dtype)
+        return update_and_fetch(keys, values)
+
+    return record

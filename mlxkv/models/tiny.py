@@ -36,11 +36,15 @@ FAMILIES = {
     "phi3": {},
     "starcoder2": {"norm_epsilon": 1e-5},
     "olmo2": {},
-    # Every other layer is sliding-window, so make_cache() returns some
-    # RotatingKVCache: this family exercises the "unsupported family" path.
-    "gemma3_text": {"sliding_window": 64, "sliding_window_pattern": 2},
+    # Sliding-window families: their windows (spec.sliding_window) are
+    # small, so that test prompts wrap them.
+    "gemma3_text": {"sliding_window_pattern": 2},  # every other layer slides
+    "gpt_oss": {"num_local_experts": 4, "num_experts_per_tok": 2},  # alternating, with attention sinks
+    "olmo3": {},  # three sliding layers to one full
 }
-UNSUPPORTED_CACHE_FAMILY = "gemma3_text"
+# Families whose config says which layers slide (full at every `period`-th layer).
+_LAYER_TYPE_PERIODS = {"gpt_oss": 2, "olmo3": 4}
+WINDOWED_FAMILIES = ("gemma3_text", "gpt_oss", "olmo3")
 # Gains for the projections that write back into the residual stream. At
 # 1/sqrt(fan_in) the stream stays dominated by the input token's embedding, so
 # greedy decoding becomes a token -> token map stuck in short loops (tied-
@@ -73,6 +77,7 @@ class TinyModelSpec:
     dtype: str = "float32"
     seed: int = 0
     max_position_embeddings: int = 4096
+    sliding_window: int = 32  # tokens, for the windowed families
 
     def __post_init__(self):
         self._check_values()
@@ -91,8 +96,8 @@ class TinyModelSpec:
                 raise MlxkvError(f"{field.name} must be an integer >= {low}, got {value!r}")
 
     def _check_shapes(self) -> None:
-        if self.family == "gemma3_text" and self.num_layers < 2:
-            raise MlxkvError("gemma3_text needs num_layers >= 2 (one sliding, one global)")
+        if self.family in WINDOWED_FAMILIES and self.num_layers < 2:
+            raise MlxkvError(f"{self.family} needs num_layers >= 2 (one sliding, one global)")
         if self.num_heads % self.num_kv_heads:
             raise MlxkvError(f"num_heads ({self.num_heads}) must be a multiple of "
                              f"num_kv_heads ({self.num_kv_heads})")
@@ -127,7 +132,8 @@ class TinyModelSpec:
         a third (a tied head or a two-matrix MLP counts extra; norms, biases are noise)."""
         hidden, head_dim = self.hidden_size, self.resolved_head_dim
         attention = hidden * head_dim * 2 * (self.num_heads + self.num_kv_heads)
-        mlp = 3 * hidden * (self.intermediate_size or 3 * hidden)
+        experts = FAMILIES[self.family].get("num_local_experts", 1)  # a mixture of experts has an MLP each
+        mlp = 3 * hidden * (self.intermediate_size or 3 * hidden) * experts
         return 2 * self.vocab_size * hidden + self.num_layers * (attention + mlp)
 
     @property
@@ -162,7 +168,20 @@ def model_config(spec: TinyModelSpec) -> dict:
         "torch_dtype": spec.dtype,
         "mlxkv_tiny_model": dataclasses.asdict(spec),
         **FAMILIES[spec.family],
+        **_windows(spec),
     }
+
+
+def _windows(spec: TinyModelSpec) -> dict:
+    if spec.family not in WINDOWED_FAMILIES:
+        return {}
+    extra = {"sliding_window": spec.sliding_window}
+    period = _LAYER_TYPE_PERIODS.get(spec.family)
+    if period is not None:  # at least one full layer, and one sliding
+        period = min(period, spec.num_layers)
+        extra["layer_types"] = ["full_attention" if (i + 1) % period == 0 else "sliding_attention"
+                                for i in range(spec.num_layers)]
+    return extra
 
 
 def _random_weights(config: dict, spec: TinyModelSpec) -> dict[str, mx.array]:
@@ -182,6 +201,8 @@ def _random_weights(config: dict, spec: TinyModelSpec) -> dict[str, mx.array]:
             value = gain * mx.random.normal(value.shape, key=key) / value.shape[-1] ** 0.5
         elif name.endswith(".bias"):
             value = 0.02 * mx.random.normal(value.shape, key=key)
+        elif name.endswith(".sinks"):  # attention-sink logits (gpt-oss): zeros would test little
+            value = mx.random.normal(value.shape, key=key)
         # Other 1-D tensors are norm scales, constants in every class.
         weights[name] = value.astype(DTYPES[spec.dtype])
     mx.eval(weights)
@@ -345,6 +366,7 @@ _FLAGS = {
     "--intermediate-size": ("intermediate_size", "MLP width (default: 3 * hidden-size)"),
     "--dtype": ("dtype", f"weight dtype: {', '.join(DTYPES)}"),
     "--seed": ("seed", "the weights are a pure function of the spec and this seed"),
+    "--window": ("sliding_window", f"sliding-window tokens, for {', '.join(WINDOWED_FAMILIES)}"),
 }
 
 

@@ -61,7 +61,7 @@ def test_an_empty_tail_is_the_prefix_alone():
 # -- which blocks are shared, and their copy -----------------------------------
 
 def _seq(rid, blocks, num_computed):
-    return Sequence(rid, [0] * num_computed, None, blocks=list(blocks), num_computed=num_computed)
+    return Sequence(rid, [0] * num_computed, None, tables=[list(blocks)], num_computed=num_computed)
 
 
 def _hashed(n, start=0):

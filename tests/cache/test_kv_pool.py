@@ -18,7 +18,7 @@ def test_writes_land_in_their_slots_and_gather_in_order():
     keys = mx.random.normal((1, 2, 10, 8))
     values = mx.random.normal((1, 2, 10, 8))
     batch = PagedBatch.build([table], [0], 10, block_size=4)
-    pool.write(1, batch.write_blocks, batch.write_offsets, keys, values)
+    pool.write(1, batch.groups[0].write_blocks, batch.write_offsets, keys, values)
     k, v = pool.gather(1, batch.block_tables, length=10)
     assert k.shape == (1, 2, 10, 8)
     np.testing.assert_array_equal(np.array(k), np.array(keys))
@@ -33,7 +33,7 @@ def test_batched_write_and_padded_gather():
     pool = KVPool(LAYOUT, num_blocks=8)
     batch = PagedBatch.build([[1, 3], [4]], [5, 2], 1, block_size=4)
     new = mx.random.normal((2, 2, 1, 8))
-    pool.write(0, batch.write_blocks, batch.write_offsets, new, new)
+    pool.write(0, batch.groups[0].write_blocks, batch.write_offsets, new, new)
     np.testing.assert_array_equal(np.array(pool.keys[0][3, :, 1]), np.array(new[0, :, 0]))
     np.testing.assert_array_equal(np.array(pool.keys[0][4, :, 2]), np.array(new[1, :, 0]))
     k, _ = pool.gather(0, batch.block_tables)
@@ -62,7 +62,7 @@ def _peak_during_writes(pool: KVPool, keep_alias: bool) -> int:
     batch = PagedBatch.build([[7]], [0], 1, block_size=16)
     for _ in range(3):
         new = mx.random.normal((1, 8, 1, 128))
-        pool.write(0, batch.write_blocks, batch.write_offsets, new, new)
+        pool.write(0, batch.groups[0].write_blocks, batch.write_offsets, new, new)
         mx.eval(pool.keys[0], pool.values[0])
     del alias
     return mx.get_peak_memory() - base

@@ -167,13 +167,19 @@ def test_chat_on_a_database_that_cannot_be_written_is_one_line_and_exit_2(tmpfs)
         "attempt to write a readonly database"]
 
 
-def test_unknown_model_and_unsupported_family(tmp_path):
+def test_unknown_model_and_unsupported_family(tmp_path, llama_dir, monkeypatch, capsys):
     out = mlxkv("generate", "--model", str(tmp_path / "missing"), "--prompt", "hi")
     assert out.returncode == 2 and "model not found" in out.stderr
-    made = mlxkv("tiny-model", str(tmp_path / "g3"), "--family", "gemma3_text")
-    assert made.returncode == 0, made.stderr
-    out = mlxkv("generate", "--model", str(tmp_path / "g3"), "--prompt", "hi")
-    assert out.returncode == 2 and "unsupported model family 'gemma3_text'" in out.stderr
+    from mlx_lm.models import llama
+    from mlx_lm.models.cache import ChunkedKVCache
+
+    from mlxkv.cli import main
+
+    monkeypatch.setattr(llama.Model, "make_cache", lambda self: [ChunkedKVCache(64) for _ in self.layers],
+                        raising=False)
+    assert main(["generate", "--model", llama_dir, "--prompt", "hi"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("mlxkv: error: unsupported model family 'llama': mlxkv does not page chunked")
 
 
 def test_demo_model_runs_offline():

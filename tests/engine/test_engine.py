@@ -6,12 +6,13 @@ import threading
 
 import mlx.core as mx
 import pytest
+from mlx_lm.models.cache import CacheList, ChunkedKVCache, KVCache, QuantizedKVCache, RotatingKVCache
 
 import mlxkv.attention.dispatch
 from mlxkv.config import CacheConfig
 from mlxkv.engine.engine import Engine
 from mlxkv.errors import MlxkvError
-from mlxkv.models.tiny import UNSUPPORTED_CACHE_FAMILY, TinyModelSpec, write_tiny_model
+from mlxkv.models.tiny import TinyModelSpec, write_tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -222,10 +223,20 @@ def test_a_fitted_chat_leaves_its_reply_room_in_the_context(short_context):
         assert len(reply.tokens) >= min(room, max_tokens)
 
 
-def test_unsupported_family_names_the_model_type(tmp_path):
-    path = write_tiny_model(tmp_path / "g3", TinyModelSpec(family=UNSUPPORTED_CACHE_FAMILY))
-    with pytest.raises(MlxkvError, match=f"unsupported model family '{UNSUPPORTED_CACHE_FAMILY}'"):
-        Engine.load(str(path))
+@pytest.mark.parametrize(("cache", "missing"), [
+    (lambda: ChunkedKVCache(64), "chunked local attention (ChunkedKVCache)"),
+    (lambda: CacheList(KVCache(), KVCache()), "composite caches (CacheList)"),
+    (lambda: QuantizedKVCache(), "quantized KV (QuantizedKVCache)"),
+    (lambda: RotatingKVCache(64, keep=4), "keeps its first 4 tokens"),
+])
+def test_a_family_whose_caches_mlxkv_cannot_page_is_one_line_naming_what_is_missing(llama_dir, monkeypatch,
+                                                                                   cache, missing):
+    from mlx_lm.models import llama
+
+    monkeypatch.setattr(llama.Model, "make_cache", lambda self: [cache() for _ in self.layers], raising=False)
+    with pytest.raises(MlxkvError, match=r"^unsupported model family 'llama': ") as e:
+        Engine.load(llama_dir)
+    assert missing in str(e.value) and "\n" not in str(e.value)
 
 
 def test_unknown_model_path():

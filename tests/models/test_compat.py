@@ -14,9 +14,9 @@ from mlxkv.config import CacheConfig
 from mlxkv.engine.engine import Engine
 from mlxkv.models import compat
 from mlxkv.models.loader import load_model
-from mlxkv.models.tiny import FAMILIES, UNSUPPORTED_CACHE_FAMILY, TinyModelSpec, write_tiny_model
+from mlxkv.models.tiny import FAMILIES, TinyModelSpec, write_tiny_model
 
-SUPPORTED = [f for f in FAMILIES if f != UNSUPPORTED_CACHE_FAMILY]
+SUPPORTED = list(FAMILIES)
 MAX_TOKENS = 4
 
 
@@ -42,10 +42,10 @@ def test_every_layer_of_every_supported_family_attends_through_the_paged_path(fa
     calls = Counter()
     paged = dispatch.paged_attention
 
-    def counted(queries, keys, values, cache, scale, mask):
+    def counted(queries, keys, values, cache, scale, mask, sinks=None):
         assert isinstance(cache, PagedKVCache)
-        calls[cache.layer] += 1
-        return paged(queries, keys, values, cache, scale, mask)
+        calls[cache.slot] += 1
+        return paged(queries, keys, values, cache, scale, mask, sinks)
 
     monkeypatch.setattr(dispatch, "paged_attention", counted)
     loaded = load_model(family_dirs[family])

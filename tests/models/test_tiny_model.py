@@ -12,14 +12,12 @@ import mlx_lm
 import pytest
 from mlx.utils import tree_flatten
 from mlx_lm.generate import stream_generate
-from mlx_lm.models.cache import KVCache, make_prompt_cache
+from mlx_lm.models.cache import make_prompt_cache
 
 from mlxkv.models import tiny as tiny_model
 from mlxkv.models.fetch import local_model
 from mlxkv.errors import MlxkvError
 from mlxkv.models.tiny import TinyModelSpec, write_tiny_model
-
-PLAIN_KV_FAMILIES = [f for f in tiny_model.FAMILIES if f != tiny_model.UNSUPPORTED_CACHE_FAMILY]
 
 
 @pytest.fixture(scope="module")
@@ -52,11 +50,14 @@ def test_greedy_generation_is_varied(written, family):
     assert len(set(tokens)) >= min(4, len(tokens) // 2), tokens
 
 
-def test_only_the_unsupported_family_has_non_kv_caches(written):
+def test_windowed_families_slide_some_layers_by_the_spec_window_and_the_rest_use_plain_kv(written):
     for family, path in written.items():
         model, _ = mlx_lm.load(str(path))
-        plain = all(type(c) is KVCache for c in make_prompt_cache(model))
-        assert plain == (family != tiny_model.UNSUPPORTED_CACHE_FAMILY), family
+        kinds = {(type(c).__name__, getattr(c, "max_size", None)) for c in make_prompt_cache(model)}
+        if family in tiny_model.WINDOWED_FAMILIES:
+            assert kinds == {("KVCache", None), ("RotatingKVCache", TinyModelSpec().sliding_window)}, family
+        else:
+            assert kinds == {("KVCache", None)}, family
 
 
 def test_same_spec_gives_identical_files(tmp_path):
