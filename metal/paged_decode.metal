@@ -16,10 +16,17 @@
 // (n_parts == 1) writes `out`; several write normalized rows plus their
 // maximum and sum to `partials` for mlxkv_paged_reduce.
 //
+// A sliding-window layer sees only its last tokens: window_starts gives
+// each sequence's first visible token (0 for full attention), anywhere in
+// a block, and partitions count from it. Attention sinks (gpt-oss) are one
+// logit per query head that joins the softmax and adds no value: the first
+// partition starts its running maximum and sum from it, so it is counted
+// once however many partitions there are.
+//
 // Template: T (dtype), D (head dim), G (query heads per kv head, rounded
 // up; the real count is params[2]), NSG (simdgroups), TILE (tokens).
 // params: n_heads, n_kv_heads, group, block_size, table_width,
-//         part_tokens, n_parts.
+//         part_tokens, n_parts, has_sinks.
 
   constexpr int THREADS = NSG * 32;
   constexpr int PER_THREAD = TILE / THREADS;  // tokens a thread scores per tile
@@ -32,6 +39,7 @@
   const int table_width = params[4];
   const int part_tokens = params[5];
   const int n_parts = params[6];
+  const bool has_sinks = params[7] != 0;
 
   const int part = int(threadgroup_position_in_grid.x);
   const int kv_head = int(threadgroup_position_in_grid.y);
@@ -47,9 +55,10 @@
   threadgroup float acc_s[NSG * D];  // the final sum, one query head at a time
 
   const int ctx = context_lens[seq];
-  const int first = part * part_tokens;
+  const int first = window_starts[seq] + part * part_tokens;
   const int last = min(ctx, first + part_tokens);
-  const int row0 = seq * n_heads + kv_head * group;  // first query head's row
+  const int head0 = kv_head * group;  // the group's first query head
+  const int row0 = seq * n_heads + head0;
   const int table = seq * table_width;
   const size_t head_stride = size_t(block_size) * D;
   const size_t block_stride = size_t(n_kv_heads) * head_stride;
@@ -64,9 +73,11 @@
   float m[G];
   float l[G];
   float acc[G][PER_LANE];
+  const bool sink_here = has_sinks && part == 0;
   for (int g = 0; g < G; g++) {
-    m[g] = MLXKV_NO_SCORE;
-    l[g] = 0.0f;
+    // exp(sink - m) == 1 when the running maximum starts at the sink.
+    m[g] = sink_here && g < group ? sinks[head0 + g] : MLXKV_NO_SCORE;
+    l[g] = sink_here && g < group ? 1.0f : 0.0f;
     for (int e = 0; e < PER_LANE; e++) {
       acc[g][e] = 0.0f;
     }

@@ -13,8 +13,11 @@ and goes through `run_launch`: the kernel itself on Metal, a CPU runner in
 the harness tests.
 
 Instantiations: one per (dtype, head dim, GQA group size), the group size
-rounded up to 1, 2, 4 or 8. Block size, context lengths, partitioning and
-the real group size are runtime values. Inputs under 8 elements would reach
+rounded up to 1, 2, 4 or 8. Block size, context lengths, partitioning,
+the real group size, a sliding window's start and attention sinks are
+runtime values: they only set where the token loop starts and what the
+softmax starts from, and each instantiation is one more compile on a
+Mac's first decode. Inputs under 8 elements would reach
 the kernel in the `constant` address space, which changes the generated
 signature, so the small index inputs are padded to 8.
 """
@@ -49,7 +52,8 @@ _MIN_ELEMENTS = 8  # MLX passes smaller inputs in the constant address space
 
 _SIGNATURES = {
     "paged_decode": (
-        ["queries", "k_pool", "v_pool", "block_tables", "context_lens", "scale", "params"],
+        ["queries", "k_pool", "v_pool", "block_tables", "context_lens", "window_starts", "sinks", "scale",
+         "params"],
         ["out", "partials"],
     ),
     "paged_reduce": (["partials", "params"], ["out"]),
@@ -148,12 +152,14 @@ def _padded(x: mx.array) -> mx.array:
 
 
 def decode_launch(queries, k_pool, v_pool, block_tables, context_lens, scale: float,
-                  partition: int = 0, decode_kernel=None) -> Launch:
+                  partition: int = 0, decode_kernel=None, window_starts=None, sinks=None) -> Launch:
     """The first (or only) launch of paged decode attention.
 
     queries [B, Hq, D]; pools [blocks, Hkv, block_size, D]; block_tables
     [B, nb] int32 (rows padded with any valid id); context_lens: B ints;
-    partition: tokens per partition, 0 for a single pass.
+    partition: tokens per partition, 0 for a single pass; window_starts:
+    B ints, each row's first visible token (None: all from 0); sinks: [Hq]
+    logits that join every softmax (None: no sinks).
     """
     B, n_heads, D = queries.shape
     _, n_kv_heads, block_size, _ = k_pool.shape
@@ -161,11 +167,15 @@ def decode_launch(queries, k_pool, v_pool, block_tables, context_lens, scale: fl
     if n_heads % n_kv_heads or not supports(queries.dtype, D, v_pool.shape[3], block_size, group):
         raise MlxkvError(f"no paged-attention kernel for {queries.dtype}, head dim {D}, "
                          f"block size {block_size}, {n_heads} over {n_kv_heads} kv heads")
-    max_context = max(context_lens)
-    n_parts = 1 if partition == 0 else math.ceil(max_context / partition)
-    part_tokens = partition if n_parts > 1 else max(max_context, 1)
+    window_starts = list(window_starts) if window_starts is not None else [0] * B
+    max_span = max(n - s for n, s in zip(context_lens, window_starts))
+    n_parts = 1 if partition == 0 else math.ceil(max_span / partition)
+    part_tokens = partition if n_parts > 1 else max(max_span, 1)
     block_tables = _padded(block_tables.astype(mx.int32))
-    params = [n_heads, n_kv_heads, group, block_size, block_tables.shape[1], part_tokens, n_parts]
+    has_sinks = sinks is not None
+    sinks = sinks.astype(mx.float32) if has_sinks else mx.zeros((n_heads,), mx.float32)
+    params = [n_heads, n_kv_heads, group, block_size, block_tables.shape[1], part_tokens, n_parts,
+              int(has_sinks)]
     partials_shape = (B, n_heads, n_parts, D + 2) if n_parts > 1 else (1,)
     return Launch(
         kernel=decode_kernel or kernel("paged_decode"),
@@ -175,6 +185,8 @@ def decode_launch(queries, k_pool, v_pool, block_tables, context_lens, scale: fl
             v_pool,
             block_tables,
             _padded(mx.array(list(context_lens), dtype=mx.int32)),
+            _padded(mx.array(window_starts, dtype=mx.int32)),
+            _padded(sinks.reshape(n_heads)),
             mx.array(scale, dtype=mx.float32),
             mx.array(params, dtype=mx.int32),
         ),
@@ -185,6 +197,11 @@ def decode_launch(queries, k_pool, v_pool, block_tables, context_lens, scale: fl
         output_shapes=((B, n_heads, D), partials_shape),
         output_dtypes=(queries.dtype, mx.float32),
     )
+
+
+def window_starts(context_lens, window: int | None) -> list[int]:
+    """Each row's first visible token: the last `window` of its context, or all of it."""
+    return [0 if window is None else max(0, n - window) for n in context_lens]
 
 
 def reduce_launch(partials: mx.array, dtype, reduce_kernel=None) -> Launch:
@@ -203,19 +220,22 @@ def reduce_launch(partials: mx.array, dtype, reduce_kernel=None) -> Launch:
 
 
 def paged_decode(queries, k_pool, v_pool, block_tables, context_lens, scale: float,
-                 partition: int | None = None, kernels: dict | None = None) -> mx.array:
+                 partition: int | None = None, kernels: dict | None = None, window: int | None = None,
+                 sinks=None) -> mx.array:
     """Decode attention `[B, Hq, 1, D]` of one query token per sequence over the pool.
 
     partition: tokens per partition, 0 for one pass, None to choose
     (`partition_size`). kernels: replacements for the shipped kernel objects,
-    by name ("paged_decode", "paged_reduce").
+    by name ("paged_decode", "paged_reduce"). window: a sliding window's
+    size in tokens, the query included (None: full attention); sinks: [Hq].
     """
     kernels = kernels or {}
     B, n_heads, _, D = queries.shape
+    starts = window_starts(context_lens, window)
     if partition is None:
-        partition = partition_size(B, k_pool.shape[1], max(context_lens))
+        partition = partition_size(B, k_pool.shape[1], max(n - s for n, s in zip(context_lens, starts)))
     first = decode_launch(queries.reshape(B, n_heads, D), k_pool, v_pool, block_tables,
-                          context_lens, scale, partition, kernels.get("paged_decode"))
+                          context_lens, scale, partition, kernels.get("paged_decode"), starts, sinks)
     out, partials = run_launch(first)
     if partials.ndim > 1:
         (out,) = run_launch(reduce_launch(partials, queries.dtype, kernels.get("paged_reduce")))

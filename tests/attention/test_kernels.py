@@ -48,12 +48,14 @@ def on_device(device, monkeypatch):
 
 def kernel_attention(case, partition=None):
     return kernels.paged_decode(case.queries, case.k_pool, case.v_pool, case.block_tables,
-                                case.context_lens, case.scale, partition=partition)
+                                case.context_lens, case.scale, partition=partition, window=case.window,
+                                sinks=case.sinks)
 
 
 def check(case, partition=None):
     out = kernel_attention(case, partition)
-    what = f"{case.dtype} D={case.queries.shape[-1]} lens={case.context_lens} part={partition}"
+    what = (f"{case.dtype} D={case.queries.shape[-1]} lens={case.context_lens} part={partition} "
+            f"window={case.window} sinks={case.sinks is not None}")
     assert_close(out, oracle(case), case.dtype, f"kernel vs oracle, {what}")
     assert_close(out, reference(case), case.dtype, f"kernel vs reference path, {what}")
     return out
@@ -70,6 +72,31 @@ def test_every_instantiation(on_device, dtype, head_dim, group):
     case = make_case(dtype, head_dim, group, n_kv_heads=2, block_size=block_size,
                      context_lens=(block_size + 5, block_size), seed=head_dim + group)
     check(case, partition=0)
+    # The same instantiation with sinks and a window that starts mid-block,
+    # partitioned (gpt-oss's sliding layers).
+    case = make_case(dtype, head_dim, group, n_kv_heads=2, block_size=block_size,
+                     context_lens=(3 * block_size + 7, 9), seed=head_dim + group + 1,
+                     window=block_size + 3, sinks=True)
+    check(case, partition=16)
+
+
+@pytest.mark.parametrize("sinks", [False, True], ids=["no-sinks", "sinks"])
+@pytest.mark.parametrize("window", [1, 5, 16, 19, 40, 300])
+@pytest.mark.parametrize("partition", [0, 256])
+def test_sliding_windows_and_sinks(on_device, window, sinks, partition):
+    # Windows of one token, shorter than a block, exactly a block, starting
+    # mid-block, several blocks, and longer than some rows (all visible);
+    # rows shorter and longer than the window in one batch.
+    case = make_case(mx.float16, 64, 2, n_kv_heads=2, block_size=16,
+                     context_lens=(1, 7, 16, 35, 600), seed=window, window=window, sinks=sinks)
+    check(case, partition=partition)
+
+
+def test_sinks_weigh_in():
+    # A kernel that ignored the sinks would still match an oracle that did.
+    case = make_case(mx.float32, 64, 2, context_lens=(30,), sinks=True)
+    plain = make_case(mx.float32, 64, 2, context_lens=(30,))
+    assert np.abs(oracle(case) - oracle(plain)).max() > 1e-2
 
 
 @pytest.mark.parametrize("block_size", kernels.BLOCK_SIZES)
@@ -185,8 +212,10 @@ def test_signature_is_the_same_for_every_call():
                                        case.block_tables, case.context_lens, case.scale)
         sources.append(generated_source(launch).text)
     assert sources[0] == sources[1]
-    assert "constant int32_t* params" in sources[0] and "constant float& scale" in sources[0]
-    assert "device int32_t* block_tables" in sources[0]
+    assert "device int32_t* params" in sources[0] and "constant float& scale" in sources[0]
+    for name in ("block_tables", "context_lens", "window_starts"):
+        assert f"device int32_t* {name}" in sources[0]
+    assert "device float* sinks" in sources[0]
 
 
 def test_sources_ship_in_the_metal_package():

@@ -69,3 +69,23 @@ def test_a_batch_decodes_on_the_kernel_and_each_row_equals_mlx_lm(family, kernel
     for prompt, result in zip(prompts, results):
         assert result.tokens == [r.token for r in stream_generate(model, tokenizer, prompt, max_tokens=5)]
     assert max(launch.grid[2] for launch in kernel_attention) == len(prompts)
+
+
+@pytest.mark.parametrize("family_name", ["gpt_oss", "gemma3_text"])
+def test_sliding_window_layers_decode_on_the_kernel(tmp_path, kernel_attention, family_name):
+    """Windowed layers (with sinks, for gpt-oss) decode on the kernel past their window: greedy
+    tokens equal mlx-lm's, cold and on a prefix hit."""
+    spec = TinyModelSpec(family=family_name, num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=1,
+                         head_dim=64, seed=23, sliding_window=24)
+    path = str(write_tiny_model(tmp_path / family_name, spec))
+    model, tokenizer = mlx_lm.load(path)
+    engine = Engine.load(path, CacheConfig(block_size=16, num_blocks=64, memory_tier_bytes=0))
+    prompt = [(7 * i + 3) % 300 + 3 for i in range(40)]
+    for _ in range(2):  # cold, then a prefix hit
+        result = engine.generate(prompt, max_tokens=12)
+        assert result.tokens == [r.token for r in stream_generate(model, tokenizer, prompt, max_tokens=12)]
+    assert result.stats.cached_tokens["pool"] == 32
+    windowed = [launch for launch in kernel_attention if any(int(s) for s in launch.inputs[5].tolist())]
+    assert windowed, "no decode step ran with a window start"
+    if family_name == "gpt_oss":
+        assert all(int(launch.inputs[-1].tolist()[7]) == 1 for launch in kernel_attention)  # has_sinks

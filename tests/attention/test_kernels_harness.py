@@ -30,7 +30,7 @@ def decode(case, partition=0, decode_kernel=None):
     B, H, _, D = case.queries.shape
     return kernels.decode_launch(case.queries.reshape(B, H, D), case.k_pool, case.v_pool,
                                  case.block_tables, case.context_lens, case.scale, partition,
-                                 decode_kernel)
+                                 decode_kernel, case.window_starts, case.sinks)
 
 
 def planted(old: str, new: str = "") -> object:
@@ -116,6 +116,23 @@ def test_arithmetic_bug_fails_the_comparison(harness):
     (good, _) = harness.run(decode(case))
     assert_close(good, expected, mx.float32)
     (bad, _) = harness.run(decode(case, decode_kernel=planted("        acc[g][e] *= correction;\n")))
+    with pytest.raises(AssertionError):
+        assert_close(bad, expected, mx.float32)
+
+
+@pytest.mark.parametrize(("old", "new"), [
+    ("window_starts[seq] + part * part_tokens", "part * part_tokens"),  # the window ignored
+    ("sinks[head0 + g]", "0.0f"),  # sinks read as zero
+    ("has_sinks && part == 0", "has_sinks"),  # a sink counted once per partition
+], ids=["window", "sinks", "sink-per-partition"])
+def test_window_and_sink_bugs_fail_the_comparison(harness, old, new):
+    case = make_case(mx.float32, 64, 2, n_kv_heads=1, context_lens=(600,), seed=6, window=300, sinks=True)
+    expected = oracle(case).reshape(1, 2, 64)
+    (_, partials) = harness.run(decode(case, partition=256))
+    (good,) = harness.run(kernels.reduce_launch(partials, mx.float32))
+    assert_close(good, expected, mx.float32)
+    (_, partials) = harness.run(decode(case, partition=256, decode_kernel=planted(old, new)))
+    (bad,) = harness.run(kernels.reduce_launch(partials, mx.float32))
     with pytest.raises(AssertionError):
         assert_close(bad, expected, mx.float32)
 

@@ -18,7 +18,7 @@ import numpy as np
 
 from mlxkv.attention import dispatch as attention
 from mlxkv.cache.kv_pool import KVLayout, KVPool
-from mlxkv.attention.paged_cache import PagedBatch, PagedKVCache
+from mlxkv.attention.paged_cache import GroupTables, PagedBatch, PagedKVCache
 
 # Relative tolerances of the acceptance criteria. The absolute floor is the
 # same fraction of the largest expected magnitude, so values near zero are
@@ -34,6 +34,13 @@ class Case:
     tables: list[list[int]]  # block ids per sequence
     context_lens: list[int]
     scale: float
+    window: int | None = None  # a sliding window, in tokens (the query's own included)
+    sinks: mx.array | None = None  # [Hq] attention-sink logits
+
+    @property
+    def window_starts(self) -> list[int]:
+        """Each row's first visible token."""
+        return [0 if self.window is None else max(0, n - self.window) for n in self.context_lens]
 
     @property
     def block_size(self) -> int:
@@ -45,8 +52,9 @@ class Case:
 
     def batch(self, attention_mode: str = "reference") -> PagedBatch:
         # The decode step's batch: the last token is the one being attended from.
-        return PagedBatch.build(self.tables, [n - 1 for n in self.context_lens], 1,
-                                self.block_size, attention_mode)
+        offsets = [n - 1 for n in self.context_lens]
+        group = GroupTables.build(self.tables, [0] * len(offsets), offsets, 1, self.block_size, self.window)
+        return PagedBatch.of_groups((group,), offsets, 1, self.block_size, attention_mode)
 
     @property
     def block_tables(self) -> mx.array:
@@ -55,7 +63,7 @@ class Case:
 
 def make_case(dtype=mx.float32, head_dim: int = 64, group: int = 2, n_kv_heads: int = 2,
               block_size: int = 16, context_lens=(37,), seed: int = 0, shuffle: bool = True,
-              spare_blocks: int = 3) -> Case:
+              spare_blocks: int = 3, window: int | None = None, sinks: bool = False) -> Case:
     rng = np.random.default_rng(seed)
     needed = [-(-n // block_size) for n in context_lens]
     n_blocks = sum(needed) + spare_blocks
@@ -76,6 +84,9 @@ def make_case(dtype=mx.float32, head_dim: int = 64, group: int = 2, n_kv_heads: 
         tables=tables,
         context_lens=list(context_lens),
         scale=head_dim ** -0.5,
+        window=window,
+        # Sinks of the scores' own size, so they weigh in without swamping them.
+        sinks=normal(H) * 2 if sinks else None,
     )
 
 
@@ -84,19 +95,26 @@ def _f64(x: mx.array) -> np.ndarray:
 
 
 def oracle(case: Case) -> np.ndarray:
-    """Softmax attention in float64 from the rounded inputs: [B, Hq, 1, D]."""
+    """Softmax attention in float64 from the rounded inputs: [B, Hq, 1, D].
+
+    A window keeps the row's last `window` tokens; a sink is one more logit
+    in the softmax, with no value.
+    """
     q, k, v = _f64(case.queries), _f64(case.k_pool), _f64(case.v_pool)
     B, H, _, D = q.shape
     n_kv = k.shape[1]
+    sinks = None if case.sinks is None else _f64(case.sinks)
     out = np.zeros((B, H, 1, D))
-    for b, (table, n) in enumerate(zip(case.tables, case.context_lens)):
-        keys = k[table].transpose(1, 0, 2, 3).reshape(n_kv, -1, D)[:, :n]
-        values = v[table].transpose(1, 0, 2, 3).reshape(n_kv, -1, D)[:, :n]
+    for b, (table, n, lo) in enumerate(zip(case.tables, case.context_lens, case.window_starts)):
+        keys = k[table].transpose(1, 0, 2, 3).reshape(n_kv, -1, D)[:, lo:n]
+        values = v[table].transpose(1, 0, 2, 3).reshape(n_kv, -1, D)[:, lo:n]
         for h in range(H):
             kv = h // (H // n_kv)
             s = keys[kv] @ q[b, h, 0] * case.scale
-            p = np.exp(s - s.max())
-            out[b, h, 0] = p @ values[kv] / p.sum()
+            top = s.max() if sinks is None else max(s.max(), sinks[h])
+            p = np.exp(s - top)
+            total = p.sum() + (0.0 if sinks is None else np.exp(sinks[h] - top))
+            out[b, h, 0] = p @ values[kv] / total
     return out
 
 
@@ -110,7 +128,7 @@ def reference(case: Case) -> mx.array:
     length = batch.context_lens[0] if batch.batch_size == 1 else None
     keys, values = pool.gather(0, batch.block_tables, length)
     mask = cache.make_mask(1)
-    return attention.paged_attention(case.queries, keys, values, cache, case.scale, mask)
+    return attention.paged_attention(case.queries, keys, values, cache, case.scale, mask, case.sinks)
 
 
 def assert_close(actual, expected, dtype, what: str = "") -> None:
