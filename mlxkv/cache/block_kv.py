@@ -20,13 +20,16 @@ class BlockKV:
 
     `run` and `index` say where the block sits when it is a view of a
     `KVRun`: the pool then copies a stretch of consecutive blocks of one run
-    with one slice per layer instead of one copy per block.
+    with one slice per layer instead of one copy per block. `group` is the
+    layer group (cache/layer_groups.py) whose page layers these are: the
+    SSD tier writes it into the block's file and checks it on a hit.
     """
 
     keys: mx.array
     values: mx.array
     run: KVRun | None = None
     index: int = 0
+    group: int = 0
 
     @property
     def nbytes(self) -> int:
@@ -57,11 +60,12 @@ class KVRun:
     def nbytes(self) -> int:
         return self.keys.nbytes + self.values.nbytes
 
-    def block(self, i: int) -> BlockKV:
-        return RunBlock(self, i)
+    def block(self, i: int, group: int = 0) -> BlockKV:
+        return RunBlock(self, i, group)
 
-    def blocks(self) -> list[BlockKV]:
-        return [self.block(i) for i in range(len(self))]
+    def blocks(self, groups: Sequence[int] | None = None) -> list[BlockKV]:
+        """Views of every block; `groups`: each one's layer group (all 0 when None)."""
+        return [self.block(i, groups[i] if groups else 0) for i in range(len(self))]
 
 
 class RunBlock(BlockKV):
@@ -69,8 +73,8 @@ class RunBlock(BlockKV):
     a hydrate copies whole stretches of the run and never asks (two MLX ops
     per block were a tenth of an SSD hydrate's time)."""
 
-    def __init__(self, run: KVRun, index: int):
-        self.run, self.index = run, index
+    def __init__(self, run: KVRun, index: int, group: int = 0):
+        self.run, self.index, self.group = run, index, group
 
     @cached_property
     def keys(self) -> mx.array:

@@ -20,6 +20,7 @@ class Block:
     block_id: int
     ref_count: int = 0
     block_hash: BlockHash | None = None
+    group: int = 0  # the layer group whose key block_hash is (cache/layer_groups.py)
     # Links of the free queue; None when the block is not in it.
     prev_free: Block | None = field(default=None, repr=False)
     next_free: Block | None = field(default=None, repr=False)
@@ -148,8 +149,8 @@ class BlockPool:
             block.ref_count = 1
         return taken
 
-    def cache_blocks(self, blocks: Iterable[Block], block_hashes: Iterable[BlockHash]) -> list[Block]:
-        """Register full blocks under their hashes; returns the newly cached ones.
+    def cache_blocks(self, blocks: Iterable[Block], block_hashes: Iterable[BlockHash], group: int = 0) -> list[Block]:
+        """Register full blocks of one layer group under their hashes; returns the newly cached ones.
 
         If a hash is already cached by another block (two sequences computed
         the same prefix), the first block keeps it and this one stays private.
@@ -158,7 +159,7 @@ class BlockPool:
         for block, block_hash in zip(blocks, block_hashes):
             if block.block_hash is not None or block_hash in self.cached:
                 continue
-            block.block_hash = block_hash
+            block.block_hash, block.group = block_hash, group
             self.cached[block_hash] = block
             newly.append(block)
         return newly

@@ -97,18 +97,18 @@ class KVPool:
             x = mx.contiguous(x[:, :, :length, :])
         return x
 
-    def read_blocks(self, block_ids: list[int]) -> list[BlockKV]:
+    def read_blocks(self, block_ids: list[int], groups: list[int] | None = None) -> list[BlockKV]:
         """Copies of the given blocks' K/V for every layer, evaluated now.
 
         The copies form one layer-major `KVRun` and each block is a view of
         it, so a tier can keep or write the run whole. Evaluated at once so no
         lazy slice of a pool outlives this call (it would turn the next
-        in-place write into a full copy).
+        in-place write into a full copy). `groups`: each block's layer group.
         """
         idx = mx.array(block_ids)
         run = KVRun(mx.stack([k[idx] for k in self.keys]), mx.stack([v[idx] for v in self.values]))
         mx.eval(run.keys, run.values)
-        return run.blocks()
+        return run.blocks(groups)
 
     def write_blocks(self, block_ids: list[int], blocks: list[BlockKV]) -> None:
         """Fill whole blocks (hydrate) with K/V read back from a tier.
@@ -136,7 +136,7 @@ def _segments(block_ids: list[int], blocks: list[BlockKV]) -> list[tuple[int, KV
         stacked = KVRun.stack([blocks[i] for i in loose])
         blocks = list(blocks)
         for j, i in enumerate(loose):
-            blocks[i] = BlockKV(blocks[i].keys, blocks[i].values, stacked, j)
+            blocks[i] = BlockKV(blocks[i].keys, blocks[i].values, stacked, j, blocks[i].group)
     segments: list[list] = []
     for dst, block in zip(block_ids, blocks):
         last = segments[-1] if segments else None

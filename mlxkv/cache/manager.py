@@ -67,16 +67,17 @@ class KVCacheManager:
     def groups(self) -> tuple[KVGroup, ...]:
         return self.layout.groups
 
-    def _reader(self, block_ids: list[int]):
-        return lambda: self.kv_pool.read_blocks(block_ids)
+    def _reader(self, blocks: list[Block]):
+        ids, groups = [b.block_id for b in blocks], [b.group for b in blocks]
+        return lambda: self.kv_pool.read_blocks(ids, groups)
 
     def _on_evict(self, blocks: list[Block]) -> None:
         # Read in reverse: a freed sequence's blocks are evicted last first,
         # so reversed they are in prefix order, one run a hydrate copies in
         # stretches; handed over in eviction order, for the tiers' LRU.
-        ids = [b.block_id for b in reversed(blocks)]
+        read = self._reader(blocks[::-1])
         try:
-            self.connector.evict_blocks([b.block_hash for b in blocks], lambda: self.kv_pool.read_blocks(ids)[::-1])
+            self.connector.evict_blocks([b.block_hash for b in blocks], lambda: read()[::-1])
         except Exception:  # a failed spill loses cached copies, never a request
             log.exception("the connector could not spill %d blocks", len(blocks))
 
@@ -153,14 +154,15 @@ class KVCacheManager:
         keys = [key for _, key in wanted]
         loaded = self.connector.load_blocks(keys)
         good = 0
-        while good < min(len(loaded), len(keys)) and loaded[good].block_hash == keys[good]:
+        while (good < min(len(loaded), len(keys)) and loaded[good].block_hash == keys[good]
+               and loaded[good].kv.group == group.index):
             good += 1
         # Which free block takes which key is ours to choose: in id order, a
         # run of tier blocks lands on runs of ids, one slice copy per layer.
         blocks = sorted(self.pool.allocate(good), key=lambda blk: blk.block_id) if good else []
         if good:
             self.kv_pool.write_blocks([blk.block_id for blk in blocks], [block.kv for block in loaded[:good]])
-            self.pool.cache_blocks(blocks, keys[:good])
+            self.pool.cache_blocks(blocks, keys[:good], group.index)
         if good < len(keys):
             self.pool.free(blocks)  # they stay cached under their keys; the hit is looked up again
             return None
@@ -189,15 +191,18 @@ class KVCacheManager:
 
     # -- computing ------------------------------------------------------------
 
-    def allocate_slots(self, seq: Sequence, num_new: int) -> None:
+    def allocate_slots(self, seq: Sequence, num_new: int, ahead: int = 0) -> None:
         """Make sure blocks exist for the next `num_new` tokens of `seq`, in every group.
 
-        Sliding groups first let go of the blocks their window has passed.
+        `ahead`: tokens after those that full-attention groups take slots for
+        now too (the rest of a prompt, so its prefill never waits for them).
+        Sliding groups take slots a chunk at a time, after letting go of
+        the blocks their window has passed, so a long prompt never holds
+        more than a window and a chunk of them.
         All or nothing: PoolExhaustedError leaves every table as it was.
         """
         self._release_passed(seq)
-        target = blocks_for(seq.num_computed + num_new, self.block_size)
-        short = [max(0, target - len(table)) for table in seq.tables]
+        short = self._short(seq, num_new, ahead)
         if not any(short):
             return
         fresh = self.pool.allocate(sum(short))
@@ -205,10 +210,16 @@ class KVCacheManager:
             table.extend(fresh[:n])
             fresh = fresh[n:]
 
+    def _short(self, seq: Sequence, num_new: int, ahead: int = 0) -> list[int]:
+        """Blocks each group's table lacks for the next `num_new` (+ `ahead`) tokens."""
+        now = blocks_for(seq.num_computed + num_new, self.block_size)
+        later = blocks_for(seq.num_computed + num_new + ahead, self.block_size)
+        return [max(0, (now if group.window is not None else later) - len(table))
+                for group, table in zip(self.groups, seq.tables)]
+
     def slots_needed(self, seq: Sequence, num_new: int) -> int:
         """Blocks `allocate_slots(seq, num_new)` would take from the pool (at most)."""
-        target = blocks_for(seq.num_computed + num_new, self.block_size)
-        return sum(max(0, target - len(table)) for table in seq.tables)
+        return sum(self._short(seq, num_new))
 
     def _release_passed(self, seq: Sequence) -> None:
         """Sliding groups drop the registered blocks before the next token's window."""
@@ -246,7 +257,7 @@ class KVCacheManager:
         for group, table in zip(self.groups, seq.tables):
             held = [(b, group_hash(h, group.index))
                     for b, h in zip(table[start:full], seq.block_hashes[start:full]) if b is not None]
-            newly = self.pool.cache_blocks([b for b, _ in held], [key for _, key in held])
+            newly = self.pool.cache_blocks([b for b, _ in held], [key for _, key in held], group.index)
             seq.unstored[group.index].extend(newly)
         seq.num_cached_blocks = full
         if store_now or max(len(u) for u in seq.unstored) >= STORE_BATCH_BLOCKS:
@@ -261,7 +272,7 @@ class KVCacheManager:
         if not blocks:
             return
         try:
-            self.connector.cache_blocks([b.block_hash for b in blocks], self._reader([b.block_id for b in blocks]))
+            self.connector.cache_blocks([b.block_hash for b in blocks], self._reader(blocks))
         except Exception:  # a lost copy, as with a spill; free() must still free
             log.exception("the connector could not store %d blocks", len(blocks))
 

@@ -135,7 +135,7 @@ class InMemoryKVCacheConnector:
             chunk = order[start : start + limit]
             runs.append(KVRun.stack([blocks[i] for i in chunk]))
             for j, i in enumerate(chunk):
-                cut[i] = runs[-1].block(j)
+                cut[i] = runs[-1].block(j, blocks[i].group)
         mx.eval([(r.keys, r.values) for r in runs])
         return cut
 
@@ -165,14 +165,14 @@ class InMemoryKVCacheConnector:
         if self.quantize_bits is not None:
             if kv.keys.shape[-1] % QUANT_GROUP or kv.values.shape[-1] % QUANT_GROUP:
                 raise MlxkvError(f"memory tier quantization needs a head dim divisible by {QUANT_GROUP}")
-            return (_Quantized(kv.keys, self.quantize_bits), _Quantized(kv.values, self.quantize_bits))
+            return (_Quantized(kv.keys, self.quantize_bits), _Quantized(kv.values, self.quantize_bits), kv.group)
         if kv.run is not None and kv.run.nbytes <= self.budget_bytes:
             return kv  # share the run: no copy
         run = KVRun(kv.keys[:, None], kv.values[:, None])
         if kv.run is not None:  # a view of a run too big to keep: copy the block out
             run = KVRun(mx.contiguous(run.keys), mx.contiguous(run.values))
             mx.eval(run.keys, run.values)
-        return run.block(0)
+        return run.block(0, kv.group)
 
     def _hold(self, block_hash: BlockHash, stored) -> None:
         if isinstance(stored, tuple):
@@ -217,7 +217,7 @@ class InMemoryKVCacheConnector:
             old = self._live.pop(id(self._blocks[h].run), None)
             if old is not None:
                 self._stats.bytes_held -= old[0].nbytes
-            self._blocks[h] = run.block(i)  # same key: the LRU order stays
+            self._blocks[h] = run.block(i, self._blocks[h].group)  # same key: the LRU order stays
         self._live[id(run)] = [run, len(hashes)]
         self._stats.bytes_held += run.nbytes
         self._loose = []
@@ -225,14 +225,15 @@ class InMemoryKVCacheConnector:
     def _restore(self, stored) -> BlockKV:
         if isinstance(stored, BlockKV):
             return stored
-        k, v = stored
-        return BlockKV(k.restore(), v.restore())
+        k, v, group = stored
+        return BlockKV(k.restore(), v.restore(), group=group)
 
     @staticmethod
     def _nbytes(stored) -> int:
         if isinstance(stored, BlockKV):
             return stored.run.nbytes
-        return sum(part.nbytes for part in stored)
+        k, v, _ = stored
+        return k.nbytes + v.nbytes
 
     def stats(self) -> dict[str, dict[str, int]]:
         return {self.tier_name: self._stats.as_dict()}

@@ -115,7 +115,9 @@ class Scheduler:
     def _start(self, request: Request) -> None:
         seq = request.seq
         self.manager.admit(seq)
-        self.manager.allocate_slots(seq, len(seq.prompt) - seq.num_computed)
+        rest = len(seq.prompt) - seq.num_computed
+        first = min(rest, self.prefill_chunk)
+        self.manager.allocate_slots(seq, first, ahead=rest - first)
         prompt = len(request.prompt)
         stats = RequestStats(prompt, dict(seq.cached_tokens), prompt - seq.num_reused)
         request.started(time.perf_counter(), stats)
@@ -132,14 +134,20 @@ class Scheduler:
                 continue
             if request.issued >= request.max_tokens:
                 continue  # its last token is in flight
-            while request.state == RequestState.RUNNING:
-                try:
-                    self.manager.allocate_slots(request.seq, 1)
-                    decode.append(request)
-                    break
-                except PoolExhaustedError:
-                    self.preempt(self.running[-1])
+            if self._slots_or_preempt(request, 1):
+                decode.append(request)
         return decode
+
+    def _slots_or_preempt(self, request: Request, num_new: int) -> bool:
+        """Slots for the request's next tokens, preempting the newest request
+        until they fit; False if the request itself was preempted."""
+        while request.state == RequestState.RUNNING:
+            try:
+                self.manager.allocate_slots(request.seq, num_new)
+                return True
+            except PoolExhaustedError:
+                self.preempt(self.running[-1])
+        return False
 
     def decode_fits(self) -> bool:
         """Whether every request ready to decode can get its next slot without a preemption."""
@@ -148,12 +156,16 @@ class Scheduler:
 
     def _prefill_chunks(self) -> list[tuple[Request, int]]:
         budget, chunks = self.prefill_chunk, []
-        for request in self.running:
+        for request in list(self.running):
             n = min(self.prefill_chunk, request.remaining_prefill)
-            if n <= 0:
+            if n <= 0 or request.state != RequestState.RUNNING:
                 continue
             if chunks and n > budget:
                 break
+            # Full-attention groups took the prompt's slots at admission;
+            # sliding-window groups take each chunk's here.
+            if not self._slots_or_preempt(request, n):
+                continue
             chunks.append((request, n))
             budget -= n
             if budget <= 0:

@@ -63,11 +63,12 @@ def test_memory_tier_brings_back_an_evicted_prefix(llama_dir):
 class Recorder(NoopKVCacheConnector):
     """Counts the three calls and can serve blocks it was handed."""
 
-    def __init__(self, corrupt_after=None, wrong_hash=False):
+    def __init__(self, corrupt_after=None, wrong_hash=False, wrong_group=False):
         self.calls = {"get_computed_blocks": 0, "cache_blocks": 0, "evict_blocks": 0, "load_blocks": 0}
         self.kept: dict[bytes, BlockKV] = {}
         self.corrupt_after = corrupt_after
         self.wrong_hash = wrong_hash
+        self.wrong_group = wrong_group
 
     def get_computed_blocks(self, hashes):
         self.calls["get_computed_blocks"] += 1
@@ -81,6 +82,9 @@ class Recorder(NoopKVCacheConnector):
         out = [LoadedBlock(h, self.kept[h], "memory") for h in hashes]
         if self.wrong_hash and out:
             out[0] = LoadedBlock(b"\0" * 32, out[0].kv, "memory")
+        if self.wrong_group and out:
+            kv = out[0].kv
+            out[0] = LoadedBlock(out[0].block_hash, BlockKV(kv.keys, kv.values, group=kv.group + 1), "memory")
         return out[: self.corrupt_after] if self.corrupt_after is not None else out
 
     def cache_blocks(self, hashes, read):
@@ -91,7 +95,7 @@ class Recorder(NoopKVCacheConnector):
         self.kept.update(zip(block_hashes, read()))
 
 
-@pytest.mark.parametrize("fault", [{}, {"corrupt_after": 0}, {"wrong_hash": True}])
+@pytest.mark.parametrize("fault", [{}, {"corrupt_after": 0}, {"wrong_hash": True}, {"wrong_group": True}])
 def test_connector_seam_and_failed_hydrate_falls_back(llama_dir, fault):
     recorder = Recorder(**fault)
     engine = small_engine(llama_dir, connector=recorder)
@@ -111,6 +115,22 @@ def test_connector_seam_and_failed_hydrate_falls_back(llama_dir, fault):
 
 def _kv(value, shape=(2, 2, BLOCK, 32)):
     return BlockKV(mx.full(shape, value, mx.float32), mx.full(shape, -value, mx.float32))
+
+
+@pytest.mark.parametrize("bits", [None, 8])
+def test_memory_tier_keeps_each_blocks_layer_group(bits):
+    pushed = []
+    budget = 2 * _kv(0).nbytes if bits is None else 10 * _kv(0).nbytes
+    tier = InMemoryKVCacheConnector(budget_bytes=budget, block_size=BLOCK, quantize_bits=bits,
+                                    on_evict=lambda h, kv: pushed.append(kv.group))
+    blocks = [_kv(float(i)) for i in range(3)]
+    for i, kv in enumerate(blocks):
+        kv.group = i + 1
+    tier.evict_blocks([bytes([i]) * 32 for i in range(3)], lambda: blocks)
+    kept = [bytes([i]) * 32 for i in range(3) if tier.contains(bytes([i]) * 32)]
+    groups = [b.kv.group for b in tier.load_blocks(kept)]
+    # What the tier pushes on to the SSD tier keeps its group too.
+    assert (pushed, groups) == (([1], [2, 3]) if bits is None else ([], [1, 2, 3]))
 
 
 def test_memory_tier_lru_budget_pushes_to_next_tier():

@@ -25,6 +25,7 @@ import mlxkv  # noqa: F401  (before mlx: it loads OpenBLAS)
 import mlx.core as mx
 import numpy as np
 import pytest
+import safetensors
 import safetensors.numpy
 import xxhash
 from hypothesis import settings
@@ -109,6 +110,39 @@ def disk_stats(conn) -> dict[str, int]:
 
 
 # -- round trips and visibility ----------------------------------------------
+
+
+def test_a_file_says_which_layer_group_its_blocks_belong_to(tmp_path):
+    hashes = chain(5)
+    with open_disk(tmp_path) as disk:
+        kvs = [make_kv(i) for i in range(5)]
+        for kv, group in zip(kvs, [0, 0, 2, 2, 2]):
+            kv.group = group
+        disk.cache_blocks(hashes, lambda: kvs)  # one call, split into a run per group
+        assert disk.flush(timeout=30)
+        assert [b.kv.group for b in disk.load_blocks(hashes)] == [0, 0, 2, 2, 2]
+    groups = sorted(safetensors.safe_open(str(f), "np").metadata()["group"] for f in block_files(tmp_path))
+    assert groups == ["0", "2"]
+
+
+def test_a_file_written_before_groups_holds_group_0(tmp_path):
+    hashes = chain(2)
+    with open_disk(tmp_path) as disk:
+        fill(disk, hashes)
+    for f in block_files(tmp_path):
+        tensors, meta = safetensors.numpy.load_file(str(f)), safetensors.safe_open(str(f), "np").metadata()
+        del meta["group"]
+        f.write_bytes(safetensors.numpy.save(tensors, metadata=meta))
+    with open_disk(tmp_path) as disk:
+        loaded = disk.load_blocks(hashes)
+        assert [b.kv.group for b in loaded] == [0, 0] and disk_stats(disk)["corrupt"] == 0
+
+
+def test_a_run_of_two_groups_is_refused(tmp_path):
+    kvs = [make_kv(0), make_kv(1)]
+    kvs[1].group = 1
+    with open_disk(tmp_path) as disk, pytest.raises(ValueError, match="one layer group"):
+        disk.store_run(chain(2), kvs)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])

@@ -10,6 +10,7 @@ import sys
 import time
 
 from mlxkv.config import CacheConfig
+from mlxkv.models.tiny import TinyModelSpec, write_tiny_model
 from mlxkv.serving.engine_thread import EngineThread
 from mlxkv.tui import app as app_module
 from mlxkv.tui.app import ChatApp, load_chat_engine
@@ -126,6 +127,26 @@ async def test_reply_streams_in_and_the_second_message_reuses_the_first(tmp_path
         assert messages[1].tokens == ids and len(ids) == first["generation_tokens"]
         read = first["prompt_tokens"] + len(ids) - 1  # less the last token, never read
         assert second["cached_tokens"]["pool"] >= (read - 1) // 8 * 8 > first["prompt_tokens"]
+
+
+@pilot_test
+async def test_a_sliding_window_model_chats_and_its_second_turn_reuses_the_first(tmp_path):
+    """Gemma 3's layout (a window of 16 tokens, wrapped by every turn) needs no new flag."""
+    model = str(write_tiny_model(tmp_path / "gemma3", TinyModelSpec(family="gemma3_text", sliding_window=16,
+                                                                    seed=9)))
+    app, _ = make_app(tmp_path, model, max_tokens=40)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await send(pilot, "hello there, sea")
+        await reply_done(pilot)
+        first = turn(app).stats
+        await send(pilot, "and then?")
+        await reply_done(pilot)
+        second = turn(app).stats
+        read = first["prompt_tokens"] + first["generation_tokens"] - 1
+        assert first["prompt_tokens"] > 16 and second["cached_tokens"]["pool"] >= (read - 1) // 8 * 8
+        pool_line = next(line for line in shown(turn(app)).splitlines() if "from pool" in line)
+        assert f"{second['cached_tokens']['pool']:,}" in pool_line.split()
 
 
 @pilot_test

@@ -60,11 +60,11 @@ def _normalize_dtype(dtype) -> str:
     return name
 
 
-def _consecutive(indices: list[int], limit: int) -> list[list[int]]:
-    """Split indices into stretches of consecutive values, at most `limit` long."""
+def _consecutive(indices: list[int], limit: int, groups: list[int]) -> list[list[int]]:
+    """Split indices into stretches of consecutive values of one group (by index), at most `limit` long."""
     out: list[list[int]] = []
     for i in indices:
-        if out and out[-1][-1] + 1 == i and len(out[-1]) < limit:
+        if out and out[-1][-1] + 1 == i and len(out[-1]) < limit and groups[i] == groups[out[-1][-1]]:
             out[-1].append(i)
         else:
             out.append([i])
@@ -200,7 +200,7 @@ class DiskKVCacheConnector:
         per_file = run_file.run_blocks(block_nbytes)
         if self.budget_bytes is not None:  # a file leaves whole: keep it a small share of the budget
             per_file = max(1, min(per_file, self.budget_bytes // (BUDGET_SHARE * block_nbytes)))
-        for run in _consecutive(wanted, per_file):
+        for run in _consecutive(wanted, per_file, [kv.group for kv in blocks]):
             self.store_run([block_hashes[i] for i in run], [blocks[i] for i in run])
 
     def evict_blocks(self, block_hashes: Sequence[BlockHash], read: ReadKV) -> None:
@@ -232,11 +232,13 @@ class DiskKVCacheConnector:
             if self._closed:
                 self.index.note_dropped()
             return False
+        if len({kv.group for kv in kvs}) > 1:
+            raise ValueError("a run's blocks must belong to one layer group")
         fresh = self.index.fresh(block_hashes)
         if not fresh:
             return False
         keys, values = self._to_numpy([kvs[i] for i in fresh])
-        job = WriteJob(tuple(block_hashes[i] for i in fresh), keys, values, spill)
+        job = WriteJob(tuple(block_hashes[i] for i in fresh), keys, values, spill, kvs[0].group)
         if not self.index.reserve(job.block_hashes, job.nbytes, self.max_pending_bytes):
             return False
         self.writer.submit(job)

@@ -177,7 +177,8 @@ class RunReader:
             return []
         base = np.array(buf, copy=False).ctypes.data
         run = KVRun(self._mx_view(buf, base, data.keys), self._mx_view(buf, base, data.values))
-        return [LoadedBlock(h, run.block(pos + i), self.tier_name) for i, h in enumerate(job.block_hashes[:n])]
+        return [LoadedBlock(h, run.block(pos + i, data.group), self.tier_name)
+                for i, h in enumerate(job.block_hashes[:n])]
 
     def _mx_view(self, buf: mx.array, base: int, tensor: np.ndarray) -> mx.array:
         """The MLX view of `buf` that `tensor` (a numpy view of it) is; bfloat16 comes back from its bits here."""

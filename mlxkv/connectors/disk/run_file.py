@@ -9,7 +9,8 @@ names the whole prefix and so everything the file holds; `block_hashes` in
 the metadata lists every block's hash, so any part of the run is found.
 
 Metadata also holds the format version, model fingerprint, block size,
-dtype, layer count and a checksum of the tensor bytes, named by
+dtype, layer count, the layer group the blocks belong to (absent in files
+written before groups: group 0) and a checksum of the tensor bytes, named by
 `checksum_algo`: XXH3-64 in files written now, CRC-32 in files written
 before; both are read. Anything that does not check out raises
 CorruptBlockError.
@@ -72,11 +73,12 @@ class FileSpec:
             "dtype": self.dtype,
         }
 
-    def metadata(self, block_hashes, shape) -> dict[str, str]:
+    def metadata(self, block_hashes, shape, group: int = 0) -> dict[str, str]:
         return {
             **self.fixed_metadata(),
             "shape": "x".join(map(str, shape)),
             "block_hashes": ",".join(h.hex() for h in block_hashes),
+            "group": str(group),
         }
 
     def block_hashes(self, meta: dict, name: bytes) -> tuple[bytes, ...]:
@@ -132,8 +134,8 @@ def checksum(keys: np.ndarray, values: np.ndarray, algo: str = CHECKSUM_ALGO) ->
     return CHECKSUMS[algo](np.ascontiguousarray(a).reshape(-1).view(np.uint8) for a in (keys, values))
 
 
-def encode(spec: FileSpec, block_hashes, keys: np.ndarray, values: np.ndarray) -> bytes:
-    meta = spec.metadata(block_hashes, keys.shape)
+def encode(spec: FileSpec, block_hashes, keys: np.ndarray, values: np.ndarray, group: int = 0) -> bytes:
+    meta = spec.metadata(block_hashes, keys.shape, group)
     meta["checksum_algo"] = CHECKSUM_ALGO
     meta["checksum"] = checksum(keys, values)
     return safetensors.numpy.save({"keys": keys, "values": values}, metadata=meta)
@@ -268,6 +270,7 @@ class RunData:
     values: np.ndarray
     checksum_algo: str
     checksum: str
+    group: int = 0  # the layer group whose pages the run holds
 
     def verify(self) -> None:
         if self.checksum != checksum(self.keys, self.values, self.checksum_algo):
@@ -321,4 +324,7 @@ def decode(spec: FileSpec, data: np.ndarray, name: bytes) -> RunData:
         raise CorruptBlockError(f"shape {shape} for {len(hashes)} blocks")
     if values.shape[:4] != shape[:4]:
         raise CorruptBlockError(f"values shape {values.shape} does not match keys shape {shape}")
-    return RunData(hashes, keys, values, algo, str(meta.get("checksum")))
+    group = meta.get("group", "0")  # files written before layer groups hold group 0's
+    if not (isinstance(group, str) and group.isdigit()):
+        raise CorruptBlockError(f"metadata group={group!r}")
+    return RunData(hashes, keys, values, algo, str(meta.get("checksum")), int(group))

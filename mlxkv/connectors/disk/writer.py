@@ -41,6 +41,7 @@ class WriteJob:
     keys: np.ndarray  # [num_layers, n, heads, block_size, head_dim]
     values: np.ndarray
     spill: bool
+    group: int = 0  # the blocks' layer group
 
     @property
     def nbytes(self) -> int:
@@ -95,7 +96,7 @@ class RunWriter:
         self._start_again_if_cleared()
         if not self._enough_space(job.nbytes):
             return
-        data = run_file.encode(self.spec, job.block_hashes, job.keys, job.values)
+        data = run_file.encode(self.spec, job.block_hashes, job.keys, job.values, job.group)
         name = job.block_hashes[-1]
         self.write_atomic(self.scanner.path(name), data)
         self.index.add(name, len(data), job.block_hashes)
