@@ -44,7 +44,15 @@ def _batch(args) -> tuple[list[dict], str]:
     return rows, format_rows(rows)
 
 
-SUITES = {"engine": _engine, "batch": _batch, "tiers": _tiers, "kernels": _kernels, "blas": _blas}
+def _windows(args) -> tuple[list[dict], str]:
+    from mlxkv.benchmarks.windows import format_rows, run_windows_benchmark
+
+    rows = run_windows_benchmark()
+    return rows, format_rows(rows)
+
+
+SUITES = {"engine": _engine, "batch": _batch, "tiers": _tiers, "kernels": _kernels, "blas": _blas,
+          "windows": _windows}
 
 
 def run_suite(args) -> int:

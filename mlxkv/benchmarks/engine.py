@@ -115,14 +115,21 @@ def run_engine_benchmark(
 def describe_model(engine: Engine) -> str:
     c, lay = engine.loaded.config, engine.layout
     params = sum(v.size for _, v in tree_flatten(engine.model.parameters()))
+    layers = lay.group_layout.num_slots
+    pages = "" if lay.num_layers == layers else f" x {lay.num_layers} layers (a page)"
     return (
-        f"{c['model_type']} {lay.num_layers} layers, hidden {c['hidden_size']}, "
+        f"{c['model_type']} {layers} layers, hidden {c['hidden_size']}, "
         f"{c['num_attention_heads']} query / {lay.n_kv_heads} KV heads, head dim {lay.head_dim}, "
         f"vocab {c['vocab_size']}, {str(lay.dtype).removeprefix('mlx.core.')} "
         f"({params / 1e6:.3g}M params); "
-        f"KV {lay.bytes_per_token / 1024:g} KiB/token, "
-        f"block {lay.block_size} tokens = {lay.bytes_per_block / 1024:g} KiB"
+        f"KV {kv_bytes_per_token(lay) / 1024:g} KiB/token, "
+        f"block {lay.block_size} tokens{pages} = {lay.bytes_per_block / 1024:g} KiB"
     )
+
+
+def kv_bytes_per_token(layout) -> int:
+    """K and V bytes one token takes in every layer of the model (a block holds a page of them)."""
+    return layout.bytes_per_token // layout.num_layers * layout.group_layout.num_slots
 
 
 def _stderr(message: str) -> None:

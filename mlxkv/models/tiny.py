@@ -78,6 +78,7 @@ class TinyModelSpec:
     seed: int = 0
     max_position_embeddings: int = 4096
     sliding_window: int = 32  # tokens, for the windowed families
+    sliding_pattern: int | None = None  # a full layer every this many; None: the family's own default
 
     def __post_init__(self):
         self._check_values()
@@ -91,7 +92,7 @@ class TinyModelSpec:
                 raise MlxkvError(f"unknown {what} {value!r}; choose one of: {', '.join(choices)}")
         for field in dataclasses.fields(self):
             value, low = getattr(self, field.name), 0 if field.name == "seed" else 1
-            optional = field.name in ("head_dim", "intermediate_size") and value is None
+            optional = field.name in ("head_dim", "intermediate_size", "sliding_pattern") and value is None
             if field.type is not str and not optional and (type(value) is not int or value < low):
                 raise MlxkvError(f"{field.name} must be an integer >= {low}, got {value!r}")
 
@@ -176,8 +177,10 @@ def _windows(spec: TinyModelSpec) -> dict:
     if spec.family not in WINDOWED_FAMILIES:
         return {}
     extra = {"sliding_window": spec.sliding_window}
-    period = _LAYER_TYPE_PERIODS.get(spec.family)
-    if period is not None:  # at least one full layer, and one sliding
+    if spec.family == "gemma3_text" and spec.sliding_pattern is not None:
+        extra["sliding_window_pattern"] = spec.sliding_pattern
+    period = spec.sliding_pattern or _LAYER_TYPE_PERIODS.get(spec.family)
+    if period is not None and spec.family in _LAYER_TYPE_PERIODS:  # at least one full layer, and one sliding
         period = min(period, spec.num_layers)
         extra["layer_types"] = ["full_attention" if (i + 1) % period == 0 else "sliding_attention"
                                 for i in range(spec.num_layers)]

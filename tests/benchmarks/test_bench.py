@@ -87,3 +87,16 @@ def test_tiers_benchmark_rows(tmp_path):
     assert (read["raw_direct_mb_s"] > 0) == ("O_DIRECT read" in read["note"])
     if _has_direct_io(tmp_path):
         assert read["raw_direct_mb_s"] > 0
+
+
+def test_windows_benchmark_rows():
+    from mlxkv.benchmarks.windows import KV_GOAL, run_windows_benchmark
+
+    spec = TinyModelSpec(family="gemma3_text", num_layers=6, sliding_pattern=6, sliding_window=32, seed=4)
+    rows = run_windows_benchmark(context=200, prefix=96, rounds=1, spec=spec, log=lambda _: None)
+    kv, ttft = rows
+    assert "gemma3_text 6 layers" in kv["model"] and "sliding32:0" in kv["model"]
+    # Bytes, not speed: the sliding layers hold their window, as mlx-lm's RotatingKVCache does.
+    assert kv["ratio"] <= KV_GOAL and kv["met"]
+    assert kv["all_full_bytes"] > 2 * kv["ours"] * 2**20
+    assert ttft["cached_tokens"] == 96

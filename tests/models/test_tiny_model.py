@@ -225,3 +225,11 @@ def test_cli_arguments_build_a_spec():
         family="qwen3", num_layers=3, hidden_size=96, num_heads=6, num_kv_heads=3, head_dim=32,
         vocab_size=600, intermediate_size=200, dtype="bfloat16", seed=5,
     )
+
+
+@pytest.mark.parametrize("family", ["gemma3_text", "gpt_oss", "olmo3"])
+def test_sliding_pattern_puts_a_full_layer_every_n(tmp_path, family):
+    spec = TinyModelSpec(family=family, num_layers=6, sliding_pattern=3, sliding_window=64, seed=5)
+    model, _ = mlx_lm.load(str(write_tiny_model(tmp_path / family, spec)))
+    kinds = [type(c).__name__ for c in make_prompt_cache(model)]
+    assert kinds == ["RotatingKVCache", "RotatingKVCache", "KVCache"] * 2
