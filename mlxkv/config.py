@@ -11,6 +11,13 @@ from mlxkv.errors import MlxkvError
 DEFAULT_MEMORY_SHARE = 0.25
 # A modest unified-memory tier behind the pool, on unless turned off.
 DEFAULT_MEMORY_TIER_BYTES = 256 << 20
+# Hybrid models: a state checkpoint every prefill chunk's worth of tokens
+# (mlx-lm's 2048), so checkpoints never cut a chunk short; prompt and reply
+# ends add the ones a chat's next turn resumes from.
+DEFAULT_CHECKPOINT_INTERVAL = 2048
+# Hybrid models: a real model's state is megabytes per layer, so the
+# checkpoints get their own share of the pool's budget.
+DEFAULT_CHECKPOINT_SHARE = 0.25
 
 
 @dataclass(slots=True)
@@ -28,6 +35,11 @@ class CacheConfig:
     disk_tier_bytes: budget of the SSD tier (None: the tier's default).
     attention: "auto", "reference" or "kernel" (attention/dispatch.py); None:
         MLXKV_ATTENTION, else "auto".
+    checkpoint_interval: for models with recurrent layers, tokens between
+        the state checkpoints a long prefill leaves (whole blocks); prompts
+        and replies also leave one at their last full block.
+    checkpoint_share: the share of the pool's byte budget that holds those
+        checkpoints; the KV blocks get the rest.
     """
 
     block_size: int = 16
@@ -40,6 +52,8 @@ class CacheConfig:
     disk_tier: str | None = None
     disk_tier_bytes: int | None = None
     attention: str | None = None
+    checkpoint_interval: int = DEFAULT_CHECKPOINT_INTERVAL
+    checkpoint_share: float = DEFAULT_CHECKPOINT_SHARE
 
     def __post_init__(self):
         bs = self.block_size
@@ -54,6 +68,10 @@ class CacheConfig:
             raise MlxkvError(f"memory tier budget must be >= 0, got {self.memory_tier_bytes}")
         if self.disk_tier_bytes is not None and self.disk_tier_bytes <= 0:
             raise MlxkvError(f"disk tier budget must be positive, got {self.disk_tier_bytes}")
+        if not isinstance(self.checkpoint_interval, int) or self.checkpoint_interval < 1:
+            raise MlxkvError(f"checkpoint interval must be a whole number of tokens >= 1, got {self.checkpoint_interval!r}")
+        if not 0 < self.checkpoint_share < 1:
+            raise MlxkvError(f"checkpoint share must be between 0 and 1, got {self.checkpoint_share!r}")
         if self.attention not in (None, "auto", "reference", "kernel"):
             raise MlxkvError(
                 f"attention must be auto, reference or kernel, got {self.attention!r}"

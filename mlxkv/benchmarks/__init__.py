@@ -51,8 +51,15 @@ def _windows(args) -> tuple[list[dict], str]:
     return rows, format_rows(rows)
 
 
+def _hybrid(args) -> tuple[list[dict], str]:
+    from mlxkv.benchmarks.hybrid import format_rows, run_hybrid_benchmark
+
+    rows = run_hybrid_benchmark()
+    return rows, format_rows(rows)
+
+
 SUITES = {"engine": _engine, "batch": _batch, "tiers": _tiers, "kernels": _kernels, "blas": _blas,
-          "windows": _windows}
+          "windows": _windows, "hybrid": _hybrid}
 
 
 def run_suite(args) -> int:

@@ -128,8 +128,9 @@ def describe_model(engine: Engine) -> str:
 
 
 def kv_bytes_per_token(layout) -> int:
-    """K and V bytes one token takes in every layer of the model (a block holds a page of them)."""
-    return layout.bytes_per_token // layout.num_layers * layout.group_layout.num_slots
+    """K and V bytes one token takes in every attention layer of the model (a block holds a page of them)."""
+    attention_layers = sum(len(g.slots) for g in layout.group_layout.groups)
+    return layout.bytes_per_token // layout.num_layers * attention_layers
 
 
 def _stderr(message: str) -> None:

@@ -16,6 +16,12 @@ The rule of a group says which blocks a sequence must hold:
 - full attention: every block from the first;
 - sliding window W: only those that hold one of the last W positions
   before the next token (the window), plus the one being written.
+
+Recurrent and linear-attention layers (mlx-lm's `ArraysCache`: gated
+delta net, Mamba, short convolutions) keep a fixed-size state per
+sequence instead of K/V, so they take no pages: they are the layout's
+recurrent slots, and their prefix hits come from state checkpoints
+(cache/checkpoints.py).
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from mlxkv.errors import MlxkvError
 
 FULL = "full"
 SLIDING = "sliding"
+RECURRENT = "recurrent"
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +63,8 @@ class GroupLayout:
     groups: tuple[KVGroup, ...]
     num_slots: int  # cache slots of the model (its make_cache() length)
     page_layers: int  # layers a block holds: the largest group's slot count
+    recurrent: tuple[int, ...] = ()  # slots that keep a recurrent state, not K/V
+    state_sizes: tuple[int, ...] = ()  # arrays each recurrent slot's state has (ArraysCache size)
 
     @classmethod
     def plain(cls, num_slots: int) -> GroupLayout:
@@ -64,7 +73,11 @@ class GroupLayout:
 
     @property
     def is_plain(self) -> bool:
-        return len(self.groups) == 1 and self.groups[0].window is None
+        return len(self.groups) == 1 and self.groups[0].window is None and not self.recurrent
+
+    @property
+    def has_recurrent(self) -> bool:
+        return bool(self.recurrent)
 
     @property
     def full_groups(self) -> tuple[KVGroup, ...]:
@@ -75,7 +88,7 @@ class GroupLayout:
         return tuple(g for g in self.groups if g.window is not None)
 
     def place(self, slot: int) -> tuple[KVGroup, int]:
-        """The group of a cache slot and its page layer."""
+        """The group of an attention cache slot and its page layer."""
         for group in self.groups:
             if slot in group.slots:
                 return group, group.slots.index(slot)
@@ -84,17 +97,24 @@ class GroupLayout:
     def describe(self) -> str:
         """The layout as one line, for the model fingerprint: another layout never shares blocks."""
         parts = [f"{g.describe()}:{','.join(map(str, g.slots))}" for g in self.groups]
+        if self.recurrent:
+            parts.append(f"{RECURRENT}:{','.join(f'{s}x{n}' for s, n in zip(self.recurrent, self.state_sizes))}")
         return f"pages of {self.page_layers}; " + "; ".join(parts)
 
 
 def group_layout(caches: list) -> GroupLayout:
     """Group a model's cache objects (mlx-lm's, one per slot); MlxkvError naming what is missing."""
     kinds: dict[int | None, list[int]] = {}
+    recurrent: dict[int, int] = {}
     for slot, cache in enumerate(caches):
-        kinds.setdefault(_window_of(cache), []).append(slot)
+        if type(cache).__name__ == "ArraysCache":
+            recurrent[slot] = len(cache.cache)
+        else:
+            kinds.setdefault(_window_of(cache), []).append(slot)
     if not kinds:
-        raise MlxkvError("the model keeps no cache: nothing for mlxkv to page")
-    if list(kinds) == [None]:
+        what = "keeps only recurrent state" if recurrent else "keeps no cache"
+        raise MlxkvError(f"the model {what}: mlxkv needs attention layers to page")
+    if list(kinds) == [None] and not recurrent:
         return GroupLayout.plain(len(caches))
     page = min(len(slots) for slots in kinds.values())
     groups = []
@@ -103,7 +123,7 @@ def group_layout(caches: list) -> GroupLayout:
         for start in range(0, len(slots), page):
             kind = FULL if window is None else SLIDING
             groups.append(KVGroup(len(groups), kind, window, tuple(slots[start : start + page])))
-    return GroupLayout(tuple(groups), len(caches), page)
+    return GroupLayout(tuple(groups), len(caches), page, tuple(recurrent), tuple(recurrent.values()))
 
 
 def _window_of(cache) -> int | None:
@@ -117,7 +137,6 @@ def _window_of(cache) -> int | None:
                              "(mlxkv pages sliding windows without kept tokens)")
         return int(cache.max_size)
     missing = {
-        "ArraysCache": "recurrent-state layers (ArraysCache)",
         "ChunkedKVCache": "chunked local attention (ChunkedKVCache)",
         "CacheList": "composite caches (CacheList)",
         "QuantizedKVCache": "quantized KV (QuantizedKVCache)",

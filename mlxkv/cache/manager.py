@@ -11,6 +11,11 @@ group registers the same blocks of tokens as they fill, each under its
 own key (hashing.group_hash); a sliding-window group lets go of the
 blocks its window has passed, so they stay cached (and spill to the tiers
 when evicted) without holding the pool.
+
+A hybrid model's recurrent state is checkpointed where a later request
+will resume (checkpoints.py): every `checkpoint_interval` tokens of a
+prefill (its chunks end there), at the prompt's last full block, and at
+the last full block a sequence has computed when it leaves.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from __future__ import annotations
 import logging
 
 from mlxkv.cache.block_pool import Block, BlockPool
+from mlxkv.cache.checkpoints import CheckpointStore, States, checkpoint_key
 from mlxkv.cache.hashing import BlockHash, extend_block_hashes, group_hash
 from mlxkv.cache.kv_pool import KVPool
 from mlxkv.cache.layer_groups import GroupLayout, KVGroup
@@ -50,6 +56,8 @@ class KVCacheManager:
         kv_pool: KVPool | None = None,
         connector: KVCacheConnector | None = None,
         layout: GroupLayout | None = None,
+        checkpoints: CheckpointStore | None = None,
+        checkpoint_interval: int = 2048,
     ):
         # Without a KV pool (pure bookkeeping, as in the pool's property
         # tests) there are no bytes to move, so only the no-op connector fits.
@@ -60,7 +68,12 @@ class KVCacheManager:
         self.kv_pool = kv_pool
         self.connector = connector or NoopKVCacheConnector()
         self.layout = layout or GroupLayout.plain(kv_pool.layout.num_layers if kv_pool else 1)
-        self.lookup = PrefixLookup(pool, self.layout, block_size, self.connector)
+        self.checkpoints = checkpoints
+        if checkpoints is not None:
+            checkpoints.on_evict = self._on_evict_checkpoint
+        # Whole blocks, at least one.
+        self.checkpoint_interval = max(1, checkpoint_interval // block_size) * block_size
+        self.lookup = PrefixLookup(pool, self.layout, block_size, self.connector, checkpoints)
         pool.on_evict = self._on_evict
 
     @property
@@ -80,6 +93,12 @@ class KVCacheManager:
             self.connector.evict_blocks([b.block_hash for b in blocks], lambda: read()[::-1])
         except Exception:  # a failed spill loses cached copies, never a request
             log.exception("the connector could not spill %d blocks", len(blocks))
+
+    def _on_evict_checkpoint(self, key: BlockHash, states: States) -> None:
+        try:
+            self.connector.evict_checkpoint(key, states)
+        except Exception:  # as for blocks: a lost copy, never a request
+            log.exception("the connector could not spill a checkpoint")
 
     # -- admission ------------------------------------------------------------
 
@@ -106,7 +125,8 @@ class KVCacheManager:
         """Take the prompt's prefix hit from the pool and the tiers."""
         seq.tables = [[] for _ in self.groups]
         seq.unstored = [[] for _ in self.groups]
-        seq.num_computed = seq.num_cached_blocks = 0
+        seq.num_computed = seq.num_cached_blocks = seq.checkpointed = 0
+        seq.states, seq.snapshots, seq.last_checkpoint = None, {}, None
         if seq.hash_root is None:
             return
         hashes = self._usable_hashes(seq)
@@ -126,6 +146,9 @@ class KVCacheManager:
     def _take(self, seq: Sequence, hit: PrefixHit) -> bool:
         """Hold the hit's blocks; False (holding nothing) if a tier could not supply its share."""
         b = hit.num_blocks
+        states, state_tier = self._checkpoint_of(hit)
+        if hit.checkpoint is not None and states is None:
+            return False
         touched = [block for pool in hit.pool for _, block in pool]
         self.pool.touch(touched)
         tables = [[None] * b for _ in self.groups]
@@ -142,10 +165,24 @@ class KVCacheManager:
             loaded_blocks += loaded
         seq.tables = tables
         seq.num_cached_blocks = b
-        seq.num_computed = b * self.block_size
+        seq.num_computed = seq.checkpointed = b * self.block_size
+        seq.states = states
         for source in sources:
+            source = max(source, state_tier, key=TIERS.index)  # as slow as the checkpoint, too
             seq.cached_tokens[source] = seq.cached_tokens.get(source, 0) + self.block_size
         return True
+
+    def _checkpoint_of(self, hit: PrefixHit) -> tuple[States | None, str]:
+        """The hit's checkpoint states (from the store, or a tier into the store) and where they came from."""
+        if hit.checkpoint is None:
+            return None, POOL
+        if not hit.checkpoint_in_tier:
+            return self.checkpoints.get(hit.checkpoint), POOL
+        loaded = self.connector.load_checkpoint(hit.checkpoint)
+        if loaded is None:
+            return None, POOL
+        self.checkpoints.put(hit.checkpoint, loaded.states)
+        return loaded.states, loaded.tier
 
     def _load(self, group: KVGroup, wanted: list[tuple[int, BlockHash]], table: list, sources: list[str]):
         """Hydrate a group's blocks from the tiers into the table; None if any is missing."""
@@ -250,8 +287,12 @@ class KVCacheManager:
         # pays for the token list, so a long context costs no copy per token.
         known = min(seq.num_computed, seq.num_tokens)
         full = known // self.block_size
-        if full <= seq.num_cached_blocks:
-            return
+        if full > seq.num_cached_blocks:
+            self._register_blocks(seq, known, full, store_now)
+        if seq.snapshots:
+            self._register_checkpoints(seq, min(known, len(seq.prompt)), every=True)
+
+    def _register_blocks(self, seq: Sequence, known: int, full: int, store_now: bool) -> None:
         extend_block_hashes(seq.block_hashes, seq.hash_root, seq.tokens[:known], self.block_size)
         start = seq.num_cached_blocks
         for group, table in zip(self.groups, seq.tables):
@@ -262,6 +303,37 @@ class KVCacheManager:
         seq.num_cached_blocks = full
         if store_now or max(len(u) for u in seq.unstored) >= STORE_BATCH_BLOCKS:
             self._store(seq)
+
+    def prefill_stop(self, seq: Sequence) -> int | None:
+        """Where the prefill chunk now starting must end so a checkpoint can be taken there, or None."""
+        if not self.layout.has_recurrent or seq.hash_root is None:
+            return None
+        at, step = seq.num_computed, self.checkpoint_interval
+        last_full = len(seq.prompt) // self.block_size * self.block_size
+        stops = [(at // step + 1) * step] + ([last_full] if last_full > at else [])
+        return min(stops)
+
+    def _register_checkpoints(self, seq: Sequence, upto: int, every: bool) -> None:
+        """Keep the snapshots at boundaries up to `upto` (all, or the newest) as checkpoints.
+
+        Only the newest, the one a sequence leaves behind, is written through
+        to the SSD tier: a real model's state is megabytes per layer, more
+        than a turn's KV, and the turn's end is where the next turn (or a
+        restarted chat) resumes. The others reach SSD only if evicted.
+        """
+        ready = sorted(b for b in seq.snapshots if seq.checkpointed < b <= upto)
+        if every:  # a prefill's: only where the policy says (a chunk may end elsewhere)
+            last_full = len(seq.prompt) // self.block_size * self.block_size
+            ready = [b for b in ready if b % self.checkpoint_interval == 0 or b == last_full]
+        for boundary in ready if every else ready[-1:]:
+            extend_block_hashes(seq.block_hashes, seq.hash_root, seq.tokens[:boundary], self.block_size)
+            key = checkpoint_key(seq.block_hashes[boundary // self.block_size - 1])
+            states = seq.snapshots[boundary]
+            if self.checkpoints.put(key, states):
+                seq.last_checkpoint = (key, states)
+            seq.checkpointed = boundary
+        for boundary in [b for b in seq.snapshots if b <= seq.checkpointed]:
+            del seq.snapshots[boundary]
 
     def _store(self, seq: Sequence) -> None:
         for g in range(len(seq.unstored)):
@@ -277,7 +349,20 @@ class KVCacheManager:
             log.exception("the connector could not store %d blocks", len(blocks))
 
     def free(self, seq: Sequence) -> None:
-        """Release the sequence's blocks, last first, so they are evicted first."""
+        """Release the sequence's blocks, last first, so they are evicted first.
+
+        A hybrid model's sequence leaves a checkpoint at the last boundary
+        of tokens it knows (its reply's last full block): where its next
+        turn, or its resumption after a preemption, starts.
+        """
+        if seq.snapshots and seq.hash_root is not None:
+            self._register_checkpoints(seq, min(seq.num_computed, seq.num_tokens), every=False)
+        if seq.last_checkpoint is not None:
+            try:
+                self.connector.cache_checkpoint(*seq.last_checkpoint)
+            except Exception:  # a lost copy, as with blocks
+                log.exception("the connector could not store a checkpoint")
+        seq.snapshots, seq.states, seq.last_checkpoint = {}, None, None
         self._store(seq)
         longest = max(len(table) for table in seq.tables)
         last_first = [table[i] for i in reversed(range(longest)) for table in seq.tables

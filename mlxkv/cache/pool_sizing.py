@@ -13,10 +13,26 @@ MAX_DEFAULT_CONTEXTS = 16
 DEFAULT_CONTEXT = 8192  # for a model that does not say
 
 
+def checkpoint_budget(cfg: CacheConfig, layout: KVLayout, num_blocks: int) -> int:
+    """Bytes for a hybrid model's state checkpoints: their share of the pool's budget.
+
+    The blocks got the rest of that budget (size_pool), so the checkpoints
+    are `share / (1 - share)` of what the blocks take.
+    """
+    share = cfg.checkpoint_share
+    return int(num_blocks * layout.bytes_per_block * share / (1 - share))
+
+
 def size_pool(cfg: CacheConfig, layout: KVLayout, max_context: int | None) -> int:
-    """Number of blocks; never more than the machine's memory holds."""
+    """Number of blocks; never more than the machine's memory holds.
+
+    A hybrid model's blocks take the budget less its checkpoints' share;
+    --num-blocks is taken as asked.
+    """
     memory = physical_memory()
     blocks = _pool_blocks(cfg, layout, max_context, memory)
+    if layout.group_layout.has_recurrent and cfg.num_blocks is None:
+        blocks = max(1, int(blocks * (1 - cfg.checkpoint_share)))
     need = blocks * layout.bytes_per_block
     if need > memory:
         # (machine.py: an allocation MLX cannot make is a segmentation fault)

@@ -10,6 +10,11 @@ the largest b that every group accepts, and never covers the prompt's
 last token. vLLM's hybrid cache manager finds it the same way: the
 full-attention groups give an upper bound, then a sliding group that
 lacks block m caps b at m (any b above it would still need m).
+
+A hybrid model's recurrent layers also need a state checkpoint at exactly
+b (checkpoints.py), from the store or a tier: the hit is the largest b
+below the attention groups' bound that has one and that every group still
+accepts, or 0.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from mlxkv.cache.block_pool import Block, BlockPool
+from mlxkv.cache.checkpoints import CheckpointStore, checkpoint_key
 from mlxkv.cache.hashing import BlockHash, group_hash
 from mlxkv.cache.layer_groups import GroupLayout, KVGroup
 
@@ -30,21 +36,40 @@ class PrefixHit:
     pool: list[list[tuple[int, Block]]] = field(default_factory=list)
     # Per group: (block index, group hash) for each needed block a tier supplies.
     tiers: list[list[tuple[int, BlockHash]]] = field(default_factory=list)
+    # The recurrent state checkpoint at block num_blocks, and whether a tier has it.
+    checkpoint: BlockHash | None = None
+    checkpoint_in_tier: bool = False
 
 
 class PrefixLookup:
-    def __init__(self, pool: BlockPool, layout: GroupLayout, block_size: int, connector):
+    def __init__(self, pool: BlockPool, layout: GroupLayout, block_size: int, connector,
+                 checkpoints: CheckpointStore | None = None):
         self.pool, self.layout, self.block_size, self.connector = pool, layout, block_size, connector
+        self.checkpoints = checkpoints
 
     def find(self, hashes: list[BlockHash], use_tiers: bool = True) -> PrefixHit:
         """The longest hit over `hashes` (the usable full blocks of a prompt)."""
-        b = len(hashes)
+        b = self._attention_bound(hashes, len(hashes), use_tiers)
+        if not self.layout.has_recurrent:
+            return self._hit(hashes, b)
+        for c in range(b, 0, -1):  # the largest boundary with a checkpoint every group accepts
+            key = checkpoint_key(hashes[c - 1])
+            in_store = self.checkpoints is not None and key in self.checkpoints
+            in_tier = not in_store and use_tiers and self.connector.has_checkpoint(key)
+            if (in_store or in_tier) and self._first_missing(hashes, c, use_tiers) is None:
+                hit = self._hit(hashes, c)
+                hit.checkpoint, hit.checkpoint_in_tier = key, in_tier
+                return hit
+        return self._hit(hashes, 0)
+
+    def _attention_bound(self, hashes: list[BlockHash], b: int, use_tiers: bool) -> int:
+        """The largest hit the attention groups alone accept."""
         for group in self.layout.full_groups:
             b = min(b, self._leading(group, hashes[:b], use_tiers))
         while True:
             missing = self._first_missing(hashes, b, use_tiers)
             if missing is None:
-                return self._hit(hashes, b)
+                return b
             b = missing
 
     def _leading(self, group: KVGroup, hashes: list[BlockHash], use_tiers: bool) -> int:

@@ -4,6 +4,10 @@ It holds a block table per layer group (layer_groups.py). A table's
 entry i is the block of the sequence's i-th block of tokens in that
 group, or None where a sliding-window group has let go of it (the window
 has moved past) or never needed it (a prefix hit started past it).
+
+A hybrid model's sequence also carries its recurrent layers' state, and
+the states it had at the last block boundaries it crossed: the
+checkpoints it may leave behind (checkpoints.py).
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from mlxkv.cache.block_pool import Block
+from mlxkv.cache.checkpoints import States
 from mlxkv.cache.hashing import BlockHash
 from mlxkv.cache.tiers import no_reuse
 
@@ -33,6 +38,14 @@ class Sequence:
     unstored: list[list[Block]] = field(default_factory=lambda: [[]])
     # Prompt tokens reused instead of computed, by where they came from.
     cached_tokens: dict[str, int] = field(default_factory=no_reuse)
+    # Recurrent slots' state arrays (batch of one); None: not started.
+    states: States | None = None
+    # States at the block boundaries (in tokens) a forward ended on, newest last.
+    snapshots: dict[int, States] = field(default_factory=dict)
+    # The boundary of the newest checkpoint this sequence has registered,
+    # and that checkpoint (key, states): the SSD tier gets it when the sequence leaves.
+    checkpointed: int = 0
+    last_checkpoint: tuple[BlockHash, States] | None = None
 
     @property
     def tokens(self) -> list[int]:

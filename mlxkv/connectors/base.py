@@ -12,6 +12,12 @@ The engine calls a connector at exactly three points:
 The block pool stays the only owner of local blocks: a connector only ever
 holds copies of bytes, keyed by block hash. K/V bytes are read lazily, through
 a `read` callable, so a connector that does not want them costs nothing.
+
+A hybrid model's recurrent-state checkpoints (cache/checkpoints.py) meet
+the connector at the same three points: `has_checkpoint` and
+`load_checkpoint` at lookup, `cache_checkpoint` when one is made (the SSD
+tier writes it through, so it survives a restart), `evict_checkpoint` when
+the pool's checkpoint store lets one go.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from dataclasses import asdict, dataclass
 from typing import Protocol, runtime_checkable
 
 from mlxkv.cache.block_kv import BlockKV
+from mlxkv.cache.checkpoints import States
 from mlxkv.cache.hashing import BlockHash
 
 
@@ -29,6 +36,13 @@ class LoadedBlock:
     block_hash: BlockHash
     kv: BlockKV
     tier: str  # tiers.MEMORY or tiers.DISK: where the hit came from
+
+
+@dataclass
+class LoadedCheckpoint:
+    key: BlockHash
+    states: States
+    tier: str
 
 
 # Reads the bytes of the blocks named in the call that hands it over.
@@ -46,6 +60,7 @@ class TierStats:
     hydrations: int = 0
     bytes_held: int = 0
     blocks_held: int = 0
+    checkpoints: int = 0  # recurrent-state checkpoints held
     corrupt: int = 0
     write_errors: int = 0
 
@@ -72,6 +87,18 @@ class KVCacheConnector(Protocol):
         """The pool is about to overwrite these cached blocks, least recently used
         first. `read()` gives their K/V in that order, read from the pool at once."""
 
+    def has_checkpoint(self, key: BlockHash) -> bool:
+        """Whether this connector can supply the checkpoint."""
+
+    def load_checkpoint(self, key: BlockHash) -> LoadedCheckpoint | None:
+        """The checkpoint's states, intact, or None (gone, or failed its checksum)."""
+
+    def cache_checkpoint(self, key: BlockHash, states: States) -> None:
+        """A checkpoint was just made and kept in the pool's store."""
+
+    def evict_checkpoint(self, key: BlockHash, states: States) -> None:
+        """The pool's store is letting this checkpoint go."""
+
     def stats(self) -> dict[str, dict[str, int]]:
         """Counters per tier name."""
 
@@ -92,6 +119,18 @@ class NoopKVCacheConnector:
         pass
 
     def evict_blocks(self, block_hashes, read):
+        pass
+
+    def has_checkpoint(self, key):
+        return False
+
+    def load_checkpoint(self, key):
+        return None
+
+    def cache_checkpoint(self, key, states):
+        pass
+
+    def evict_checkpoint(self, key, states):
         pass
 
     def stats(self):

@@ -11,17 +11,20 @@ evicts arrive as one run, read from the pool at once, and are kept as it
 being promoted). Blocks that arrive alone wait as one-block runs until
 enough of them are packed into one. The budget counts the bytes runs
 really hold: a run stays in memory until its last block is dropped.
+A hybrid model's state checkpoints share the one LRU and budget, exact.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import mlx.core as mx
 
 from mlxkv.cache.block_kv import BlockKV, KVRun
-from mlxkv.connectors.base import LoadedBlock, TierStats
+from mlxkv.cache.checkpoints import States, states_nbytes
+from mlxkv.connectors.base import LoadedBlock, LoadedCheckpoint, TierStats
 from mlxkv.errors import MlxkvError
 from mlxkv.cache.hashing import BlockHash
 from mlxkv.cache.tiers import MEMORY
@@ -52,6 +55,14 @@ class _Quantized:
         return x.reshape(self.shape).astype(self.dtype)
 
 
+@dataclass(frozen=True)
+class _Checkpoint:
+    """A recurrent-state checkpoint held in the tier's one LRU beside the blocks (kept exact)."""
+
+    states: States
+    nbytes: int
+
+
 class InMemoryKVCacheConnector:
     def __init__(
         self,
@@ -60,6 +71,7 @@ class InMemoryKVCacheConnector:
         quantize_bits: int | None = None,
         on_evict: Callable[[BlockHash, BlockKV], None] | None = None,
         tier_name: str = MEMORY,
+        on_evict_checkpoint: Callable[[BlockHash, States], None] | None = None,
     ):
         if quantize_bits not in (None, 4, 8):
             raise MlxkvError(f"memory tier quantization must be 4 or 8 bits, got {quantize_bits}")
@@ -67,6 +79,7 @@ class InMemoryKVCacheConnector:
         self.block_size = block_size
         self.quantize_bits = quantize_bits
         self.on_evict = on_evict  # where blocks pushed out of this tier go
+        self.on_evict_checkpoint = on_evict_checkpoint  # and checkpoints
         self.tier_name = tier_name
         # LRU first. Exact blocks are views of KVRuns; quantized ones (K, V) pairs.
         self._blocks: OrderedDict[BlockHash, BlockKV | tuple] = OrderedDict()
@@ -101,6 +114,26 @@ class InMemoryKVCacheConnector:
 
     def cache_blocks(self, block_hashes, read) -> None:
         pass  # the pool holds registered blocks; this tier takes them on eviction
+
+    def has_checkpoint(self, key: BlockHash) -> bool:
+        return isinstance(self._blocks.get(key), _Checkpoint)
+
+    def load_checkpoint(self, key: BlockHash) -> LoadedCheckpoint | None:
+        held = self._blocks.get(key)
+        if not isinstance(held, _Checkpoint):
+            return None
+        self._blocks.move_to_end(key)
+        self._stats.hydrations += 1
+        return LoadedCheckpoint(key, held.states, self.tier_name)
+
+    def cache_checkpoint(self, key: BlockHash, states: States) -> None:
+        pass  # as with blocks: the pool's store holds it; this tier takes it on eviction
+
+    def evict_checkpoint(self, key: BlockHash, states: States) -> None:
+        if key in self._blocks:
+            self._blocks.move_to_end(key)
+        elif self._keep(key, _Checkpoint(states, states_nbytes(states))):
+            self._stats.spills += 1
 
     def evict_blocks(self, block_hashes: Sequence[BlockHash], read) -> None:
         wanted = []
@@ -141,24 +174,31 @@ class InMemoryKVCacheConnector:
 
     def store(self, block_hash: BlockHash, kv: BlockKV) -> bool:
         """Keep `kv` (its run, when it is a view of one that fits); push LRU blocks out past the budget."""
-        stored = self._pack(kv)
-        if self._nbytes(stored) > self.budget_bytes:
+        if not self._keep(block_hash, self._pack(kv)):
             return False
-        if block_hash in self._blocks:
-            self._drop(block_hash)
-        self._blocks[block_hash] = stored
-        self._hold(block_hash, stored)
-        self._stats.stores += 1
-        self._stats.blocks_held += 1
         run_blocks = self._run_blocks(kv.nbytes)
         if run_blocks > 1 and len(self._loose) >= run_blocks:
             self._pack_loose()
+        return True
+
+    def _keep(self, key: BlockHash, stored) -> bool:
+        """Hold a packed block or a checkpoint, pushing the least recently used out past the budget."""
+        if self._nbytes(stored) > self.budget_bytes:
+            return False
+        if key in self._blocks:
+            self._drop(key)
+        self._blocks[key] = stored
+        self._hold(key, stored)
+        self._stats.stores += 1
         while self._stats.bytes_held > self.budget_bytes:
-            old_hash = next(iter(self._blocks))
-            old = self._drop(old_hash)
+            old_key = next(iter(self._blocks))
+            old = self._drop(old_key)
             self._stats.evictions += 1
-            if self.on_evict is not None:
-                self.on_evict(old_hash, self._restore(old))
+            if isinstance(old, _Checkpoint):
+                if self.on_evict_checkpoint is not None:
+                    self.on_evict_checkpoint(old_key, old.states)
+            elif self.on_evict is not None:
+                self.on_evict(old_key, self._restore(old))
         return True
 
     def _pack(self, kv: BlockKV):
@@ -175,6 +215,11 @@ class InMemoryKVCacheConnector:
         return run.block(0, kv.group)
 
     def _hold(self, block_hash: BlockHash, stored) -> None:
+        if isinstance(stored, _Checkpoint):
+            self._stats.bytes_held += stored.nbytes
+            self._stats.checkpoints += 1
+            return
+        self._stats.blocks_held += 1
         if isinstance(stored, tuple):
             self._stats.bytes_held += self._nbytes(stored)
             return
@@ -187,6 +232,10 @@ class InMemoryKVCacheConnector:
 
     def _drop(self, block_hash: BlockHash):
         stored = self._blocks.pop(block_hash)
+        if isinstance(stored, _Checkpoint):
+            self._stats.bytes_held -= stored.nbytes
+            self._stats.checkpoints -= 1
+            return stored
         self._stats.blocks_held -= 1
         if isinstance(stored, tuple):
             self._stats.bytes_held -= self._nbytes(stored)
@@ -230,6 +279,8 @@ class InMemoryKVCacheConnector:
 
     @staticmethod
     def _nbytes(stored) -> int:
+        if isinstance(stored, _Checkpoint):
+            return stored.nbytes
         if isinstance(stored, BlockKV):
             return stored.run.nbytes
         k, v, _ = stored

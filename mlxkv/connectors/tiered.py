@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from mlxkv.connectors.base import LoadedBlock
+from mlxkv.connectors.base import LoadedBlock, LoadedCheckpoint
 from mlxkv.connectors.memory import InMemoryKVCacheConnector
 from mlxkv.cache.hashing import BlockHash
 
@@ -20,10 +20,23 @@ class TieredKVCacheConnector:
         self.memory = memory
         self.disk = disk
         memory.on_evict = self._spill_to_disk
+        memory.on_evict_checkpoint = self.disk.evict_checkpoint
 
     def _spill_to_disk(self, block_hash: BlockHash, kv) -> None:
         if not self.disk.contains(block_hash):
             self.disk.store(block_hash, kv, spill=True)
+
+    def has_checkpoint(self, key: BlockHash) -> bool:
+        return self.memory.has_checkpoint(key) or self.disk.has_checkpoint(key)
+
+    def load_checkpoint(self, key: BlockHash) -> LoadedCheckpoint | None:
+        return self.memory.load_checkpoint(key) or self.disk.load_checkpoint(key)
+
+    def cache_checkpoint(self, key: BlockHash, states) -> None:
+        self.disk.cache_checkpoint(key, states)  # written through, as blocks are
+
+    def evict_checkpoint(self, key: BlockHash, states) -> None:
+        self.memory.evict_checkpoint(key, states)
 
     def get_computed_blocks(self, block_hashes: Sequence[BlockHash]) -> int:
         n = self.memory.get_computed_blocks(block_hashes)

@@ -11,11 +11,12 @@ import mlx.core as mx
 
 from mlxkv.attention.dispatch import resolve_attention
 from mlxkv.cache.block_pool import BlockPool
+from mlxkv.cache.checkpoints import CheckpointStore
 from mlxkv.cache.fingerprint import model_fingerprint
 from mlxkv.cache.hashing import root_hash
 from mlxkv.cache.kv_pool import KVPool
 from mlxkv.cache.manager import KVCacheManager
-from mlxkv.cache.pool_sizing import size_pool
+from mlxkv.cache.pool_sizing import checkpoint_budget, size_pool
 from mlxkv.chat import prompting
 from mlxkv.config import CacheConfig
 from mlxkv.connectors.build import build_connector
@@ -59,7 +60,10 @@ class Engine:
         self.kv_pool = KVPool(self.layout, size_pool(cache, self.layout, loaded.max_context))
         self.block_pool = BlockPool(self.kv_pool.num_blocks)
         self.connector = build_connector(cache, self.fingerprint, self.layout)
-        self.manager = KVCacheManager(self.block_pool, cache.block_size, self.kv_pool, self.connector, groups)
+        self.checkpoints = (CheckpointStore(checkpoint_budget(cache, self.layout, self.kv_pool.num_blocks))
+                            if groups.has_recurrent else None)
+        self.manager = KVCacheManager(self.block_pool, cache.block_size, self.kv_pool, self.connector, groups,
+                                      self.checkpoints, cache.checkpoint_interval)
         self.runner = ModelRunner(self.model, self.kv_pool, resolve_attention(cache.attention), groups)
         self.loop = BatchLoop(self.manager, self.runner, self.tokenizer.eos_token_ids, prefill_chunk, max_running)
         peak = None if groups.is_plain else (lambda n: self.manager.peak_blocks(n, prefill_chunk))
@@ -217,6 +221,7 @@ class Engine:
             "requests": self.loop.requests_served,
             "pool": self.block_pool.usage(),
             "connector": self.connector.stats(),
+            **({"checkpoints": self.checkpoints.stats()} if self.checkpoints is not None else {}),
         }
 
     def close(self) -> None:

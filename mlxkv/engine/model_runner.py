@@ -1,4 +1,11 @@
-"""Runs the unmodified mlx-lm model over the paged pool for one step."""
+"""Runs the unmodified mlx-lm model over the paged pool for one step.
+
+Attention layers get paged caches over the pool. Recurrent layers of a
+hybrid model get mlx-lm's own `ArraysCache`, holding the rows' states
+stacked along the batch; the step's new states go back to each sequence,
+and a step that ends on a block boundary keeps them as a snapshot, the
+checkpoint the sequence may leave there (cache/checkpoints.py).
+"""
 
 from __future__ import annotations
 
@@ -11,6 +18,12 @@ from mlxkv.attention.shared_prefix import SharedPrefix, shared_blocks
 from mlxkv.cache.kv_pool import KVPool
 from mlxkv.cache.layer_groups import GroupLayout
 from mlxkv.cache.sequence import Sequence
+from mlxkv.models.compat import ArraysCache
+
+# Snapshots a sequence keeps: the boundary a finished reply may leave its
+# checkpoint at, and the one before it (a pipelined step may pass the last
+# boundary with a token the request then drops).
+SNAPSHOTS_KEPT = 2
 
 
 class ModelRunner:
@@ -20,8 +33,8 @@ class ModelRunner:
         self.attention = attention
         self.layout = layout or GroupLayout.plain(len(model.layers))
         self.num_layers = self.layout.num_slots
-        # (group, page layer) of each cache slot, in the model's order.
-        self._places = [(g.index, j) for g, j in map(self.layout.place, range(self.num_layers))]
+        # (group, page layer) of each attention cache slot.
+        self._places = {slot: (g.index, j) for g in self.layout.groups for j, slot in enumerate(g.slots)}
         # Contiguous K/V copies of lone running sequences (see kv_mirror.py).
         self._mirrors: dict[int, KVMirror] = {}
         # The shared prefix of the last batched decode step (see cascade.py).
@@ -99,8 +112,50 @@ class ModelRunner:
         groups = tuple(self._group_tables(seqs, g.index, g.window, offsets, num_new, bs) for g in self.layout.groups)
         batch = PagedBatch.of_groups(groups, offsets, num_new, bs, self.attention,
                                      self._mirror_for(seqs, mirror), self._prefix_for(seqs, num_new))
-        caches = [PagedKVCache(self.kv_pool, j, batch, g, slot) for slot, (g, j) in enumerate(self._places)]
+        caches: list = [None] * self.num_layers
+        for slot, (g, j) in self._places.items():
+            caches[slot] = PagedKVCache(self.kv_pool, j, batch, g, slot)
+        recurrent = self._recurrent_caches(seqs)
+        for slot, cache in zip(self.layout.recurrent, recurrent):
+            caches[slot] = cache
         logits = self.model(tokens, cache=caches)
         for s in seqs:
             s.num_computed += num_new
+        if recurrent:
+            self._keep_states(seqs, recurrent)
         return logits[:, -1, :]
+
+    def _recurrent_caches(self, seqs: list[Sequence]) -> list:
+        """An ArraysCache per recurrent slot, its arrays the rows' states stacked."""
+        caches = []
+        for j, size in enumerate(self.layout.state_sizes):
+            cache = ArraysCache(size)
+            rows = [s.states[j] if s.states is not None else (None,) * size for s in seqs]
+            cache.cache = [_stacked([row[e] for row in rows]) for e in range(size)]
+            caches.append(cache)
+        return caches
+
+    def _keep_states(self, seqs: list[Sequence], caches: list) -> None:
+        bs = self.kv_pool.layout.block_size
+        for i, seq in enumerate(seqs):
+            one = len(seqs) == 1
+            seq.states = tuple(tuple(a if one or a is None else a[i : i + 1] for a in c.cache) for c in caches)
+            if seq.num_computed % bs == 0:
+                seq.snapshots[seq.num_computed] = seq.states
+                while len(seq.snapshots) > SNAPSHOTS_KEPT:
+                    del seq.snapshots[min(seq.snapshots)]
+
+    @staticmethod
+    def state_arrays(seqs: list[Sequence]) -> list[mx.array]:
+        """The recurrent state arrays of these sequences: what to evaluate after a prefill chunk."""
+        return [a for s in seqs if s.states for slot in s.states for a in slot if a is not None]
+
+
+def _stacked(arrays: list) -> mx.array | None:
+    """Rows stacked along the batch; a row not started yet is zeros, as a fresh state is."""
+    if len(arrays) == 1:
+        return arrays[0]
+    first = next((a for a in arrays if a is not None), None)
+    if first is None:
+        return None
+    return mx.concatenate([a if a is not None else mx.zeros_like(first) for a in arrays])

@@ -25,7 +25,7 @@ def run_step(plan: StepPlan, runner: ModelRunner, decode_inputs: mx.array | None
         seq = request.seq
         chunk = seq.prompt[seq.num_computed : seq.num_computed + n]
         runner.forward([seq], mx.array([chunk]), mirror=False)
-        mx.eval(runner.kv_pool.arrays)
+        mx.eval(runner.kv_pool.arrays, runner.state_arrays([seq]))
     if not plan.decode:
         return None
     seqs = [r.seq for r in plan.decode]

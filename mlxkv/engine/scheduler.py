@@ -160,6 +160,9 @@ class Scheduler:
             n = min(self.prefill_chunk, request.remaining_prefill)
             if n <= 0 or request.state != RequestState.RUNNING:
                 continue
+            stop = self.manager.prefill_stop(request.seq)  # a hybrid model's next checkpoint
+            if stop is not None and stop < request.seq.num_computed + n:
+                n = stop - request.seq.num_computed
             if chunks and n > budget:
                 break
             # Full-attention groups took the prompt's slots at admission;

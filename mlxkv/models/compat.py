@@ -13,7 +13,7 @@ import logging
 import sys
 from collections.abc import Callable
 
-from mlx_lm.models.cache import _BaseCache, create_attention_mask, make_prompt_cache  # noqa: F401
+from mlx_lm.models.cache import ArraysCache, _BaseCache, create_attention_mask, make_prompt_cache  # noqa: F401
 
 log = logging.getLogger(__name__)
 

@@ -96,9 +96,10 @@ def probe_kv_layout(loaded: LoadedModel, block_size: int) -> KVLayout:
     caches = compat.cache_layout(loaded.model)
     seen: dict[int, tuple] = {}
     for slot, cache in enumerate(caches):
-        cache.update_and_fetch = _recording(cache.update_and_fetch, seen, slot)
+        if slot not in layout.recurrent:
+            cache.update_and_fetch = _recording(cache.update_and_fetch, seen, slot)
     mx.eval(loaded.model(mx.array([[0]]), cache=caches))
-    missing = [slot for slot in range(len(caches)) if slot not in seen]
+    missing = [slot for slot in range(len(caches)) if slot not in seen and slot not in layout.recurrent]
     if missing:
         raise MlxkvError(f"unsupported model family {loaded.model_type!r}: cache slots {missing[:4]} "
                          "do not use the KV cache protocol")

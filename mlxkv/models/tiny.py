@@ -23,28 +23,12 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from mlxkv.errors import MlxkvError
 from mlxkv.models import compat
+from mlxkv.models.tiny_families import (
+    FAMILIES, RECURRENT_FAMILIES, WINDOWED_FAMILIES, family_config, mixer_scale, mlp_layers,
+)
 from mlxkv.system.machine import physical_memory
 from mlxkv.system.paths import cache_root
 
-# Extra config.json keys per family, on top of the ones every family shares.
-FAMILIES = {
-    "llama": {},
-    "mistral": {},
-    "qwen2": {},
-    "qwen3": {},
-    "gemma": {},
-    "phi3": {},
-    "starcoder2": {"norm_epsilon": 1e-5},
-    "olmo2": {},
-    # Sliding-window families: their windows (spec.sliding_window) are
-    # small, so that test prompts wrap them.
-    "gemma3_text": {"sliding_window_pattern": 2},  # every other layer slides
-    "gpt_oss": {"num_local_experts": 4, "num_experts_per_tok": 2},  # alternating, with attention sinks
-    "olmo3": {},  # three sliding layers to one full
-}
-# Families whose config says which layers slide (full at every `period`-th layer).
-_LAYER_TYPE_PERIODS = {"gpt_oss": 2, "olmo3": 4}
-WINDOWED_FAMILIES = ("gemma3_text", "gpt_oss", "olmo3")
 # Gains for the projections that write back into the residual stream. At
 # 1/sqrt(fan_in) the stream stays dominated by the input token's embedding, so
 # greedy decoding becomes a token -> token map stuck in short loops (tied-
@@ -97,8 +81,8 @@ class TinyModelSpec:
                 raise MlxkvError(f"{field.name} must be an integer >= {low}, got {value!r}")
 
     def _check_shapes(self) -> None:
-        if self.family in WINDOWED_FAMILIES and self.num_layers < 2:
-            raise MlxkvError(f"{self.family} needs num_layers >= 2 (one sliding, one global)")
+        if self.family in WINDOWED_FAMILIES + RECURRENT_FAMILIES and self.num_layers < 2:
+            raise MlxkvError(f"{self.family} needs num_layers >= 2 (one full-attention layer, one other)")
         if self.num_heads % self.num_kv_heads:
             raise MlxkvError(f"num_heads ({self.num_heads}) must be a multiple of "
                              f"num_kv_heads ({self.num_kv_heads})")
@@ -132,10 +116,10 @@ class TinyModelSpec:
         """Embedding, head, attention and a three-matrix MLP: an upper bound, within
         a third (a tied head or a two-matrix MLP counts extra; norms, biases are noise)."""
         hidden, head_dim = self.hidden_size, self.resolved_head_dim
-        attention = hidden * head_dim * 2 * (self.num_heads + self.num_kv_heads)
+        attention = int(hidden * head_dim * 2 * (self.num_heads + self.num_kv_heads) * mixer_scale(self.family))
         experts = FAMILIES[self.family].get("num_local_experts", 1)  # a mixture of experts has an MLP each
         mlp = 3 * hidden * (self.intermediate_size or 3 * hidden) * experts
-        return 2 * self.vocab_size * hidden + self.num_layers * (attention + mlp)
+        return 2 * self.vocab_size * hidden + self.num_layers * attention + mlp_layers(self) * mlp
 
     @property
     def resolved_head_dim(self) -> int:
@@ -168,23 +152,8 @@ def model_config(spec: TinyModelSpec) -> dict:
         "eos_token_id": [SPECIAL_TOKENS.index(t) for t in ("<|im_end|>", "<|endoftext|>")],
         "torch_dtype": spec.dtype,
         "mlxkv_tiny_model": dataclasses.asdict(spec),
-        **FAMILIES[spec.family],
-        **_windows(spec),
+        **family_config(spec),
     }
-
-
-def _windows(spec: TinyModelSpec) -> dict:
-    if spec.family not in WINDOWED_FAMILIES:
-        return {}
-    extra = {"sliding_window": spec.sliding_window}
-    if spec.family == "gemma3_text" and spec.sliding_pattern is not None:
-        extra["sliding_window_pattern"] = spec.sliding_pattern
-    period = spec.sliding_pattern or _LAYER_TYPE_PERIODS.get(spec.family)
-    if period is not None and spec.family in _LAYER_TYPE_PERIODS:  # at least one full layer, and one sliding
-        period = min(period, spec.num_layers)
-        extra["layer_types"] = ["full_attention" if (i + 1) % period == 0 else "sliding_attention"
-                                for i in range(spec.num_layers)]
-    return extra
 
 
 def _random_weights(config: dict, spec: TinyModelSpec) -> dict[str, mx.array]:
@@ -206,6 +175,8 @@ def _random_weights(config: dict, spec: TinyModelSpec) -> dict[str, mx.array]:
             value = 0.02 * mx.random.normal(value.shape, key=key)
         elif name.endswith(".sinks"):  # attention-sink logits (gpt-oss): zeros would test little
             value = mx.random.normal(value.shape, key=key)
+        elif name.endswith(".A_log"):  # state decay rates (Mamba, gated delta net): the classes draw them globally
+            value = mx.log(mx.random.uniform(1.0, 16.0, value.shape, key=key))
         # Other 1-D tensors are norm scales, constants in every class.
         weights[name] = value.astype(DTYPES[spec.dtype])
     mx.eval(weights)

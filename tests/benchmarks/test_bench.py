@@ -100,3 +100,17 @@ def test_windows_benchmark_rows():
     assert kv["ratio"] <= KV_GOAL and kv["met"]
     assert kv["all_full_bytes"] > 2 * kv["ours"] * 2**20
     assert ttft["cached_tokens"] == 96
+
+
+def test_hybrid_benchmark_rows():
+    from mlxkv.benchmarks.hybrid import run_hybrid_benchmark
+
+    spec = TinyModelSpec(family="qwen3_next", num_layers=4, sliding_pattern=4, seed=4)
+    prefill, turn, ssd = run_hybrid_benchmark(prompt_tokens=72, rounds=1, spec=spec, log=lambda _: None)
+    assert "recurrent:0x2,1x2,2x2" in prefill["model"]
+    for r in (prefill, turn, ssd):
+        assert math.isfinite(r["ratio"]) and r["ratio"] > 0, r
+    # The second turn resumes at the first turn's last full block (72 + 32 tokens).
+    assert turn["cached_tokens"] == (72 + 32) // 16 * 16
+    # Three turns: a checkpoint written through at each one's end, and their KV.
+    assert ssd["checkpoint_bytes"] > 0 and ssd["kv_bytes"] > 0

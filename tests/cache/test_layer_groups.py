@@ -38,14 +38,23 @@ def test_windows_of_two_sizes_are_two_kinds():
         (FULL, None, (1,)), (SLIDING, 64, (0,)), (SLIDING, 64, (3,)), (SLIDING, 128, (2,))]
 
 
-@pytest.mark.parametrize(("cache", "says"), [
-    (ArraysCache(2), "recurrent-state layers (ArraysCache)"),
-    (RotatingKVCache(64, keep=4), "keeps its first 4 tokens"),
-])
-def test_a_cache_mlxkv_cannot_page_is_named(cache, says):
-    with pytest.raises(MlxkvError, match=r"\(|keeps") as e:
-        group_layout([KVCache(), cache])
-    assert says in str(e.value)
+def test_a_cache_mlxkv_cannot_page_is_named():
+    with pytest.raises(MlxkvError, match="keeps its first 4 tokens"):
+        group_layout([KVCache(), RotatingKVCache(64, keep=4)])
+
+
+def test_recurrent_slots_take_no_pages():
+    layout = group_layout([ArraysCache(2), KVCache(), ArraysCache(1), KVCache(), RotatingKVCache(32)])
+    assert layout.recurrent == (0, 2) and layout.state_sizes == (2, 1) and layout.has_recurrent
+    assert [g.slots for g in layout.groups] == [(1,), (3,), (4,)] and layout.page_layers == 1
+    assert not layout.is_plain and "recurrent:0x2,2x1" in layout.describe()
+    # All attention and full: still not plain, so the fingerprint says it has state.
+    assert not group_layout([ArraysCache(2), KVCache()]).is_plain
+
+
+def test_a_model_of_recurrent_layers_alone_is_refused():
+    with pytest.raises(MlxkvError, match="only recurrent state"):
+        group_layout([ArraysCache(2), ArraysCache(2)])
 
 
 @pytest.mark.parametrize(("window", "position", "first_block", "first_visible"), [

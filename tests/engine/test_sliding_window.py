@@ -8,15 +8,13 @@ import json
 import subprocess
 import sys
 
-import mlx_lm
-import safetensors
 import pytest
-from mlx_lm.generate import stream_generate
+import safetensors
 
+from family_support import model_with_oracle, prompt_of
 from mlxkv.config import CacheConfig
 from mlxkv.engine.engine import Engine
-from mlxkv.models.loader import load_model
-from mlxkv.models.tiny import WINDOWED_FAMILIES, TinyModelSpec, write_tiny_model
+from mlxkv.models.tiny import WINDOWED_FAMILIES, TinyModelSpec
 
 BLOCK = 16
 WINDOW = 32
@@ -30,26 +28,12 @@ assert set(SPECS) == set(WINDOWED_FAMILIES) and all(s.sliding_window == WINDOW f
 
 @pytest.fixture(scope="module", params=list(SPECS))
 def family(request, tmp_path_factory):
-    path = str(write_tiny_model(tmp_path_factory.mktemp("windowed") / request.param, SPECS[request.param]))
-    model, tokenizer = mlx_lm.load(path)
-    answers = {}
-
-    def reference(prompt: list[int], max_tokens: int) -> list[int]:
-        key = (tuple(prompt), max_tokens)
-        if key not in answers:
-            answers[key] = [r.token for r in stream_generate(model, tokenizer, prompt, max_tokens=max_tokens)]
-        return answers[key]
-
-    return path, load_model(path), reference
+    return model_with_oracle(tmp_path_factory.mktemp("windowed") / request.param, SPECS[request.param])
 
 
 def engine_for(loaded, num_blocks=256, prefill_chunk=512, **cache) -> Engine:
     config = CacheConfig(block_size=BLOCK, num_blocks=num_blocks, **{"memory_tier_bytes": 0, **cache})
     return Engine(loaded, config, prefill_chunk=prefill_chunk)
-
-
-def prompt_of(n: int, salt: int = 0) -> list[int]:
-    return [(11 * i + 5 + salt) % 500 + 3 for i in range(n)]
 
 
 @pytest.mark.parametrize("length", [1, 20, WINDOW, WINDOW + 1, 3 * BLOCK + 5, 130])

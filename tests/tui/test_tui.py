@@ -129,11 +129,10 @@ async def test_reply_streams_in_and_the_second_message_reuses_the_first(tmp_path
         assert second["cached_tokens"]["pool"] >= (read - 1) // 8 * 8 > first["prompt_tokens"]
 
 
-@pilot_test
-async def test_a_sliding_window_model_chats_and_its_second_turn_reuses_the_first(tmp_path):
-    """Gemma 3's layout (a window of 16 tokens, wrapped by every turn) needs no new flag."""
-    model = str(write_tiny_model(tmp_path / "gemma3", TinyModelSpec(family="gemma3_text", sliding_window=16,
-                                                                    seed=9)))
+async def second_turn_reuses_the_first(tmp_path, spec: TinyModelSpec) -> None:
+    """Two turns in the app on a model of `spec`: the second reuses the first, prompt and reply,
+    and the cache panel shows it."""
+    model = str(write_tiny_model(tmp_path / spec.family, spec))
     app, _ = make_app(tmp_path, model, max_tokens=40)
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot)
@@ -144,9 +143,21 @@ async def test_a_sliding_window_model_chats_and_its_second_turn_reuses_the_first
         await reply_done(pilot)
         second = turn(app).stats
         read = first["prompt_tokens"] + first["generation_tokens"] - 1
-        assert first["prompt_tokens"] > 16 and second["cached_tokens"]["pool"] >= (read - 1) // 8 * 8
+        assert second["cached_tokens"]["pool"] >= (read - 1) // 8 * 8 > first["prompt_tokens"] // 2
         pool_line = next(line for line in shown(turn(app)).splitlines() if "from pool" in line)
         assert f"{second['cached_tokens']['pool']:,}" in pool_line.split()
+
+
+@pilot_test
+async def test_a_sliding_window_model_chats_and_its_second_turn_reuses_the_first(tmp_path):
+    """Gemma 3's layout, its window of 16 tokens wrapped by every turn: no new flag."""
+    await second_turn_reuses_the_first(tmp_path, TinyModelSpec(family="gemma3_text", sliding_window=16, seed=9))
+
+
+@pilot_test
+async def test_a_hybrid_model_chats_and_its_second_turn_resumes_from_a_checkpoint(tmp_path):
+    """Qwen3-Next's layout (gated delta net and attention): the checkpoint hit counts as reuse."""
+    await second_turn_reuses_the_first(tmp_path, TinyModelSpec(family="qwen3_next", seed=9))
 
 
 @pilot_test

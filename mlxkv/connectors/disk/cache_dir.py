@@ -149,7 +149,7 @@ def cache_clear(directory: str | os.PathLike) -> int:
     return removed
 
 
-def _block_files(fp_dir: Path) -> Iterator[tuple[Path, int]]:
+def block_files(fp_dir: Path) -> Iterator[tuple[Path, int]]:
     """(path, size) of every block file under one fingerprint directory."""
     for shard in os.scandir(fp_dir):
         if not is_shard(shard):
@@ -179,7 +179,7 @@ def _blocks_in(path: Path) -> int:
 
 def _count_into(info: dict, root: Path) -> None:
     for fp_dir in _fingerprint_dirs(root):
-        files = list(_block_files(fp_dir))
+        files = list(block_files(fp_dir))
         entry = {"files": len(files), "blocks": sum(_blocks_in(p) for p, _ in files),
                  "bytes": sum(size for _, size in files)}
         info["fingerprints"][fp_dir.name] = entry
@@ -201,7 +201,7 @@ def _looks_like_cache(root: Path) -> bool:
 def _remove_block_files(root: Path) -> Iterator[Path]:
     """Remove our files under `root`, yielding each block file removed."""
     for fp_dir in _fingerprint_dirs(root):
-        for path, _ in list(_block_files(fp_dir)):
+        for path, _ in list(block_files(fp_dir)):
             if unlink(path):
                 yield path
         for path in fp_dir.glob("**/.*.tmp"):

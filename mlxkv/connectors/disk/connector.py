@@ -26,8 +26,8 @@ import numpy as np
 from mlxkv.cache.block_kv import BlockKV, KVRun
 from mlxkv.cache.hashing import BlockHash
 from mlxkv.cache.tiers import DISK
-from mlxkv.connectors.base import LoadedBlock, ReadKV
-from mlxkv.connectors.disk import cache_dir, run_file
+from mlxkv.connectors.base import LoadedBlock, LoadedCheckpoint, ReadKV
+from mlxkv.connectors.disk import cache_dir, run_file, state_file
 from mlxkv.connectors.disk.index import DiskIndex
 from mlxkv.connectors.disk.reader import READ_THREADS, RunReader
 from mlxkv.connectors.disk.run_file import FileSpec
@@ -211,6 +211,44 @@ class DiskKVCacheConnector:
         blocks = read()
         for i in wanted:
             self.store(block_hashes[i], blocks[i], spill=True)
+
+    # -- recurrent-state checkpoints: a file each (state_file.py) ------------
+
+    def has_checkpoint(self, key: BlockHash) -> bool:
+        if self.disabled:
+            return False
+        return self.index.contains(key) or self.scanner.adopt([key], 0)
+
+    def load_checkpoint(self, key: BlockHash) -> LoadedCheckpoint | None:
+        """The checkpoint's states, or None (gone, or corrupt: then removed and counted)."""
+        if self.disabled or not self.index.contains(key):
+            return None
+        name, _ = self.index.locate(key)
+        path = self.scanner.path(name)
+        try:
+            states = state_file.decode_state(self.spec, np.fromfile(path, np.uint8), name)
+        except FileNotFoundError:
+            self.index.forget(name)
+            return None
+        except (OSError, run_file.CorruptBlockError) as e:
+            self.reader.discard_corrupt(name, str(e))
+            return None
+        self.reader.touch(name)
+        self.index.count(hydrations=1)
+        return LoadedCheckpoint(key, states, self.tier_name)
+
+    def cache_checkpoint(self, key: BlockHash, states) -> None:
+        self._store_checkpoint(key, states, spill=False)
+
+    def evict_checkpoint(self, key: BlockHash, states) -> None:
+        self._store_checkpoint(key, states, spill=True)
+
+    def _store_checkpoint(self, key: BlockHash, states, spill: bool) -> None:
+        if not self._wants(key) or not self.index.fresh([key]):
+            return
+        job = state_file.state_job(key, states, spill)
+        if self.index.reserve(job.block_hashes, job.nbytes, self.max_pending_bytes):
+            self.writer.submit(job)
 
     def _wants(self, block_hash: BlockHash) -> bool:
         return self.writable and self.index.wants(block_hash, self.max_pending_bytes)

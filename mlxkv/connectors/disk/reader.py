@@ -87,11 +87,11 @@ class RunReader:
                 if problem is None:  # gone or replaced (the other process, or budget): a miss
                     self.index.forget(job.name)
                 else:
-                    self._discard_corrupt(job.name, problem)
+                    self.discard_corrupt(job.name, problem)
                 break
             blocks = self._take(job, data, buffer.result()[0])
             if blocks:
-                self._touch(job.name)
+                self.touch(job.name)
             loaded += blocks
             if len(blocks) < len(job.block_hashes):
                 break
@@ -185,14 +185,14 @@ class RunReader:
         at = tensor.ctypes.data - base
         return buf[at : at + tensor.nbytes].view(self.mx_dtype).reshape(tensor.shape)
 
-    def _touch(self, name: BlockHash) -> None:
+    def touch(self, name: BlockHash) -> None:
         self.index.touch(name)
         try:
             os.utime(self.scanner.path(name))  # so a restart keeps roughly this LRU order
         except OSError:
             pass
 
-    def _discard_corrupt(self, name: BlockHash, why: str) -> None:
+    def discard_corrupt(self, name: BlockHash, why: str) -> None:
         self.index.note_corrupt(name, why)
         try:
             cache_dir.unlink(self.scanner.path(name))

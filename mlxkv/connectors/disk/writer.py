@@ -47,6 +47,9 @@ class WriteJob:
     def nbytes(self) -> int:
         return self.keys.nbytes + self.values.nbytes
 
+    def encode(self, spec: FileSpec) -> bytes:
+        return run_file.encode(spec, self.block_hashes, self.keys, self.values, self.group)
+
 
 class RunWriter:
     def __init__(self, root: Path, spec: FileSpec, index: DiskIndex, scanner: DirectoryScanner,
@@ -96,7 +99,7 @@ class RunWriter:
         self._start_again_if_cleared()
         if not self._enough_space(job.nbytes):
             return
-        data = run_file.encode(self.spec, job.block_hashes, job.keys, job.values, job.group)
+        data = job.encode(self.spec)  # a block run, or a checkpoint (state_file.StateJob)
         name = job.block_hashes[-1]
         self.write_atomic(self.scanner.path(name), data)
         self.index.add(name, len(data), job.block_hashes)

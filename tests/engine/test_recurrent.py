@@ -1,0 +1,208 @@
+"""Recurrent and linear-attention hybrids under the pool: greedy output equals
+mlx-lm's cold, on prefix hits through state checkpoints, in a batch, through
+preemption, and after a restart from the SSD tier."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import safetensors
+
+from family_support import model_with_oracle, prompt_of
+from mlxkv.cache.checkpoints import checkpoint_key
+from mlxkv.cache.hashing import extend_block_hashes, root_hash
+from mlxkv.config import CacheConfig
+from mlxkv.engine.engine import Engine
+from mlxkv.models.tiny import RECURRENT_FAMILIES, TinyModelSpec
+
+BLOCK = 16
+INTERVAL = 32  # a checkpoint every two blocks of a long prefill
+SPECS = {
+    "qwen3_next": TinyModelSpec(family="qwen3_next", num_layers=4, seed=41),
+    "lfm2": TinyModelSpec(family="lfm2", num_layers=4, seed=42),
+    "nemotron_h": TinyModelSpec(family="nemotron_h", num_layers=4, seed=43),
+}
+assert set(SPECS) == set(RECURRENT_FAMILIES)
+
+
+@pytest.fixture(scope="module", params=list(SPECS))
+def family(request, tmp_path_factory):
+    return model_with_oracle(tmp_path_factory.mktemp("recurrent") / request.param, SPECS[request.param])
+
+
+def engine_for(loaded, num_blocks=128, prefill_chunk=512, **cache) -> Engine:
+    config = CacheConfig(block_size=BLOCK, num_blocks=num_blocks, checkpoint_interval=INTERVAL,
+                         **{"memory_tier_bytes": 0, **cache})
+    return Engine(loaded, config, prefill_chunk=prefill_chunk)
+
+
+def test_the_recurrent_layers_are_their_own_slots(family):
+    _, loaded, _ = family
+    layout = engine_for(loaded).manager.layout
+    assert layout.has_recurrent and layout.groups and not layout.is_plain
+    assert not set(layout.recurrent) & {s for g in layout.groups for s in g.slots}
+
+
+@pytest.mark.parametrize("length", [1, 15, BLOCK, 2 * BLOCK + 1, 75, 130])
+def test_cold_prompts_match_mlx_lm(family, length):
+    _, loaded, reference = family
+    prompt = prompt_of(length)
+    assert engine_for(loaded).generate(prompt, max_tokens=24).tokens == reference(prompt, 24)
+
+
+def test_a_second_chat_turn_reuses_the_whole_first_turn(family):
+    _, loaded, reference = family
+    engine = engine_for(loaded)
+    first = prompt_of(75)
+    turn1 = engine.generate(first, max_tokens=20)
+    second = first + turn1.tokens + prompt_of(9, salt=3)
+    turn2 = engine.generate(second, max_tokens=20)
+    # The reply's last full block: a checkpoint taken where the first turn left.
+    assert turn2.stats.cached_tokens["pool"] == (len(first) + len(turn1.tokens)) // BLOCK * BLOCK
+    assert turn2.tokens == reference(second, 20)
+
+
+@pytest.mark.parametrize("extra", [1, BLOCK + 3, 3 * BLOCK])
+def test_a_longer_prompt_resumes_at_the_last_checkpoint_it_shares(family, extra):
+    _, loaded, reference = family
+    engine = engine_for(loaded)
+    base = prompt_of(90, salt=7)  # checkpoints at 32, 64 (the interval) and 80 (its last full block)
+    engine.generate(base, max_tokens=1)
+    longer = base[:85] + prompt_of(extra, salt=9)
+    result = engine.generate(longer, max_tokens=12)
+    assert result.stats.cached_tokens["pool"] == 80 if len(longer) > 81 else 64
+    assert result.tokens == reference(longer, 12)
+
+
+def test_a_batch_equals_solo_runs(family):
+    _, loaded, reference = family
+    shared = prompt_of(60, salt=1)
+    prompts = [shared + prompt_of(3 * i + 1, salt=20 + i) for i in range(3)] + [prompt_of(1), prompt_of(100)]
+    results = engine_for(loaded).generate_batch(prompts, max_tokens=24)
+    for prompt, result in zip(prompts, results):
+        assert result.tokens == reference(prompt, 24)
+
+
+def test_preemption_resumes_from_a_checkpoint_with_the_same_output(family):
+    _, loaded, reference = family
+    peak = engine_for(loaded).manager.peak_blocks(80 + 40, 512)
+    engine = engine_for(loaded, num_blocks=peak + 3)
+    prompts = [prompt_of(80, salt=s) for s in range(4)]
+    results = engine.generate_batch(prompts, max_tokens=40)
+    assert any(r.stats.preemptions for r in results)
+    for prompt, result in zip(prompts, results):
+        assert result.tokens == reference(prompt, 40)
+
+
+def budget_of(loaded, checkpoints: float, **cache) -> Engine:
+    """An engine whose checkpoint share of the budget holds about this many checkpoints."""
+    probe = engine_for(loaded)
+    probe.generate(prompt_of(40), max_tokens=1)
+    one = probe.checkpoints.stats()["bytes_held"]
+    budget = checkpoints * one
+    return engine_for(loaded, checkpoint_share=budget / (budget + probe.kv_pool.nbytes), **cache), one
+
+
+def test_checkpoints_are_budgeted_and_evicted_least_recently_used_first(family):
+    _, loaded, reference = family
+    engine, one = budget_of(loaded, 5.5)
+    store = engine.checkpoints
+    for salt in range(40):  # a checkpoint each, at its last full block
+        engine.generate(prompt_of(40, salt=salt), max_tokens=1)
+    stats = store.stats()
+    assert stats["bytes_held"] <= stats["budget_bytes"] and stats["evictions"] == 35
+    assert stats["held"] == 5 and stats["bytes_held"] == 5 * one
+    # The newest prompt still resumes; the oldest recomputes; both are right.
+    for salt, hit in ((39, 32), (0, 0)):
+        result = engine.generate(prompt_of(40, salt=salt) + [9], max_tokens=6)
+        assert result.stats.cached_tokens["pool"] == hit
+        assert result.tokens == reference(prompt_of(40, salt=salt) + [9], 6)
+
+
+def test_evicted_checkpoints_come_back_from_the_memory_tier(family):
+    _, loaded, reference = family
+    engine, _ = budget_of(loaded, 5.5, memory_tier_bytes=64 << 20)
+    for salt in range(40):
+        engine.generate(prompt_of(40, salt=salt), max_tokens=1)
+    prompt = prompt_of(40, salt=0) + [9]
+    result = engine.generate(prompt, max_tokens=6)
+    assert result.stats.cached_tokens["memory"] == 32
+    assert result.tokens == reference(prompt, 6)
+    assert engine.stats()["connector"]["memory"]["checkpoints"] > 0
+
+
+# -- the SSD tier: restart, faults --------------------------------------------------
+
+RUN_ONCE = """
+import json, sys
+from mlxkv.config import CacheConfig
+from mlxkv.engine.engine import Engine
+path, disk, prompt = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+with Engine.load(path, CacheConfig(block_size=16, num_blocks=128, disk_tier=disk, checkpoint_interval=32)) as engine:
+    r = engine.generate(prompt, max_tokens=16)
+print(json.dumps({"tokens": r.tokens, "cached": r.stats.cached_tokens}))
+"""
+
+
+def run_in_new_process(path: str, disk, prompt: list[int]) -> dict:
+    out = subprocess.run([sys.executable, "-c", RUN_ONCE, path, str(disk), json.dumps(prompt)],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.splitlines()[-1])
+
+
+@pytest.mark.slow  # three processes per family
+def test_a_new_process_restores_a_chat_from_the_ssd_tier(family, tmp_path):
+    path, _, reference = family
+    first = prompt_of(75)
+    turn1 = run_in_new_process(path, tmp_path / "kv", first)
+    assert turn1["tokens"] == reference(first, 16)
+    # A restart, then the chat's next turn: the whole first turn comes from disk.
+    second = first + turn1["tokens"] + prompt_of(9, salt=3)
+    turn2 = run_in_new_process(path, tmp_path / "kv", second)
+    assert turn2["cached"]["disk"] == (len(first) + len(turn1["tokens"])) // BLOCK * BLOCK
+    assert turn2["tokens"] == reference(second, 16)
+    # Restarted again, the same prompt again: the first turn's end is still on disk
+    # (only the checkpoint a request leaves is written through).
+    assert run_in_new_process(path, tmp_path / "kv", second) == turn2
+
+
+def checkpoint_files(directory) -> dict[bytes, object]:
+    """The SSD tier's checkpoint files, by key."""
+    files = {}
+    for f in directory.rglob("*.safetensors"):
+        meta = safetensors.safe_open(str(f), "np").metadata()
+        if meta["format"] == "mlxkv-state":
+            files[bytes.fromhex(meta["block_hashes"])] = f
+    return files
+
+
+@pytest.mark.parametrize("fault", ["corrupt", "missing"])
+def test_a_bad_checkpoint_file_falls_back_to_the_longest_good_hit(family, tmp_path, fault):
+    _, loaded, reference = family
+    prompt = prompt_of(90, salt=5)  # checkpoints at 32, 64 and 80
+    # A store that keeps one: the first two spill to disk as the next ones come;
+    # the last (where the request left) is written through.
+    engine, _ = budget_of(loaded, 1.5, disk_tier=str(tmp_path / "kv"))
+    with engine:
+        engine.generate(prompt, max_tokens=1)
+        hashes = extend_block_hashes([], root_hash(engine.fingerprint), prompt, BLOCK)
+    files = checkpoint_files(tmp_path / "kv")
+    at = {boundary: files[checkpoint_key(hashes[boundary // BLOCK - 1])] for boundary in (32, 64, 80)}
+    for boundary in (64, 80):  # both later ones go bad: the hit falls back to 32
+        if fault == "missing":
+            at[boundary].unlink()
+        else:
+            data = bytearray(at[boundary].read_bytes())
+            data[-5] ^= 0xFF  # a flipped bit in the last tensor
+            at[boundary].write_bytes(bytes(data))
+    longer = prompt + prompt_of(7, salt=8)
+    with engine_for(loaded, disk_tier=str(tmp_path / "kv")) as engine:  # a restart
+        result = engine.generate(longer, max_tokens=12)
+        disk = engine.stats()["connector"]["disk"]
+    assert result.stats.cached_tokens["disk"] == 32
+    assert result.tokens == reference(longer, 12)
+    assert disk["corrupt"] == (2 if fault == "corrupt" else 0)
