@@ -112,7 +112,8 @@ def _add_cache(sub) -> None:
 
 
 def _add_doctor(sub) -> None:
-    p = sub.add_parser("doctor", help="which BLAS MLX uses, and whether Metal is available")
+    p = sub.add_parser("doctor", help="BLAS, Metal, and which attention path decode takes")
+    p.add_argument("--json", action="store_true", help="the same report as one JSON object")
     p.set_defaults(func=cmd_doctor)
 
 
@@ -293,9 +294,14 @@ def cmd_cache(args) -> int:
 
 
 def cmd_doctor(args) -> int:
+    from mlxkv.attention.doctor import attention_lines, attention_report
     from mlxkv.system.blas import blas_report, format_doctor
 
-    print(format_doctor(blas_report()))
+    report = {**blas_report(), "attention": attention_report()}
+    if getattr(args, "json", False):
+        print(json.dumps(report, indent=2))
+    else:
+        print(format_doctor(report, attention_lines(report["attention"])))
     return 0
 
 

@@ -16,12 +16,15 @@ table; prefill and anything else stay on the reference path.
 from __future__ import annotations
 
 import os
+import warnings
+from dataclasses import dataclass
 
 import mlx.core as mx
 
-from mlxkv.attention import kernels
+from mlxkv.attention import kernels, self_check
+from mlxkv.attention.self_check import KernelCheck
 from mlxkv.attention.cascade import cascade_decode
-from mlxkv.errors import MlxkvError
+from mlxkv.errors import MlxkvError, MlxkvWarning
 from mlxkv.models import compat
 from mlxkv.attention.paged_cache import PagedKVCache
 
@@ -41,6 +44,40 @@ def resolve_attention(mode: str | None = None) -> str:
     if mode == "auto":
         return "kernel" if mx.metal.is_available() else "reference"
     return mode
+
+
+@dataclass(frozen=True)
+class AttentionChoice:
+    """The path a model's decode takes, and what the kernels' self-check said (None: not run)."""
+
+    path: str  # "reference" or "kernel"
+    check: KernelCheck | None = None
+
+    def as_dict(self) -> dict:
+        return {"path": self.path, "check": None if self.check is None else self.check.as_dict()}
+
+
+def choose_attention(mode: str | None, dtype, head_dim: int, v_head_dim: int, block_size: int,
+                     n_heads: int, n_kv_heads: int, run=None) -> AttentionChoice:
+    """The configured path, with the kernels checked first (self_check.py): a shape they do not
+    serve, or a failed check, decodes on the reference path; the failure is one warning line."""
+    path = resolve_attention(mode)
+    if path == "reference":
+        return AttentionChoice("reference")
+    group = n_heads // max(n_kv_heads, 1)
+    if n_heads % max(n_kv_heads, 1) or not kernels.supports(dtype, head_dim, v_head_dim, block_size, group):
+        name = self_check.describe(dtype, head_dim, block_size, group)
+        return AttentionChoice("reference", KernelCheck(name, False, "no kernel serves this shape"))
+    check = self_check.check_kernels(dtype, head_dim, block_size, n_heads, n_kv_heads, run)
+    if not check.ok:
+        warnings.warn(f"the Metal attention kernels failed their check ({check.instantiation}: {check.reason}); "
+                      "decoding on the reference path", KernelCheckWarning, stacklevel=2)
+        return AttentionChoice("reference", check)
+    return AttentionChoice("kernel", check)
+
+
+class KernelCheckWarning(MlxkvWarning):
+    """The kernels failed their self-check; the model decodes on the reference path."""
 
 
 def paged_attention(queries, keys, values, cache: PagedKVCache, scale: float, mask, sinks=None):

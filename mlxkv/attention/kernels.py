@@ -221,22 +221,24 @@ def reduce_launch(partials: mx.array, dtype, reduce_kernel=None) -> Launch:
 
 def paged_decode(queries, k_pool, v_pool, block_tables, context_lens, scale: float,
                  partition: int | None = None, kernels: dict | None = None, window: int | None = None,
-                 sinks=None) -> mx.array:
+                 sinks=None, run=None) -> mx.array:
     """Decode attention `[B, Hq, 1, D]` of one query token per sequence over the pool.
 
     partition: tokens per partition, 0 for one pass, None to choose
     (`partition_size`). kernels: replacements for the shipped kernel objects,
     by name ("paged_decode", "paged_reduce"). window: a sliding window's
     size in tokens, the query included (None: full attention); sinks: [Hq].
+    run: what runs a Launch (run_launch: the GPU).
     """
     kernels = kernels or {}
+    run = run or run_launch
     B, n_heads, _, D = queries.shape
     starts = window_starts(context_lens, window)
     if partition is None:
         partition = partition_size(B, k_pool.shape[1], max(n - s for n, s in zip(context_lens, starts)))
     first = decode_launch(queries.reshape(B, n_heads, D), k_pool, v_pool, block_tables,
                           context_lens, scale, partition, kernels.get("paged_decode"), starts, sinks)
-    out, partials = run_launch(first)
+    out, partials = run(first)
     if partials.ndim > 1:
-        (out,) = run_launch(reduce_launch(partials, queries.dtype, kernels.get("paged_reduce")))
+        (out,) = run(reduce_launch(partials, queries.dtype, kernels.get("paged_reduce")))
     return out.reshape(B, n_heads, 1, D)

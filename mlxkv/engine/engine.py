@@ -8,8 +8,9 @@ from collections import deque
 from collections.abc import Callable, Iterator
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 
-from mlxkv.attention.dispatch import resolve_attention
+from mlxkv.attention.dispatch import choose_attention
 from mlxkv.cache.block_pool import BlockPool
 from mlxkv.cache.checkpoints import CheckpointStore
 from mlxkv.cache.fingerprint import model_fingerprint
@@ -28,6 +29,7 @@ from mlxkv.engine.request import Request
 from mlxkv.engine.results import collect, failed_result
 from mlxkv.engine.sampling import make_request_sampler, whole
 from mlxkv.errors import MlxkvError, error_line
+from mlxkv.system.wired import Device, WiredLimit
 from mlxkv.models.loader import LoadedModel, load_model, probe_kv_layout
 
 log = logging.getLogger(__name__)
@@ -48,7 +50,7 @@ class Engine:
     """
 
     def __init__(self, loaded: LoadedModel, cache: CacheConfig, *,
-                 prefill_chunk: int = PREFILL_STEP, max_running: int = MAX_RUNNING):
+                 prefill_chunk: int = PREFILL_STEP, max_running: int = MAX_RUNNING, device: Device | None = None):
         self.loaded = loaded
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
@@ -64,8 +66,13 @@ class Engine:
                             if groups.has_recurrent else None)
         self.manager = KVCacheManager(self.block_pool, cache.block_size, self.kv_pool, self.connector, groups,
                                       self.checkpoints, cache.checkpoint_interval)
-        self.runner = ModelRunner(self.model, self.kv_pool, resolve_attention(cache.attention), groups)
-        self.loop = BatchLoop(self.manager, self.runner, self.tokenizer.eos_token_ids, prefill_chunk, max_running)
+        lay = self.layout
+        self.attention = choose_attention(cache.attention, lay.dtype, lay.head_dim, lay.v_head_dim, lay.block_size,
+                                          loaded.config.get("num_attention_heads", lay.n_kv_heads), lay.n_kv_heads)
+        self.runner = ModelRunner(self.model, self.kv_pool, self.attention.path, groups)
+        model_bytes = sum(v.nbytes for _, v in tree_flatten(self.model.parameters()))
+        self.loop = BatchLoop(self.manager, self.runner, self.tokenizer.eos_token_ids, prefill_chunk, max_running,
+                              WiredLimit(model_bytes, device))
         peak = None if groups.is_plain else (lambda n: self.manager.peak_blocks(n, prefill_chunk))
         self.limits = RequestLimits(loaded.vocab_size, loaded.max_context, self.kv_pool.num_blocks,
                                     cache.block_size, peak)
@@ -219,6 +226,7 @@ class Engine:
             "pool_bytes": self.kv_pool.nbytes,
             "prefix_cache": self.cache_config.prefix_cache,
             "requests": self.loop.requests_served,
+            "attention": self.attention.as_dict(),
             "pool": self.block_pool.usage(),
             "connector": self.connector.stats(),
             **({"checkpoints": self.checkpoints.stats()} if self.checkpoints is not None else {}),

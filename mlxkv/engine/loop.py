@@ -24,6 +24,7 @@ from mlxkv.engine.request import Request, RequestState
 from mlxkv.engine.run import run_step
 from mlxkv.engine.scheduler import Scheduler, StepPlan
 from mlxkv.errors import MlxkvError
+from mlxkv.system.wired import WiredLimit
 
 log = logging.getLogger(__name__)
 
@@ -41,8 +42,9 @@ class BatchLoop:
     running now, and how many requests it has served."""
 
     def __init__(self, manager: KVCacheManager, runner: ModelRunner, eos, prefill_chunk: int,
-                 max_running: int = 64):
+                 max_running: int = 64, wired: WiredLimit | None = None):
         self.runner = runner
+        self.wired = wired or WiredLimit(device=_NoDevice())
         self.eos = eos
         self.scheduler = Scheduler(manager, prefill_chunk, max_running,
                                    on_start=self._on_start, on_release=self._on_release)
@@ -85,6 +87,7 @@ class BatchLoop:
         step that may preempt first reads the step in flight.
         """
         finished: list[Request] = []
+        self.wired.hold()  # from the first step after idle (system/wired.py)
         try:
             if self._in_flight is not None and not self.scheduler.decode_fits():
                 finished += self._read_in_flight()
@@ -98,6 +101,8 @@ class BatchLoop:
             log.exception("a step failed; ending the requests in it")
             finished += self.fail_all(f"{type(e).__name__}: {e}")
         self.requests_served += len(finished)
+        if not self.has_work:
+            self.wired.release()
         return finished
 
     def _queue(self, plan: StepPlan) -> _InFlight | None:
@@ -132,6 +137,8 @@ class BatchLoop:
         if request.state != RequestState.FINISHED:
             self.scheduler.drop(request)
             self.requests_served += 1
+        if not self.has_work:
+            self.wired.release()
 
     def fail_all(self, message: str) -> list[Request]:
         self._in_flight, self._last_sampled = None, {}
@@ -151,3 +158,9 @@ class BatchLoop:
         self.running.pop(seq.request_id, None)
         self.runner.release(seq)
 
+
+class _NoDevice:
+    """A loop built without a WiredLimit (tests of the loop alone) never wires memory."""
+
+    def is_metal(self) -> bool:
+        return False

@@ -244,8 +244,8 @@ def _openblas_config(path: str | None) -> str | None:
     return get_config().decode(errors="replace").strip()
 
 
-def format_doctor(report: dict) -> str:
-    """The report as aligned `key  value` lines."""
+def format_doctor(report: dict, extra: list[tuple[str, str]] = ()) -> str:
+    """The report as aligned `key  value` lines, `extra` lines last."""
     blas = report["mlx_blas"]
     kind = "real BLAS" if report["status"] in (LOADED, PRELOADED) else "reference"
     if report["status"] == NOT_LINUX:
@@ -263,5 +263,6 @@ def format_doctor(report: dict) -> str:
     lines += [("mapped", path) for path in report["mapped"]]
     if report["fix"]:
         lines.append(("fix", report["fix"]))
+    lines += list(extra)
     width = max(len(key) for key, _ in lines)
     return "\n".join(f"{key.ljust(width)}  {value}" for key, value in lines)

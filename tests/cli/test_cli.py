@@ -192,3 +192,14 @@ def test_doctor_names_blas_and_metal():
     out = mlxkv("doctor")
     assert out.returncode == 0
     assert "blas" in out.stdout and "metal" in out.stdout
+    assert "attention" in out.stdout
+
+
+def test_doctor_json_names_the_attention_path():
+    out = mlxkv("doctor", "--json")
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert {"platform", "mlx_version", "metal_available", "mlx_blas", "attention"} <= report.keys()
+    if not report["metal_available"]:
+        assert report["attention"] == {"path": "reference", "check": None,
+                                       "why": "no Metal GPU: decode runs on the pure-MLX reference path"}

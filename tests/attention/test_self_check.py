@@ -1,0 +1,102 @@
+"""The kernels check themselves before serving a model: a kernel that fails to build,
+fails to run or disagrees with the reference path sends decode to the reference path
+with one warning line, and no request fails. The check's runner is injected here: the
+MSL harness runs the real kernels on the CPU, and stand-ins fail or lie."""
+
+from __future__ import annotations
+
+import warnings
+
+import mlxkv  # noqa: F401  (before mlx)
+import mlx.core as mx
+import pytest
+
+from mlxkv.attention import kernels, self_check
+from mlxkv.attention.dispatch import ATTENTION_ENV, KernelCheckWarning, choose_attention
+from mlxkv.config import CacheConfig
+from mlxkv.engine.engine import Engine
+from mlxkv.models.loader import load_model
+from mlxkv.models.tiny import TinyModelSpec, write_tiny_model
+from msl.harness import SKIP_REASON, clang_available, shared_harness
+
+
+def harness_run():
+    if not clang_available():
+        pytest.skip(SKIP_REASON)
+    return shared_harness().run
+
+
+def broken_compiler(launch):
+    raise RuntimeError("Unable to build metal library from source\nerror: use of undeclared identifier")
+
+
+def lying(launch):
+    """The real kernel's outputs, off by a little: as a miscompiled kernel would be."""
+    return [out + 0.05 if out.ndim > 1 else out for out in harness_run()(launch)]
+
+
+@pytest.mark.parametrize(("dtype", "head_dim", "block_size", "heads"), [
+    (mx.float32, 64, 16, (4, 2)), (mx.float16, 128, 32, (8, 2)), (mx.bfloat16, 64, 16, (6, 1)),
+])
+def test_the_real_kernels_pass_their_check(dtype, head_dim, block_size, heads):
+    check = self_check.check_kernels(dtype, head_dim, block_size, *heads, run=harness_run())
+    assert check.ok, check.reason
+
+
+@pytest.mark.parametrize(("run", "says"), [
+    (broken_compiler, "RuntimeError: Unable to build metal library from source"),
+    (lying, "differs from the reference path"),
+])
+def test_a_kernel_that_fails_its_check_sends_decode_to_the_reference_path(run, says):
+    with pytest.warns(KernelCheckWarning) as caught:
+        choice = choose_attention("kernel", mx.float16, 64, 64, 16, 4, 2, run=run)
+    assert choice.path == "reference" and not choice.check.ok and says in choice.check.reason
+    assert len(caught) == 1 and "\n" not in str(caught[0].message)
+    assert "float16, head dim 64, block 16, group 2" in str(caught[0].message)
+
+
+def test_a_passing_check_keeps_the_kernels():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        choice = choose_attention("kernel", mx.float32, 64, 64, 16, 4, 2, run=harness_run())
+    assert choice.path == "kernel" and choice.check.ok
+
+
+def test_a_shape_no_kernel_serves_is_the_reference_path_without_a_warning():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        choice = choose_attention("kernel", mx.float16, 48, 48, 16, 4, 2, run=broken_compiler)
+    assert choice.path == "reference" and choice.check.reason == "no kernel serves this shape"
+
+
+def test_without_metal_auto_is_the_reference_path_and_runs_no_check():
+    if mx.metal.is_available():
+        pytest.skip("Metal is available here")
+    choice = choose_attention("auto", mx.float16, 64, 64, 16, 4, 2, run=broken_compiler)
+    assert choice.path == "reference" and choice.check is None
+
+
+def test_an_engine_whose_kernels_fail_their_check_still_serves_every_request(tmp_path, monkeypatch):
+    spec = TinyModelSpec(family="llama", hidden_size=64, num_heads=4, num_kv_heads=1, head_dim=64, seed=21)
+    loaded = load_model(str(write_tiny_model(tmp_path / "m", spec)))
+    monkeypatch.setenv(ATTENTION_ENV, "kernel")
+    monkeypatch.setattr(kernels, "run_launch", broken_compiler)  # the GPU's compiler says no
+    with pytest.warns(KernelCheckWarning):
+        engine = Engine(loaded, CacheConfig(num_blocks=32, memory_tier_bytes=0))
+    result = engine.generate([3, 4, 5, 6], max_tokens=6)
+    assert result.finish_reason in ("stop", "length") and result.tokens
+    attention = engine.stats()["attention"]
+    assert attention["path"] == "reference" and "Unable to build" in attention["check"]["reason"]
+
+
+def test_doctor_reports_the_kernel_path_and_its_check(monkeypatch):
+    from mlxkv.attention.doctor import attention_lines, attention_report
+
+    monkeypatch.setenv(ATTENTION_ENV, "kernel")  # as "auto" is on a Mac
+    passed = attention_report(run=harness_run())
+    assert passed["path"] == "kernel" and passed["check"]["ok"]
+    failed = attention_report(run=broken_compiler)
+    assert failed["path"] == "reference" and not failed["check"]["ok"]
+    lines = dict(attention_lines(failed))
+    assert "failed their self-check" in lines["attention"]
+    assert lines["kernel check"].startswith("FAILED: float16, head dim 128, block 16, group 4: RuntimeError")
