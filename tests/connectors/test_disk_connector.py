@@ -35,6 +35,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from mlxkv.cache.block_kv import BlockKV
 from mlxkv.connectors.disk.cache_dir import STALE_TEMP_SECONDS, cache_clear, cache_info
 from mlxkv.connectors.disk.connector import DiskCacheWarning, DiskKVCacheConnector
+from mlxkv.connectors.disk.file_io import LinuxIO
 from mlxkv.connectors.disk.run_file import FORMAT_VERSION, MAX_RUN_BLOCKS
 from mlxkv.connectors.disk.read_buffer import HUGE_PAGE, ReadBuffer, huge_pages_available
 from mlxkv.errors import MlxkvError
@@ -368,10 +369,10 @@ def test_every_read_path_is_bit_exact(tmp_path, monkeypatch, io):
     monkeypatch.setattr(ReadBuffer, "view", lambda self, size: views.append(size) or real_view(self, size))
     if io == "no huge pages":  # THP off, or not Linux: O_DIRECT straight into MLX memory
         monkeypatch.setattr(disk_module, "huge_pages_available", lambda: False)
-    if io == "no O_DIRECT":  # tmpfs, macOS: through the page cache, with prefetch after the first load
-        monkeypatch.setattr(run_file, "_set_direct", lambda fd: False)
+    if io == "no O_DIRECT":  # tmpfs: through the page cache, with prefetch after the first load
+        monkeypatch.setattr(LinuxIO, "prepare", lambda self, fd, size: False)
     if io == "no preadv":  # older Pythons on macOS
-        monkeypatch.setattr(run_file, "_set_direct", lambda fd: False)
+        monkeypatch.setattr(LinuxIO, "prepare", lambda self, fd, size: False)
         monkeypatch.delattr(os, "preadv")
     hashes = chain(2 * MAX_RUN_BLOCKS + 3)
     with open_disk(tmp_path) as disk:

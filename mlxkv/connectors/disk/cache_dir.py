@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from mlxkv.connectors.disk import run_file
+from mlxkv.connectors.disk.file_io import choose_io
 from mlxkv.connectors.disk.run_file import CorruptBlockError
 from mlxkv.errors import MlxkvError
 from mlxkv.cache.hashing import BlockHash
@@ -118,7 +119,8 @@ def cache_info(directory: str | os.PathLike) -> dict:
     root = Path(directory).expanduser()
     if root.exists() and not root.is_dir():
         raise MlxkvError(f"{root} is not a directory")
-    info = {"directory": str(root), "exists": root.is_dir(), "fingerprints": {}, "files": 0, "blocks": 0, "bytes": 0}
+    info = {"directory": str(root), "exists": root.is_dir(), "read_backend": choose_io().name,
+            "fingerprints": {}, "files": 0, "blocks": 0, "bytes": 0}
     if not info["exists"]:
         return info
     try:

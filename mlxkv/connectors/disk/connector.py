@@ -90,6 +90,7 @@ class DiskKVCacheConnector:
         min_free_bytes: int = DEFAULT_MIN_FREE_BYTES,
         max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES,
         tier_name: str = DISK,
+        read_io=None,
     ):
         if not isinstance(fingerprint, bytes) or len(fingerprint) != cache_dir.HASH_LEN:
             raise ValueError("the model fingerprint must be 32 bytes")
@@ -116,7 +117,8 @@ class DiskKVCacheConnector:
         self.index = DiskIndex()
         self._readers = ThreadPoolExecutor(max_workers=READ_THREADS, thread_name_prefix="mlxkv-disk-read")
         self.scanner = DirectoryScanner(self.dir, self.index, self._readers, lambda: self.read_only)
-        self.reader = RunReader(self.spec, self._mx_dtype, self.index, self.scanner, self._readers, tier_name)
+        self.reader = RunReader(self.spec, self._mx_dtype, self.index, self.scanner, self._readers, tier_name,
+                                read_io)
         self.writer = RunWriter(self.root, self.spec, self.index, self.scanner, budget_bytes, min_free_bytes)
         self._open_directory()
         if self.writable:
@@ -340,6 +342,7 @@ class DiskKVCacheConnector:
         """What `stats()` has no field for: mode, drops and the last error."""
         return {
             "directory": str(self.dir),
+            "read_backend": self.reader.io.name,
             "read_only": self.read_only,
             "disabled": self.disabled,
             "reason": self.reason,

@@ -6,10 +6,12 @@ there, on reader threads that drop the GIL for both. The caller's thread
 buffers and makes views of them; the reader threads touch nothing of MLX's
 but numpy views of those buffers, which are writable by design.
 
-Through the page cache a file is read straight into its buffer. With
-O_DIRECT on Linux it lands in the thread's huge-page ReadBuffer first (the
-device reads those much faster; see read_buffer.py), so the reads start
-before the buffers exist and wait for them only to copy.
+How a file is read is the OS's backend (file_io.py: O_DIRECT on Linux,
+F_NOCACHE on macOS). Through the cache, or on macOS, a file is read
+straight into its buffer. With O_DIRECT on Linux it lands in the thread's
+huge-page ReadBuffer first (the device reads those much faster; see
+read_buffer.py), so the reads start before the buffers exist and wait for
+them only to copy.
 
 Trust: a read checks every metadata field and the checksum of the tensor
 bytes; a bad file is counted corrupt, deleted, and the load stops there.
@@ -31,6 +33,7 @@ from mlxkv.cache.block_kv import KVRun
 from mlxkv.cache.hashing import BlockHash
 from mlxkv.connectors.base import LoadedBlock
 from mlxkv.connectors.disk import cache_dir, run_file
+from mlxkv.connectors.disk.file_io import choose_io
 from mlxkv.connectors.disk.index import DiskIndex
 from mlxkv.connectors.disk.read_buffer import ReadBuffer, huge_pages_available
 from mlxkv.connectors.disk.run_file import CorruptBlockError, FileSpec
@@ -55,19 +58,20 @@ class FileRead:
 
 class RunReader:
     def __init__(self, spec: FileSpec, mx_dtype: mx.Dtype, index: DiskIndex, scanner: DirectoryScanner,
-                 readers: Executor, tier_name: str):
+                 readers: Executor, tier_name: str, io=None):
         self.spec, self.mx_dtype = spec, mx_dtype
         self.index, self.scanner, self.readers = index, scanner, readers
         self.tier_name = tier_name
+        self.io = io or choose_io()  # the OS's read backend (file_io.py)
         self.direct_io: bool | None = None  # reads bypass the page cache (learnt on the first read)
-        self.huge_pages = huge_pages_available()
+        self.huge_pages = self.io.huge_pages and huge_pages_available()
         self._read_buffers = threading.local()  # each reader thread's ReadBuffer
 
     def load(self, block_hashes: Sequence[BlockHash]) -> list[LoadedBlock]:
         """The leading run of blocks that are on disk and pass verification."""
         plan = self.plan(block_hashes)
         if len(plan) > 1 and self.direct_io is False:
-            self.readers.submit(run_file.prefetch, [self.scanner.path(job.name) for job in plan])
+            self.readers.submit(self.io.prefetch, [self.scanner.path(job.name) for job in plan])
         buffers = [Future() for _ in plan]
         reads = [self.readers.submit(self._read, job, buffer) for job, buffer in zip(plan, buffers)]
         try:
@@ -138,7 +142,7 @@ class RunReader:
         (None, why it is corrupt). No side effects but learning whether O_DIRECT works here."""
         try:
             data, direct = run_file.read_into(self.scanner.path(job.name), lambda: buffer.result()[1], job.size,
-                                              self._read_buffer())
+                                              self._read_buffer(), self.io)
         except OSError:
             return None, None
         if data is None:

@@ -23,7 +23,6 @@ file reads at the disk's sequential speed.
 from __future__ import annotations
 
 import errno
-import fcntl
 import json
 import os
 import zlib
@@ -34,6 +33,7 @@ import numpy as np
 import safetensors.numpy
 import xxhash
 
+from mlxkv.connectors.disk.file_io import LinuxIO
 from mlxkv.connectors.disk.read_buffer import ReadBuffer
 
 FORMAT = "mlxkv-kv-block"
@@ -142,9 +142,9 @@ def encode(spec: FileSpec, block_hashes, keys: np.ndarray, values: np.ndarray, g
 
 
 def read_into(path, dest: Callable[[], np.ndarray], size: int,
-              staging: ReadBuffer | None = None) -> tuple[np.ndarray | None, bool | None]:
+              staging: ReadBuffer | None = None, io=None) -> tuple[np.ndarray | None, bool | None]:
     """Read a whole file of `size` bytes into the array `dest()` gives; (the bytes read, whether
-    O_DIRECT worked).
+    O_DIRECT worked). `io`: the OS's read backend (file_io.py; Linux's by default).
 
     (None, None) if the file has another size now (replaced since it was
     indexed). The array must start ALIGN-aligned and hold `size` rounded up to
@@ -154,16 +154,17 @@ def read_into(path, dest: Callable[[], np.ndarray], size: int,
     the tier in the page cache once its blocks are in MLX memory. An O_DIRECT
     read goes through `staging` when given (huge pages: see read_buffer).
     """
+    io = io or LinuxIO()
     fd = os.open(path, os.O_RDONLY)
     try:
         if os.fstat(fd).st_size != size:
             return None, None
-        direct = _set_direct(fd)
+        direct = io.prepare(fd, size)
         staged = direct and staging is not None
         target = staging.view(-(-size // ALIGN) * ALIGN) if staged else dest()
         got = _read_all(fd, target, size, direct)
         if got is None:  # an alignment the device wants more of: read through the cache
-            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+            io.undirect(fd)
             direct, staged, target = False, False, dest()
             got = _read_all(fd, target, size, direct)
         got = min(got, size)
@@ -197,39 +198,6 @@ def _pread_into(fd: int, view: memoryview, offset: int) -> int:
         return os.preadv(fd, [view], offset)
     os.lseek(fd, offset, os.SEEK_SET)  # no preadv (older Pythons on macOS): the fd is ours alone
     return os.readv(fd, [view])
-
-
-def _set_direct(fd: int) -> bool:
-    """Switch an open file to O_DIRECT; False where the OS or file system has none (tmpfs, macOS)."""
-    if not hasattr(os, "O_DIRECT"):
-        return False
-    try:
-        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_DIRECT)
-    except OSError:
-        return False
-    return True
-
-
-def prefetch(paths) -> None:
-    """Ask the OS to start reading these files into the page cache now (posix_fadvise WILLNEED).
-
-    For reads through the page cache (no O_DIRECT): it queues every file's
-    I/O at once, so the device sees a deep queue, as a sequential read's
-    readahead gives it, instead of one file per reader thread at a time.
-    """
-    if not hasattr(os, "posix_fadvise"):
-        return  # macOS
-    for path in paths:
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except OSError:
-            continue  # the read will find it gone
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
-        except OSError:
-            pass  # only a hint
-        finally:
-            os.close(fd)
 
 
 def read_metadata(path) -> dict:
