@@ -96,7 +96,9 @@ def _add_bench(sub) -> None:
     p = sub.add_parser("bench", help="side-by-side benchmark ratios")
     from mlxkv.benchmarks import SUITES  # the suites' modules load only when one runs
 
-    p.add_argument("suite", nargs="?", default="engine", choices=[*SUITES, "all"])
+    p.add_argument("suite", nargs="?", default="engine", choices=[*SUITES, "all", "mac"],
+                   help="a suite, all of them, or mac: the report of every ratio promised for Apple GPUs")
+    p.add_argument("--report", metavar="FILE", default=None, help="mac: write FILE.json and FILE.md")
     p.add_argument("--context", type=_number(int, 1), default=2048, help="context length for the engine benchmark")
     p.add_argument("--decode-tokens", type=_number(int, 2), default=64)
     p.add_argument("--prefix", type=_number(int, 0), default=1024, help="shared prefix length for the batch benchmark")

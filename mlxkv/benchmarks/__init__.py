@@ -7,6 +7,7 @@ or as one JSON object per line with the suite's name added.
 from __future__ import annotations
 
 import json
+import time
 
 
 def _engine(args) -> tuple[list[dict], str]:
@@ -58,12 +59,25 @@ def _hybrid(args) -> tuple[list[dict], str]:
     return rows, format_rows(rows)
 
 
+def _memory(args) -> tuple[list[dict], str]:
+    from mlxkv.benchmarks.memory import format_rows, run_memory_benchmark
+
+    rows = run_memory_benchmark()
+    return rows, format_rows(rows)
+
+
 SUITES = {"engine": _engine, "batch": _batch, "tiers": _tiers, "kernels": _kernels, "blas": _blas,
-          "windows": _windows, "hybrid": _hybrid}
+          "windows": _windows, "hybrid": _hybrid, "memory": _memory}
 
 
 def run_suite(args) -> int:
-    """Run `args.suite` (engine, blas or all) and print its rows; returns the exit code."""
+    """Run `args.suite` (a suite, `all`, or `mac`: the report) and print its rows; returns the exit code."""
+    if args.suite == "mac":
+        from mlxkv.benchmarks.report import run_report
+
+        json_path, md_path = run_report(args.report or f"mlxkv-report-{time.strftime('%Y%m%d-%H%M%S')}")
+        print(f"wrote {json_path} and {md_path}")
+        return 0
     names = list(SUITES) if args.suite == "all" else [args.suite]
     for i, name in enumerate(names):
         rows, table = SUITES[name](args)

@@ -4,6 +4,11 @@ Pure bookkeeping, no MLX: the KV bytes live in kv_pool.py at the same block
 ids. A block is free when no sequence references it. A free block may still
 hold cached KV (it has a hash); such blocks are evicted least recently used
 first when a new block is needed.
+
+The pool starts small and grows on demand up to its budget (`num_blocks`):
+an allocation that would otherwise evict a cached block, or find none,
+first adds blocks (`on_grow` makes their bytes), so memory is taken as
+sequences need it, not all before the first token.
 """
 
 from __future__ import annotations
@@ -58,6 +63,11 @@ class FreeBlockQueue:
         self._head.next_free = block
         self.size += 1
 
+    @property
+    def head(self) -> Block | None:
+        """The least recently used free block (the next one taken), or None."""
+        return self._head.next_free if self.size else None
+
     def remove(self, block: Block) -> None:
         block.prev_free.next_free = block.next_free
         block.next_free.prev_free = block.prev_free
@@ -86,25 +96,51 @@ class FreeBlockQueue:
 EvictHook = Callable[[list[Block]], None]
 
 
+# Growth: at least this many blocks at a time, or half the pool's size.
+GROW_MIN_BLOCKS = 16
+GROW_FACTOR = 1.5
+
+
 class BlockPool:
     """Owns every local block. Connectors are told of evictions, never own blocks."""
 
-    def __init__(self, num_blocks: int, on_evict: EvictHook | None = None):
+    def __init__(self, num_blocks: int, on_evict: EvictHook | None = None, initial: int | None = None,
+                 on_grow: Callable[[int], None] | None = None):
         if num_blocks < 1:
             raise ValueError("a block pool needs at least one block")
-        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.budget = num_blocks
+        self.blocks = [Block(i) for i in range(min(initial or num_blocks, num_blocks))]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[BlockHash, Block] = {}
         self.on_evict = on_evict
+        self.on_grow = on_grow  # makes the bytes of blocks up to a new size (KVPool.grow)
         self.evictions = 0
 
     @property
     def num_blocks(self) -> int:
+        """The budget: the most blocks the pool will hold."""
+        return self.budget
+
+    @property
+    def size(self) -> int:
+        """Blocks made so far."""
         return len(self.blocks)
 
     @property
     def num_free(self) -> int:
-        return len(self.free_queue)
+        """Blocks an allocation can have: free ones, and ones the pool can still make."""
+        return len(self.free_queue) + self.budget - self.size
+
+    def _grow(self, wanted: int) -> None:
+        """Make at least `wanted` more blocks (a chunk), at the head of the free queue: used first."""
+        size = self.size
+        new_size = min(self.budget, max(size + wanted, size + GROW_MIN_BLOCKS, int(size * GROW_FACTOR)))
+        if self.on_grow is not None:
+            self.on_grow(new_size)  # may fail (no memory): nothing has changed here then
+        fresh = [Block(i) for i in range(size, new_size)]
+        self.blocks += fresh
+        for block in reversed(fresh):
+            self.free_queue.appendleft(block)
 
     def get_computed_blocks(self, block_hashes: Iterable[BlockHash]) -> list[Block]:
         """The cached blocks for the longest run of leading hashes."""
@@ -130,14 +166,20 @@ class BlockPool:
                 f"KV pool exhausted: need {n} free blocks, {self.num_free} of "
                 f"{self.num_blocks} are free; raise --num-blocks or shorten the prompt"
             )
-        taken = [self.free_queue.popleft() for _ in range(n)]
-        evicted = [b for b in taken if b.block_hash is not None]
+        taken = []
         try:
+            while len(taken) < n:
+                head = self.free_queue.head
+                if (head is None or head.block_hash is not None) and self.size < self.budget:
+                    self._grow(n - len(taken))  # grow rather than evict
+                    continue
+                taken.append(self.free_queue.popleft())
+            evicted = [b for b in taken if b.block_hash is not None]
             if evicted and self.on_evict is not None:
                 self.on_evict(evicted)  # all at once: one read of the pool
         except BaseException:
-            # The hook failed: hand nothing out and put every taken block
-            # back where it was, so no block is lost.
+            # A growth or the hook failed: hand nothing out and put every
+            # taken block back where it was, so no block is lost.
             for block in reversed(taken):
                 self.free_queue.appendleft(block)
             raise
@@ -190,11 +232,12 @@ class BlockPool:
 
     def usage(self) -> dict[str, int]:
         cached_free = sum(1 for b in self.free_queue if b.block_hash is not None)
-        in_use = self.num_blocks - self.num_free
+        in_use = self.size - len(self.free_queue)
         shared = sum(1 for b in self.blocks if b.ref_count > 1)
         return {
-            "num_blocks": self.num_blocks,
-            "free": self.num_free - cached_free,
+            "num_blocks": self.size,
+            "budget_blocks": self.budget,
+            "free": len(self.free_queue) - cached_free,
             "cached_free": cached_free,
             "in_use": in_use,
             "shared": shared,

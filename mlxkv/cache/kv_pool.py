@@ -57,6 +57,19 @@ class KVPool:
         mx.eval(self.keys, self.values)
         self._heads = mx.arange(layout.n_kv_heads)
 
+    def grow(self, num_blocks: int) -> None:
+        """Hold `num_blocks` blocks, the new ones zeros; a layer at a time, so a growth
+        costs one layer's old arrays on top (block_pool.py decides when)."""
+        extra = num_blocks - self.num_blocks
+        if extra <= 0:
+            return
+        shape = (extra, self.layout.n_kv_heads, self.layout.block_size)
+        for layer in range(self.layout.num_layers):
+            for pools, dim in ((self.keys, self.layout.head_dim), (self.values, self.layout.v_head_dim)):
+                pools[layer] = mx.concatenate([pools[layer], mx.zeros((*shape, dim), self.layout.dtype)])
+                mx.eval(pools[layer])
+        self.num_blocks = num_blocks
+
     @property
     def arrays(self) -> list[mx.array]:
         """Every layer's K and V pool: what to evaluate so queued writes land."""

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from mlxkv.cache.block_pool import GROW_MIN_BLOCKS
 from mlxkv.cache.kv_pool import KVLayout
 from mlxkv.cache.manager import blocks_for
 from mlxkv.config import DEFAULT_MEMORY_SHARE, CacheConfig
 from mlxkv.errors import MlxkvError
 from mlxkv.system.machine import physical_memory
+from mlxkv.system.wired import MLXDevice
 
 # Without a size from the user, never hold more than this many full contexts.
 MAX_DEFAULT_CONTEXTS = 16
@@ -23,14 +25,15 @@ def checkpoint_budget(cfg: CacheConfig, layout: KVLayout, num_blocks: int) -> in
     return int(num_blocks * layout.bytes_per_block * share / (1 - share))
 
 
-def size_pool(cfg: CacheConfig, layout: KVLayout, max_context: int | None) -> int:
-    """Number of blocks; never more than the machine's memory holds.
+def size_pool(cfg: CacheConfig, layout: KVLayout, max_context: int | None, device=None) -> int:
+    """The pool's budget in blocks (it grows to it on demand); never more than the machine's memory holds.
 
-    A hybrid model's blocks take the budget less its checkpoints' share;
-    --num-blocks is taken as asked.
+    On a Mac the default share is of the GPU's recommended working set when
+    that is less than the memory. A hybrid model's blocks take the budget
+    less its checkpoints' share; --num-blocks is taken as asked.
     """
     memory = physical_memory()
-    blocks = _pool_blocks(cfg, layout, max_context, memory)
+    blocks = _pool_blocks(cfg, layout, max_context, _usable_memory(memory, device))
     if layout.group_layout.has_recurrent and cfg.num_blocks is None:
         blocks = max(1, int(blocks * (1 - cfg.checkpoint_share)))
     need = blocks * layout.bytes_per_block
@@ -58,3 +61,16 @@ def _pool_blocks(cfg: CacheConfig, layout: KVLayout, max_context: int | None, me
     share = int(memory * DEFAULT_MEMORY_SHARE) // layout.bytes_per_block
     contexts = MAX_DEFAULT_CONTEXTS * blocks_for(max_context or DEFAULT_CONTEXT, layout.block_size)
     return max(1, min(share, contexts))
+
+
+def _usable_memory(memory: int, device) -> int:
+    """Physical memory, or the Metal device's recommended working set where that is less."""
+    device = device or MLXDevice()
+    if not device.is_metal():
+        return memory
+    return min(memory, device.recommended_bytes())
+
+
+def initial_blocks(budget: int) -> int:
+    """Blocks the pool starts with: a growth step's worth, not the budget."""
+    return min(budget, GROW_MIN_BLOCKS)

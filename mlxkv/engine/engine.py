@@ -17,7 +17,7 @@ from mlxkv.cache.fingerprint import model_fingerprint
 from mlxkv.cache.hashing import root_hash
 from mlxkv.cache.kv_pool import KVPool
 from mlxkv.cache.manager import KVCacheManager
-from mlxkv.cache.pool_sizing import checkpoint_budget, size_pool
+from mlxkv.cache.pool_sizing import checkpoint_budget, initial_blocks, size_pool
 from mlxkv.chat import prompting
 from mlxkv.config import CacheConfig
 from mlxkv.connectors.build import build_connector
@@ -59,10 +59,12 @@ class Engine:
         groups = self.layout.group_layout
         self.fingerprint = model_fingerprint(self.model, loaded.config, self.layout.dtype, cache.block_size,
                                              None if groups.is_plain else groups.describe())
-        self.kv_pool = KVPool(self.layout, size_pool(cache, self.layout, loaded.max_context))
-        self.block_pool = BlockPool(self.kv_pool.num_blocks)
+        budget = size_pool(cache, self.layout, loaded.max_context, device)
+        # The pool grows on demand to its budget (block_pool.py): memory as sequences need it.
+        self.kv_pool = KVPool(self.layout, initial_blocks(budget))
+        self.block_pool = BlockPool(budget, initial=self.kv_pool.num_blocks, on_grow=self.kv_pool.grow)
         self.connector = build_connector(cache, self.fingerprint, self.layout)
-        self.checkpoints = (CheckpointStore(checkpoint_budget(cache, self.layout, self.kv_pool.num_blocks))
+        self.checkpoints = (CheckpointStore(checkpoint_budget(cache, self.layout, budget))
                             if groups.has_recurrent else None)
         self.manager = KVCacheManager(self.block_pool, cache.block_size, self.kv_pool, self.connector, groups,
                                       self.checkpoints, cache.checkpoint_interval)
@@ -74,7 +76,7 @@ class Engine:
         self.loop = BatchLoop(self.manager, self.runner, self.tokenizer.eos_token_ids, prefill_chunk, max_running,
                               WiredLimit(model_bytes, device))
         peak = None if groups.is_plain else (lambda n: self.manager.peak_blocks(n, prefill_chunk))
-        self.limits = RequestLimits(loaded.vocab_size, loaded.max_context, self.kv_pool.num_blocks,
+        self.limits = RequestLimits(loaded.vocab_size, loaded.max_context, budget,
                                     cache.block_size, peak)
         self._request_ids = itertools.count()
 
@@ -224,6 +226,7 @@ class Engine:
             "block_size": self.layout.block_size,
             "kv_bytes_per_block": self.layout.bytes_per_block,
             "pool_bytes": self.kv_pool.nbytes,
+            "pool_budget_bytes": self.block_pool.budget * self.layout.bytes_per_block,
             "prefix_cache": self.cache_config.prefix_cache,
             "requests": self.loop.requests_served,
             "attention": self.attention.as_dict(),

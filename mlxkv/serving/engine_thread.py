@@ -314,4 +314,9 @@ class EngineThread:
             self._next_snapshot = now + self.snapshot_interval
 
     def _snapshot(self) -> None:
-        self.on_event(EngineEvent("snapshot", snapshot=self.watcher.snapshot()))
+        try:
+            snapshot = self.watcher.snapshot()
+        except Exception:  # a view of the pool must never stop the requests it shows
+            log.exception("could not take a snapshot of the pool")
+            return
+        self.on_event(EngineEvent("snapshot", snapshot=snapshot))

@@ -67,6 +67,10 @@ class PoolWatcher:
 
     def snapshot(self) -> PoolSnapshot:
         pool = self.pool
+        grown = len(pool.blocks) - len(self._marks)
+        if grown > 0:  # the pool grew (block_pool.py): its new blocks held nothing at begin()
+            self._marks += MARK_NONE.encode() * grown
+            self._hashes += [None] * grown
         self._mark_spills(pool.blocks)
         for seq in self.loop.running.values():
             self._mark_sequence(seq, self.block_size)

@@ -114,3 +114,31 @@ def test_hybrid_benchmark_rows():
     assert turn["cached_tokens"] == (72 + 32) // 16 * 16
     # Three turns: a checkpoint written through at each one's end, and their KV.
     assert ssd["checkpoint_bytes"] > 0 and ssd["kv_bytes"] > 0
+
+
+def test_memory_benchmark_row(llama_dir):
+    from mlxkv.benchmarks.memory import run_memory_benchmark
+
+    (r,) = run_memory_benchmark(model=llama_dir, log=lambda _: None)
+    assert r["tokens_identical"] and math.isfinite(r["ratio"]) and r["ratio"] > 0
+    assert "16 of " in r["note"]  # the pool made one growth step's blocks, not its budget
+
+
+def test_the_mac_report_runs_end_to_end_here_on_the_cpu_path(tmp_path):
+    from mlxkv.benchmarks.report import ReportSizes, run_report
+    from mlxkv.models.tiny import write_tiny_model
+
+    model = str(write_tiny_model(tmp_path / "hd32", TinyModelSpec(head_dim=32, seed=3)))
+    sizes = ReportSizes(kernel_contexts=(64,), kernel_batches=(1, 2), context=64, decode_tokens=4, rounds=1,
+                        restore_tokens=64, read_blocks=8, model=model)
+    json_path, md_path = run_report(tmp_path / "report", sizes, log=lambda *_: None)
+    report = json.loads(json_path.read_text())
+    machine = report["machine"]
+    assert {"chip", "memory_gib", "os", "mlx", "mlx_lm", "attention"} <= machine.keys() and machine["mlx"]
+    assert set(report["suites"]) == {"kernels", "tiers", "engine", "memory"}
+    assert [(r["context"], r["batch"]) for r in report["suites"]["kernels"]] == [(64, 1), (64, 2)]
+    assert all(math.isfinite(r["ratio"]) for name in ("tiers", "engine", "memory") for r in report["suites"][name])
+    text = md_path.read_text()
+    for heading in ("# mlxkv report", "## Paged kernel decode / SDPA", "## tiers", "## engine", "## memory"):
+        assert heading in text
+    assert f"| chip | {machine['chip']} |" in text

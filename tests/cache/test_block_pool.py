@@ -121,6 +121,7 @@ def test_new_pool_is_all_free_in_id_order():
     assert all(b.ref_count == 0 and b.block_hash is None for b in pool.blocks)
     assert pool.usage() == {
         "num_blocks": 4,
+        "budget_blocks": 4,
         "free": 4,
         "cached_free": 0,
         "in_use": 0,
@@ -213,6 +214,7 @@ def test_usage_counts_cached_free_blocks():
     pool.touch([blocks[2]])
     assert pool.usage() == {
         "num_blocks": 4,
+        "budget_blocks": 4,
         "free": 0,
         "cached_free": 2,
         "in_use": 2,

@@ -103,7 +103,8 @@ def budget_of(loaded, checkpoints: float, **cache) -> Engine:
     probe.generate(prompt_of(40), max_tokens=1)
     one = probe.checkpoints.stats()["bytes_held"]
     budget = checkpoints * one
-    return engine_for(loaded, checkpoint_share=budget / (budget + probe.kv_pool.nbytes), **cache), one
+    pool_bytes = probe.stats()["pool_budget_bytes"]
+    return engine_for(loaded, checkpoint_share=budget / (budget + pool_bytes), **cache), one
 
 
 def test_checkpoints_are_budgeted_and_evicted_least_recently_used_first(family):

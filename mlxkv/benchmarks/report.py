@@ -1,0 +1,132 @@
+"""`mlxkv bench mac --report FILE`: every ratio the README promises for Apple GPUs, in one report.
+
+No machine of ours is a Mac, so the first numbers from one come from a
+user running this: paged kernel decode against SDPA (1k/4k/16k context,
+batch 1 and 8), the SSD tier's read against a raw read, warm/cold TTFT,
+decode and peak memory against mlx-lm, with the machine described (chip,
+memory, OS, MLX and mlx-lm versions, the attention path and its
+self-check). It writes FILE.json and FILE.md. On Linux the same suites run
+on the CPU path.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+
+import mlx.core as mx
+
+from mlxkv.attention.doctor import attention_report
+from mlxkv.benchmarks.engine import _stderr
+from mlxkv.benchmarks.tiers import READ_BLOCKS, RESTORE_TOKENS
+from mlxkv.system.machine import physical_memory
+
+
+@dataclass(frozen=True)
+class ReportSizes:
+    """How big each suite runs: the published sizes, or small ones for a quick look."""
+
+    kernel_contexts: tuple[int, ...] = (1024, 4096, 16384)
+    kernel_batches: tuple[int, ...] = (1, 8)
+    context: int = 2048
+    decode_tokens: int = 64
+    rounds: int = 7
+    restore_tokens: int = RESTORE_TOKENS
+    read_blocks: int = READ_BLOCKS
+    model: str | None = None  # None: the bench model
+
+
+def run_report(stem: str | Path, sizes: ReportSizes = ReportSizes(), log=None) -> tuple[Path, Path]:
+    """Run the suites and write `stem`.json and `stem`.md; returns both paths."""
+    from mlxkv.benchmarks.engine import run_engine_benchmark
+    from mlxkv.benchmarks.kernels import run_kernel_benchmark
+    from mlxkv.benchmarks.memory import run_memory_benchmark
+    from mlxkv.benchmarks.tiers import run_tiers_benchmark
+
+    log = log or _stderr
+    report = {"date": time.strftime("%Y-%m-%d %H:%M:%S %z"), "machine": machine_info(), "suites": {}}
+    suites = {
+        "kernels": lambda: run_kernel_benchmark(sizes.kernel_contexts, sizes.kernel_batches),
+        "tiers": lambda: run_tiers_benchmark(sizes.model, sizes.restore_tokens, sizes.read_blocks, log=log),
+        "engine": lambda: run_engine_benchmark(sizes.context, sizes.decode_tokens, sizes.rounds, sizes.model,
+                                               log=log),
+        "memory": lambda: run_memory_benchmark(sizes.model, log=log),
+    }
+    for name, run in suites.items():
+        log(f"== {name} ==")
+        report["suites"][name] = run()
+    stem = Path(stem)
+    json_path, md_path = stem.with_name(stem.name + ".json"), stem.with_name(stem.name + ".md")
+    json_path.write_text(json.dumps(report, indent=2, default=str) + "\n")
+    md_path.write_text(markdown(report))
+    return json_path, md_path
+
+
+def machine_info() -> dict:
+    info = {
+        "os": platform.platform(),
+        "macos": platform.mac_ver()[0] or None,
+        "chip": _chip(),
+        "memory_gib": round(physical_memory() / 2**30, 1),
+        "python": platform.python_version(),
+        "mlx": mx.__version__,
+        "mlx_lm": _version("mlx-lm"),
+        "mlxkv": _version("mlxkv"),
+        "metal": bool(mx.metal.is_available()),
+        "attention": attention_report(),
+    }
+    if info["metal"]:
+        info["device"] = {k: v for k, v in mx.device_info().items() if isinstance(v, (int, float, str))}
+    return info
+
+
+def _chip() -> str:
+    if sys.platform == "darwin":
+        return _run(["sysctl", "-n", "machdep.cpu.brand_string"]) or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.machine()
+
+
+def _run(cmd: list[str]) -> str:
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def markdown(report: dict) -> str:
+    m = report["machine"]
+    lines = [f"# mlxkv report, {report['date']}", "", "| machine | |", "|---|---|"]
+    lines += [f"| {key} | {m[key]} |" for key in ("chip", "memory_gib", "os", "macos", "mlx", "mlx_lm", "mlxkv")]
+    lines.append(f"| attention | {m['attention']['path']} ({m['attention']['why']}) |")
+    lines += ["", "## Paged kernel decode / SDPA", "", "| context | batch | path | paged ms | SDPA ms | ratio | goal |",
+              "|---|---|---|---|---|---|---|"]
+    for r in report["suites"]["kernels"]:
+        goal = f"<= {r['goal']}" if r["goal"] else "-"
+        lines.append(f"| {r['context']} | {r['batch']} | {r['path']} | {r['paged_ms']:.3f} | {r['sdpa_ms']:.3f} "
+                     f"| {r['ratio']:.3f}x | {goal} |")
+    for name in ("tiers", "engine", "memory"):
+        lines += ["", f"## {name}", "", "| case | ours | baseline | against | ratio | goal | met |",
+                  "|---|---|---|---|---|---|---|"]
+        for r in report["suites"][name]:
+            lines.append(f"| {r['name']} | {r['ours']:.4g} {r['unit']} | {r['baseline']:.4g} {r['unit']} "
+                         f"| {r['baseline_name']} | {r['ratio']:.3f}x | {r['goal']} | {'yes' if r['met'] else 'NO'} |")
+    return "\n".join(lines) + "\n"
