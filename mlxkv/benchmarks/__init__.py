@@ -6,6 +6,7 @@ or as one JSON object per line with the suite's name added.
 
 from __future__ import annotations
 
+import importlib
 import json
 import time
 
@@ -17,27 +18,6 @@ def _engine(args) -> tuple[list[dict], str]:
     return rows, format_rows(rows)
 
 
-def _blas(args) -> tuple[list[dict], str]:
-    from mlxkv.benchmarks.blas import format_rows, run_blas_benchmark
-
-    rows = run_blas_benchmark()
-    return rows, format_rows(rows)
-
-
-def _tiers(args) -> tuple[list[dict], str]:
-    from mlxkv.benchmarks.tiers import format_rows, run_tiers_benchmark
-
-    rows = run_tiers_benchmark()
-    return rows, format_rows(rows)
-
-
-def _kernels(args) -> tuple[list[dict], str]:
-    from mlxkv.benchmarks.kernels import format_rows, run_kernel_benchmark
-
-    rows = run_kernel_benchmark()
-    return rows, format_rows(rows)
-
-
 def _batch(args) -> tuple[list[dict], str]:
     from mlxkv.benchmarks.batch import format_rows, run_batch_benchmark
 
@@ -45,29 +25,27 @@ def _batch(args) -> tuple[list[dict], str]:
     return rows, format_rows(rows)
 
 
-def _windows(args) -> tuple[list[dict], str]:
-    from mlxkv.benchmarks.windows import format_rows, run_windows_benchmark
+def _at_defaults(module: str, run: str):
+    """A suite that takes no flags: its module's `run` at its defaults, printed by its `format_rows`."""
 
-    rows = run_windows_benchmark()
-    return rows, format_rows(rows)
+    def suite(args) -> tuple[list[dict], str]:
+        loaded = importlib.import_module(f"mlxkv.benchmarks.{module}")  # only the suite that runs loads
+        rows = getattr(loaded, run)()
+        return rows, loaded.format_rows(rows)
 
-
-def _hybrid(args) -> tuple[list[dict], str]:
-    from mlxkv.benchmarks.hybrid import format_rows, run_hybrid_benchmark
-
-    rows = run_hybrid_benchmark()
-    return rows, format_rows(rows)
+    return suite
 
 
-def _memory(args) -> tuple[list[dict], str]:
-    from mlxkv.benchmarks.memory import format_rows, run_memory_benchmark
-
-    rows = run_memory_benchmark()
-    return rows, format_rows(rows)
-
-
-SUITES = {"engine": _engine, "batch": _batch, "tiers": _tiers, "kernels": _kernels, "blas": _blas,
-          "windows": _windows, "hybrid": _hybrid, "memory": _memory}
+SUITES = {
+    "engine": _engine,
+    "batch": _batch,
+    "tiers": _at_defaults("tiers", "run_tiers_benchmark"),
+    "kernels": _at_defaults("kernels", "run_kernel_benchmark"),
+    "blas": _at_defaults("blas", "run_blas_benchmark"),
+    "windows": _at_defaults("windows", "run_windows_benchmark"),
+    "hybrid": _at_defaults("hybrid", "run_hybrid_benchmark"),
+    "memory": _at_defaults("memory", "run_memory_benchmark"),
+}
 
 
 def run_suite(args) -> int:
