@@ -97,3 +97,26 @@ def test_the_pool_view_follows_a_growing_pool(llama):
     assert snapshot.usage["budget_blocks"] == 512 and snapshot.mark_counts["n"] > 0
     while engine.loop.has_work:
         engine.loop.step()
+
+
+def test_on_metal_the_default_budget_respects_the_recommended_working_set():
+    from mlxkv.cache.kv_pool import KVLayout
+    from mlxkv.cache.pool_sizing import size_pool
+    import mlx.core as mx
+
+    class Metal:
+        def __init__(self, recommended):
+            self.recommended = recommended
+
+        def is_metal(self):
+            return True
+
+        def recommended_bytes(self):
+            return self.recommended
+
+    layout = KVLayout(4, 2, 128, 128, 16, mx.float16)  # 64 KiB blocks
+    roomy = size_pool(CacheConfig(), layout, max_context=1 << 20, device=Metal(1 << 50))
+    tight = size_pool(CacheConfig(), layout, max_context=1 << 20, device=Metal(8 << 30))
+    assert tight == (8 << 30) // 4 // layout.bytes_per_block < roomy
+    # An explicit size is taken as asked.
+    assert size_pool(CacheConfig(num_blocks=99), layout, max_context=None, device=Metal(1 << 20)) == 99
