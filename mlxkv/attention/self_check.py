@@ -52,9 +52,9 @@ def check_kernels(dtype, head_dim: int, block_size: int, n_heads: int, n_kv_head
     name = describe(dtype, head_dim, block_size, kernels.group_size_for(group) or group)
     try:
         case = _case(dtype, head_dim, block_size, n_heads, n_kv_heads)
-        got = kernels.paged_decode(*case, partition=256, window=_WINDOW, sinks=case_sinks(n_heads, dtype),
-                                   run=run)
-        want = reference(*case, window=_WINDOW, sinks=case_sinks(n_heads, dtype))
+        sinks = mx.random.normal((n_heads,), key=mx.random.key(2)).astype(dtype)
+        got = kernels.paged_decode(*case, partition=256, window=_WINDOW, sinks=sinks, run=run)
+        want = reference(*case, window=_WINDOW, sinks=sinks)
         mx.eval(got, want)
     except Exception as e:  # a compile or run failure: the reason goes to the warning
         return KernelCheck(name, False, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}".rstrip(": "))
@@ -63,10 +63,6 @@ def check_kernels(dtype, head_dim: int, block_size: int, n_heads: int, n_kv_head
     if not err <= TOLERANCE[dtype] * scale:  # NaN fails too
         return KernelCheck(name, False, f"differs from the reference path by {err:.3g} (scale {scale:.3g})")
     return KernelCheck(name, True)
-
-
-def case_sinks(n_heads: int, dtype) -> mx.array:
-    return mx.random.normal((n_heads,), key=mx.random.key(2)).astype(dtype)
 
 
 def _case(dtype, head_dim: int, block_size: int, n_heads: int, n_kv_heads: int):
@@ -88,13 +84,17 @@ def _case(dtype, head_dim: int, block_size: int, n_heads: int, n_kv_heads: int):
 
 
 def reference(queries, k_pool, v_pool, block_tables, context_lens, scale, window, sinks):
-    """The same attention through gather and SDPA, a row at a time."""
-    out = []
-    for row, n in enumerate(context_lens):
-        lo = max(0, n - window)
-        table = block_tables[row]
-        k = k_pool[table].transpose(1, 0, 2, 3).reshape(k_pool.shape[1], -1, k_pool.shape[3])[:, lo:n]
-        v = v_pool[table].transpose(1, 0, 2, 3).reshape(v_pool.shape[1], -1, v_pool.shape[3])[:, lo:n]
-        out.append(mx.fast.scaled_dot_product_attention(queries[row : row + 1], k[None], v[None], scale=scale,
-                                                        mask=None, sinks=sinks))
-    return mx.concatenate(out)
+    """The same attention on the engine's own reference path (gather, window mask, SDPA)."""
+    from mlxkv.attention.dispatch import paged_attention  # dispatch imports this module
+    from mlxkv.attention.paged_cache import GroupTables, PagedBatch, PagedKVCache
+    from mlxkv.cache.kv_pool import KVLayout, KVPool
+
+    n_blocks, n_kv_heads, block_size, head_dim = k_pool.shape
+    pool = KVPool(KVLayout(1, n_kv_heads, head_dim, head_dim, block_size, k_pool.dtype), n_blocks)
+    pool.keys[0], pool.values[0] = k_pool, v_pool
+    offsets = [n - 1 for n in context_lens]
+    tables = [row[: -(-n // block_size)] for row, n in zip(block_tables.tolist(), context_lens)]
+    group = GroupTables.build(tables, [0] * len(offsets), offsets, 1, block_size, window)
+    cache = PagedKVCache(pool, 0, PagedBatch.of_groups((group,), offsets, 1, block_size, "reference"))
+    keys, values = pool.gather(0, group.block_tables)
+    return paged_attention(queries, keys, values, cache, scale, cache.make_mask(1), sinks)

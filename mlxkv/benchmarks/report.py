@@ -25,6 +25,7 @@ import mlx.core as mx
 from mlxkv.attention.doctor import attention_report
 from mlxkv.benchmarks.engine import _stderr
 from mlxkv.benchmarks.tiers import READ_BLOCKS, RESTORE_TOKENS
+from mlxkv.errors import MlxkvError
 from mlxkv.system.machine import physical_memory
 
 
@@ -50,6 +51,13 @@ def run_report(stem: str | Path, sizes: ReportSizes = ReportSizes(), log=None) -
     from mlxkv.benchmarks.tiers import run_tiers_benchmark
 
     log = log or _stderr
+    stem = Path(stem)
+    json_path, md_path = stem.with_name(stem.name + ".json"), stem.with_name(stem.name + ".md")
+    for path in (json_path, md_path):  # before minutes of benchmarks, not after
+        try:
+            path.touch()
+        except OSError as e:
+            raise MlxkvError(f"cannot write the report {path}: {e.strerror or e}") from None
     report = {"date": time.strftime("%Y-%m-%d %H:%M:%S %z"), "machine": machine_info(), "suites": {}}
     suites = {
         "kernels": lambda: run_kernel_benchmark(sizes.kernel_contexts, sizes.kernel_batches),
@@ -61,8 +69,6 @@ def run_report(stem: str | Path, sizes: ReportSizes = ReportSizes(), log=None) -
     for name, run in suites.items():
         log(f"== {name} ==")
         report["suites"][name] = run()
-    stem = Path(stem)
-    json_path, md_path = stem.with_name(stem.name + ".json"), stem.with_name(stem.name + ".md")
     json_path.write_text(json.dumps(report, indent=2, default=str) + "\n")
     md_path.write_text(markdown(report))
     return json_path, md_path

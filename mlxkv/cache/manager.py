@@ -326,7 +326,8 @@ class KVCacheManager:
             last_full = len(seq.prompt) // self.block_size * self.block_size
             ready = [b for b in ready if b % self.checkpoint_interval == 0 or b == last_full]
         for boundary in ready if every else ready[-1:]:
-            extend_block_hashes(seq.block_hashes, seq.hash_root, seq.tokens[:boundary], self.block_size)
+            if len(seq.block_hashes) < boundary // self.block_size:  # cache_blocks has usually hashed them
+                extend_block_hashes(seq.block_hashes, seq.hash_root, seq.tokens[:boundary], self.block_size)
             key = checkpoint_key(seq.block_hashes[boundary // self.block_size - 1])
             states = seq.snapshots[boundary]
             if self.checkpoints.put(key, states):

@@ -142,3 +142,9 @@ def test_the_mac_report_runs_end_to_end_here_on_the_cpu_path(tmp_path):
     for heading in ("# mlxkv report", "## Paged kernel decode / SDPA", "## tiers", "## engine", "## memory"):
         assert heading in text
     assert f"| chip | {machine['chip']} |" in text
+
+
+def test_an_unwritable_report_is_a_one_line_error_before_any_benchmark(tmp_path, capsys):
+    assert cli.main(["bench", "mac", "--report", str(tmp_path / "no-such-dir" / "report")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("mlxkv: error: cannot write the report") and "\n" not in err
