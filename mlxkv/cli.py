@@ -84,6 +84,19 @@ def _add_chat(sub) -> None:
     p.set_defaults(func=cmd_chat)
 
 
+def _add_serve(sub) -> None:
+    p = sub.add_parser("serve", help="an OpenAI- and Anthropic-compatible server on one shared KV pool")
+    _add_cache_flags(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: this machine only)")
+    p.add_argument("--port", type=_number(int, 0, 65535), default=8000)
+    p.add_argument("--api-key", default=None, help="require this key (default: $MLXKV_API_KEY, else none)")
+    p.add_argument("--max-tokens", type=_number(int, 1), default=2048, help="reply length when a request says none")
+    p.add_argument("--temp", type=_number(float, 0), default=0.0, help="temperature when a request says none")
+    p.add_argument("--max-open", type=_number(int, 1), default=256, help="requests queued or running before 429s")
+    p.add_argument("--max-body-mb", type=_number(int, 1), default=32, help="largest request body")
+    p.set_defaults(func=cmd_serve)
+
+
 def _add_tiny_model(sub) -> None:
     from mlxkv.models.tiny import add_tiny_model_arguments
 
@@ -127,6 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command")
     _add_generate(sub)
     _add_chat(sub)
+    _add_serve(sub)
     _add_tiny_model(sub)
     _add_bench(sub)
     _add_cache(sub)
@@ -258,14 +272,31 @@ def _read_text(path: str) -> str:
     return sys.stdin.read() if stdin is None else stdin.read().decode("utf-8")
 
 
-def cmd_chat(args) -> int:
-    from mlxkv.models.fetch import DEFAULT_CHAT_MODEL
+def _persistent_cache_config(args):
+    """The cache flags, with the SSD tier on in the user cache dir unless turned off:
+    chats and clients come back, so their KV should be there too."""
     from mlxkv.system.paths import default_disk_tier_dir
-    from mlxkv.tui.app import run
 
     config = _cache_config(args)
     if not args.no_disk_tier and args.disk_tier is None:
-        config.disk_tier = str(default_disk_tier_dir())  # chats persist, so their KV does too
+        config.disk_tier = str(default_disk_tier_dir())
+    return config
+
+
+def cmd_serve(args) -> int:
+    from mlxkv.serving.server import Server, ServerOptions, api_key_from
+
+    options = ServerOptions(args.host, args.port, api_key_from(args.api_key), args.max_open,
+                            args.max_body_mb << 20, args.max_tokens, args.temp)
+    Server.load(args.model, _persistent_cache_config(args), options).serve_forever()
+    return 0
+
+
+def cmd_chat(args) -> int:
+    from mlxkv.models.fetch import DEFAULT_CHAT_MODEL
+    from mlxkv.tui.app import run
+
+    config = _persistent_cache_config(args)
     return run(args.model or DEFAULT_CHAT_MODEL, config, max_tokens=args.max_tokens, temperature=args.temp)
 
 

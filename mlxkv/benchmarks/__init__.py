@@ -45,6 +45,7 @@ SUITES = {
     "windows": _at_defaults("windows", "run_windows_benchmark"),
     "hybrid": _at_defaults("hybrid", "run_hybrid_benchmark"),
     "memory": _at_defaults("memory", "run_memory_benchmark"),
+    "serve": _at_defaults("serve", "run_serve_benchmark"),
 }
 
 

@@ -34,12 +34,12 @@ def check_messages(messages) -> None:
 
 
 def chat_prompt(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
-                model_name: str = "this model") -> list[int]:
+                model_name: str = "this model", tools: list | None = None) -> list[int]:
     """The chat's prompt ids; replies that carry their generated ids keep them."""
     if not has_chat_template(tokenizer):
         raise MlxkvError(f"model {model_name!r} has no chat template; use raw prompts")
     check_messages(messages)
-    return chat_tokens(tokenizer, messages, add_generation_prompt)
+    return chat_tokens(tokenizer, messages, add_generation_prompt, tools)
 
 
 def fitted_chat_prompt(tokenizer, messages: list[dict], limit: int,

@@ -39,16 +39,18 @@ def text_only(messages: Sequence[dict]) -> list[dict]:
     return [{k: v for k, v in m.items() if k != "tokens"} for m in messages]
 
 
-def chat_tokens(tokenizer, messages: Sequence[dict], add_generation_prompt: bool = True) -> list[int]:
+def chat_tokens(tokenizer, messages: Sequence[dict], add_generation_prompt: bool = True,
+                tools: list | None = None) -> list[int]:
     """The chat's prompt ids: spliced where its replies' ids can be, else the
-    template's text tokenized (as the template's own tokenize does it)."""
-    text = _render(tokenizer, text_only(messages), add_generation_prompt)
-    spliced = spliced_chat_tokens(tokenizer, messages, add_generation_prompt, text=text)
+    template's text tokenized (as the template's own tokenize does it).
+    `tools`: function definitions for templates that render them."""
+    text = _render(tokenizer, text_only(messages), add_generation_prompt, tools)
+    spliced = spliced_chat_tokens(tokenizer, messages, add_generation_prompt, text=text, tools=tools)
     return spliced if spliced is not None else _encode(tokenizer, text)
 
 
 def spliced_chat_tokens(tokenizer, messages: Sequence[dict], add_generation_prompt: bool = True,
-                        text: str | None = None) -> list[int] | None:
+                        text: str | None = None, tools: list | None = None) -> list[int] | None:
     """The chat's prompt with each usable reply's own ids in place of its
     text; None when no reply carries usable ids or the template does not
     render replies verbatim. `text`: the template's text, if rendered already."""
@@ -57,8 +59,8 @@ def spliced_chat_tokens(tokenizer, messages: Sequence[dict], add_generation_prom
         return None
     plain = text_only(messages)
     marked = [dict(m, content=_MARK.format(i)) if i in replies else m for i, m in enumerate(plain)]
-    text, pieces = text if text is not None else _render(tokenizer, plain, add_generation_prompt), []
-    rest = _render(tokenizer, marked, add_generation_prompt)
+    text, pieces = text if text is not None else _render(tokenizer, plain, add_generation_prompt, tools), []
+    rest = _render(tokenizer, marked, add_generation_prompt, tools)
     for i in replies:
         piece, mark, rest = rest.partition(_MARK.format(i))
         if not mark:
@@ -112,8 +114,10 @@ def _reads_as(tokenizer, tokens: list[int], text: str) -> bool:
     return decoded == text or decoded == tokenizer.decode(_encode(tokenizer, text))
 
 
-def _render(tokenizer, messages: list[dict], add_generation_prompt: bool) -> str:
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+def _render(tokenizer, messages: list[dict], add_generation_prompt: bool, tools: list | None = None) -> str:
+    extra = {"tools": tools} if tools else {}  # some templates test `tools is defined`
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                         **extra)
 
 
 def _encode(tokenizer, text: str) -> list[int]:

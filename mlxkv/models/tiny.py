@@ -40,11 +40,22 @@ DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 MAX_VOCAB_SIZE = 65536  # the built-in corpus fills exactly this many tokens
 BUILD_COPIES = 3  # float32 copies of the weights alive while a model is built
+# ChatML. With tools, a system turn lists them and calls are
+# <tool_call>{"name": ..., "arguments": ...}</tool_call> (mlx-lm infers its
+# json_tools parser from that), so the server's tool path runs on tiny models.
 CHAT_TEMPLATE = (
+    "{% if tools %}{{ '<|im_start|>system\\n# Tools\\n' }}"
+    "{% for tool in tools %}{{ tool | tojson }}{{ '\\n' }}{% endfor %}"
+    "{{ 'Call one as <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call><|im_end|>\\n' }}{% endif %}"
     "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + (message['content'] or '') }}"
+    "{% for tool_call in message.tool_calls or [] %}"
+    "{% if tool_call.function is defined %}{% set tool_call = tool_call.function %}{% endif %}"
+    "{{ '<tool_call>{\"name\": ' + (tool_call.name | tojson) + ', \"arguments\": ' + (tool_call.arguments | tojson) + '}</tool_call>' }}"
     "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+    "{{ '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 
 

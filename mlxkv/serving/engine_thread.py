@@ -182,6 +182,11 @@ class EngineThread:
             self._thread.join(timeout)
 
     @property
+    def open_requests(self) -> int:
+        """Requests submitted and not finished (queued, running, or being cancelled)."""
+        return len(self._open)
+
+    @property
     def alive(self) -> bool:
         return self._thread.is_alive()
 

@@ -22,6 +22,9 @@ class RequestHandle:
         # Chat messages left out of the prompt to fit the context (submit's
         # fit_context); set before the first record.
         self.left_out = 0
+        # Called on the engine thread after each record is queued (an asyncio
+        # server wakes its loop with it); it must not block.
+        self.notify: Callable[[], None] | None = None
 
     def cancel(self) -> None:
         """Stop after the next token; the reply so far is kept and ends "cancelled"."""
@@ -35,8 +38,11 @@ class RequestHandle:
         self._records.put(record)
         if is_last(record):
             self._finished.set()
+        notify = self.notify
+        if notify is not None:
+            notify()
 
-    def _drain(self) -> list:
+    def drain(self) -> list:
         """The records already queued, up to and including the last one."""
         records = []
         while not (records and is_last(records[-1])):
@@ -68,7 +74,7 @@ class RequestHandle:
                 # Sleep until the batch is due, waking early only for the
                 # last record: no wake-up (and no GIL hand-off) per token.
                 self._finished.wait(max(0.0, last_yield + pace() - time.monotonic()))
-                batch += self._drain()
+                batch += self.drain()
             yield batch
             last_yield = time.monotonic()
             if is_last(batch[-1]):

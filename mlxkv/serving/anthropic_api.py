@@ -1,0 +1,210 @@
+"""Anthropic's Messages API over the shared reply stream.
+
+`usage.input_tokens` counts the prompt tokens computed, and
+`cache_read_input_tokens` those reused (as the API splits them). A stream's
+events come in the documented order: message_start, then per content block
+start / deltas / stop, then message_delta (stop reason and usage) and
+message_stop.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.requests import Request
+from starlette.responses import JSONResponse, StreamingResponse
+
+from mlxkv.serving.api_errors import ApiError
+from mlxkv.serving.http_support import SSE_HEADERS, new_id, off_loop, parse_body, sse, until_disconnect
+from mlxkv.serving.reply_stream import Reply
+
+STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "stop_sequence": "stop_sequence"}
+
+
+class _Lenient(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # cache_control, citations, metadata, ...
+
+
+class Block(_Lenient):
+    type: str
+    text: str | None = None
+    id: str | None = None
+    name: str | None = None
+    input: Any = None
+    tool_use_id: str | None = None
+    content: str | list[Block] | None = None
+
+
+Block.model_rebuild()
+
+
+class Message(_Lenient):
+    role: Literal["user", "assistant"]
+    content: str | list[Block]
+
+
+class Tool(_Lenient):
+    name: str
+    description: str | None = None
+    input_schema: dict[str, Any] = Field(default_factory=dict)
+
+
+class CountRequest(_Lenient):
+    model: str = ""
+    messages: list[Message] = Field(min_length=1)
+    system: str | list[Block] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: dict[str, Any] | None = None
+
+
+class MessagesRequest(CountRequest):
+    max_tokens: int = Field(ge=1)
+    temperature: float | None = Field(None, ge=0, le=1)
+    top_p: float | None = Field(None, ge=0, le=1)
+    top_k: int | None = Field(None, ge=0)
+    stop_sequences: list[str] | None = None
+    stream: bool = False
+
+
+def template_messages(body: CountRequest) -> list[dict]:
+    """The conversation as chat templates take it: tool_use blocks become
+    tool_calls, tool_result blocks become "tool" messages."""
+    out: list[dict] = []
+    if body.system:
+        out.append({"role": "system", "content": _text(body.system, "system")})
+    for i, m in enumerate(body.messages):
+        if isinstance(m.content, str):
+            out.append({"role": m.role, "content": m.content})
+            continue
+        texts, calls = [], []
+        for j, block in enumerate(m.content):
+            where = f"messages.{i}.content.{j}"
+            if block.type == "text":
+                texts.append(block.text or "")
+            elif block.type == "tool_use" and m.role == "assistant":
+                calls.append({"id": block.id, "type": "function",
+                              "function": {"name": block.name, "arguments": block.input or {}}})
+            elif block.type == "tool_result" and m.role == "user":
+                out.append({"role": "tool", "tool_call_id": block.tool_use_id,
+                            "content": _text(block.content or "", where)})
+            elif block.type in ("thinking", "redacted_thinking"):
+                continue  # the model never sees earlier thinking again
+            else:
+                raise ApiError(400, f"{where}: {block.type!r} blocks are not supported in {m.role} messages")
+        if texts or calls:
+            msg: dict[str, Any] = {"role": m.role, "content": "".join(texts)}
+            if calls:
+                msg["tool_calls"] = calls
+            out.append(msg)
+    return out
+
+
+def _text(content, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    for block in content:
+        if block.type != "text":
+            raise ApiError(400, f"{where}: only text blocks are supported here, got {block.type!r}")
+    return "".join(block.text or "" for block in content)
+
+
+def template_tools(tools: list[Tool] | None, choice: dict | None) -> list[dict] | None:
+    if not tools or (choice or {}).get("type") == "none":
+        return None
+    return [{"type": "function", "function": {"name": t.name, "description": t.description or "",
+                                              "parameters": t.input_schema}} for t in tools]
+
+
+def usage(stats) -> dict:
+    cached = sum(stats.cached_tokens.values())
+    return {"input_tokens": stats.prompt_tokens - cached, "output_tokens": stats.generation_tokens,
+            "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}
+
+
+async def count_tokens(request: Request):
+    backend = request.app.state.backend
+    body = await parse_body(request, CountRequest)
+    tokens = await off_loop(backend.chat_tokens, template_messages(body), template_tools(body.tools, body.tool_choice))
+    return JSONResponse({"input_tokens": len(tokens)})
+
+
+async def messages(request: Request):
+    backend = request.app.state.backend
+    body = await parse_body(request, MessagesRequest)
+    tools = template_tools(body.tools, body.tool_choice)
+    tokens = await off_loop(backend.chat_tokens, template_messages(body), tools)
+    max_tokens = backend.check(tokens, body.max_tokens)
+    temperature = request.app.state.temperature if body.temperature is None else body.temperature
+    handle = backend.submit(tokens, max_tokens=max_tokens, temperature=temperature, top_p=body.top_p or 0.0,
+                            top_k=body.top_k or 0)
+    reply = Reply(backend, handle, len(tokens), body.stop_sequences, tools)
+    await reply.start()
+    head = {"id": new_id("msg_"), "type": "message", "role": "assistant", "model": backend.info.name}
+    if body.stream:
+        return StreamingResponse(_events(head, reply, len(tokens)), media_type="text/event-stream",
+                                 headers=SSE_HEADERS)
+    whole = await until_disconnect(request, handle, reply.collect())
+    content = [{"type": "text", "text": whole.text}] if whole.text or not whole.tool_calls else []
+    content += [{"type": "tool_use", "id": c.id, "name": c.name, "input": c.input()} for c in whole.tool_calls]
+    return JSONResponse({**head, "content": content, "stop_reason": STOP_REASONS[whole.finish_reason],
+                         "stop_sequence": whole.stop_sequence, "usage": usage(whole.stats)})
+
+
+async def _events(head: dict, reply: Reply, prompt_len: int):
+    start_usage = {"input_tokens": prompt_len, "output_tokens": 0}
+    yield sse({"type": "message_start", "message": {**head, "content": [], "stop_reason": None,
+                                                    "stop_sequence": None, "usage": start_usage}}, "message_start")
+    blocks = _Blocks()
+    try:
+        async for event in reply.events():
+            if event.text:
+                for line in blocks.text(event.text):
+                    yield line
+            for call in event.tool_calls:
+                for line in blocks.tool_use(call):
+                    yield line
+            if event.finish_reason is not None:
+                for line in blocks.close(final=True):
+                    yield line
+                delta = {"stop_reason": STOP_REASONS[event.finish_reason], "stop_sequence": event.stop_sequence}
+                yield sse({"type": "message_delta", "delta": delta, "usage": usage(event.stats)}, "message_delta")
+                yield sse({"type": "message_stop"}, "message_stop")
+    except ApiError as e:
+        yield sse(e.anthropic_body(), "error")
+
+
+class _Blocks:
+    """Content blocks of a streamed message: a text block stays open until a tool call or the end."""
+
+    def __init__(self):
+        self.index = -1
+        self.open_kind: str | None = None
+
+    def text(self, text: str):
+        if self.open_kind != "text":
+            yield from self.close()
+            yield from self._start({"type": "text", "text": ""}, "text")
+        yield sse({"type": "content_block_delta", "index": self.index,
+                   "delta": {"type": "text_delta", "text": text}}, "content_block_delta")
+
+    def tool_use(self, call):
+        yield from self.close()
+        yield from self._start({"type": "tool_use", "id": call.id, "name": call.name, "input": {}}, "tool_use")
+        yield sse({"type": "content_block_delta", "index": self.index,
+                   "delta": {"type": "input_json_delta", "partial_json": json.dumps(call.input())}},
+                  "content_block_delta")
+        yield from self.close()
+
+    def close(self, final: bool = False):
+        if final and self.index < 0:  # a message has at least one block
+            yield from self._start({"type": "text", "text": ""}, "text")
+        if self.open_kind is not None:
+            yield sse({"type": "content_block_stop", "index": self.index}, "content_block_stop")
+            self.open_kind = None
+
+    def _start(self, block: dict, kind: str):
+        self.index += 1
+        self.open_kind = kind
+        yield sse({"type": "content_block_start", "index": self.index, "content_block": block}, "content_block_start")

@@ -1,0 +1,127 @@
+"""The HTTP application: routes, the API key, errors in each API's shape, metrics.
+
+Starlette rather than FastAPI: the two APIs want their own error JSON and
+their own validation messages, SSE is a few lines, and the request models
+are plain pydantic, so FastAPI's dependency injection and generated schema
+would be bypassed more than used.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.routing import Route
+
+from mlxkv.serving import anthropic_api, openai_api
+from mlxkv.serving.api_errors import ApiError, is_anthropic_path
+from mlxkv.serving.http_support import DEFAULT_MAX_BODY_BYTES, now
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class AppConfig:
+    api_key: str | None = None
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    temperature: float = 0.0  # when a request does not say
+
+
+def error_response(path: str, error: ApiError) -> JSONResponse:
+    body = error.anthropic_body() if is_anthropic_path(path) else error.openai_body()
+    return JSONResponse(body, status_code=error.status, headers=error.headers)
+
+
+def endpoint(fn: Callable[[Request], Awaitable[Response]]):
+    """An endpoint whose errors are its API's JSON (a bug's traceback goes to
+    the log), counted in /metrics by endpoint and status."""
+
+    async def run(request: Request) -> Response:
+        try:
+            response = await fn(request)
+        except ApiError as e:
+            response = error_response(request.url.path, e)
+        except Exception as e:
+            log.exception("%s %s failed", request.method, request.url.path)
+            response = error_response(request.url.path, ApiError(500, f"internal error: {type(e).__name__}: {e}"))
+        request.app.state.backend.metrics.request_done(request.url.path, response.status_code)
+        return response
+
+    return run
+
+
+class ApiKey:
+    """ASGI middleware: every request must carry the key, as a bearer token
+    (OpenAI's clients) or in x-api-key (Anthropic's), or gets a 401."""
+
+    def __init__(self, app, key: str | None):
+        self.app, self.key = app, key
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or self.key is None or self._allowed(scope):
+            return await self.app(scope, receive, send)
+        error = ApiError(401, "missing or wrong API key (send it as 'Authorization: Bearer KEY' or 'x-api-key: KEY')")
+        await error_response(scope["path"], error)(scope, receive, send)
+
+    def _allowed(self, scope) -> bool:
+        headers = dict(scope["headers"])
+        given = headers.get(b"x-api-key", b"").decode("latin-1")
+        auth = headers.get(b"authorization", b"").decode("latin-1")
+        if auth[:7].lower() == "bearer ":
+            given = given or auth[7:].strip()
+        return hmac.compare_digest(given.encode(), self.key.encode())
+
+
+async def health(request: Request) -> Response:
+    backend = request.app.state.backend
+    ok = backend.thread.alive
+    return JSONResponse({"status": "ok" if ok else "engine stopped", "model": backend.info.name},
+                        status_code=200 if ok else 503)
+
+
+async def models(request: Request) -> Response:
+    name = request.app.state.backend.info.name
+    return JSONResponse({"object": "list", "data": [{"id": name, "object": "model", "created": now(),
+                                                     "owned_by": "mlxkv"}]})
+
+
+async def cache_stats(request: Request) -> Response:
+    return JSONResponse(await request.app.state.backend.stats())
+
+
+async def metrics(request: Request) -> Response:
+    backend = request.app.state.backend
+    text = backend.metrics.render(backend.thread.open_requests, await backend.pool_usage())
+    return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+
+
+async def _http_error(request: Request, exc: HTTPException) -> Response:
+    message = {404: f"no such endpoint: {request.method} {request.url.path}",
+               405: f"{request.method} is not allowed on {request.url.path}"}.get(exc.status_code, str(exc.detail))
+    return error_response(request.url.path, ApiError(exc.status_code, message))
+
+
+def build_app(backend, config: AppConfig | None = None) -> Starlette:
+    config = config or AppConfig()
+    routes = [
+        Route("/health", endpoint(health)),
+        Route("/metrics", endpoint(metrics)),
+        Route("/v1/models", endpoint(models)),
+        Route("/v1/cache/stats", endpoint(cache_stats)),
+        Route("/v1/chat/completions", endpoint(openai_api.chat_completions), methods=["POST"]),
+        Route("/v1/completions", endpoint(openai_api.completions), methods=["POST"]),
+        Route("/v1/messages", endpoint(anthropic_api.messages), methods=["POST"]),
+        Route("/v1/messages/count_tokens", endpoint(anthropic_api.count_tokens), methods=["POST"]),
+    ]
+    app = Starlette(routes=routes, exception_handlers={HTTPException: _http_error})
+    app.state.backend = backend
+    app.state.max_body_bytes = config.max_body_bytes
+    app.state.temperature = config.temperature
+    app.add_middleware(ApiKey, key=config.api_key)
+    return app

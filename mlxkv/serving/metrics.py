@@ -1,0 +1,103 @@
+"""The server's counters in Prometheus' text format (GET /metrics).
+
+Hand-written rather than prometheus_client: a few counters and two
+histograms, rendered in one function, with no process-wide registry (two
+servers in one process, as in the tests, keep their own).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+
+from mlxkv.engine.records import RequestStats
+
+# Seconds. TTFT spans a cached turn (milliseconds) to a cold long prompt (minutes).
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+TPOT_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0)
+
+
+class Histogram:
+    def __init__(self, buckets: tuple[float, ...]):
+        self.buckets = buckets
+        self.counts = [0] * len(buckets)
+        self.total = 0.0
+        self.n = 0
+
+    def observe(self, value: float) -> None:
+        for i, bound in enumerate(self.buckets):
+            if value <= bound:
+                self.counts[i] += 1
+        self.total += value
+        self.n += 1
+
+    def lines(self, name: str) -> list[str]:
+        out = [f'{name}_bucket{{le="{_number(b)}"}} {c}' for b, c in zip(self.buckets, self.counts)]
+        out.append(f'{name}_bucket{{le="+Inf"}} {self.n}')
+        return out + [f"{name}_sum {_number(self.total)}", f"{name}_count {self.n}"]
+
+
+class ServerMetrics:
+    """What the server counted since it started; thread-safe."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.requests: dict[tuple[str, str], int] = defaultdict(int)  # (endpoint, status) -> count
+        self.cancelled = 0  # requests whose client left before the reply ended
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.cached_tokens: dict[str, int] = defaultdict(int)
+        self.ttft = Histogram(TTFT_BUCKETS)
+        self.tpot = Histogram(TPOT_BUCKETS)
+
+    def request_done(self, endpoint: str, status: int) -> None:
+        with self._lock:
+            self.requests[(endpoint, str(status))] += 1
+
+    def request_cancelled(self) -> None:
+        with self._lock:
+            self.cancelled += 1
+
+    def reply_done(self, stats: RequestStats) -> None:
+        with self._lock:
+            self.prompt_tokens += stats.prompt_tokens
+            self.generation_tokens += stats.generation_tokens
+            for tier, n in stats.cached_tokens.items():
+                self.cached_tokens[tier] += n
+            if stats.generation_tokens:
+                self.ttft.observe(stats.ttft_s)
+            if stats.generation_tokens > 1 and stats.decode_tokens_per_s > 0:
+                self.tpot.observe(1.0 / stats.decode_tokens_per_s)
+
+    def render(self, open_requests: int, pool: dict | None) -> str:
+        """The text exposition; `pool`: BlockPool.usage(), or None before the model is ready."""
+        with self._lock:
+            lines = _metric("mlxkv_requests_total", "counter", "HTTP requests by endpoint and status",
+                            [f'{{endpoint="{e}",status="{s}"}} {n}' for (e, s), n in sorted(self.requests.items())])
+            lines += _metric("mlxkv_requests_cancelled_total", "counter", "requests whose client left first",
+                             [f" {self.cancelled}"])
+            lines += _metric("mlxkv_prompt_tokens_total", "counter", "prompt tokens of finished replies",
+                             [f" {self.prompt_tokens}"])
+            lines += _metric("mlxkv_generation_tokens_total", "counter", "generated tokens", [f" {self.generation_tokens}"])
+            lines += _metric("mlxkv_cached_tokens_total", "counter", "prompt tokens reused, by tier",
+                             [f'{{tier="{t}"}} {n}' for t, n in sorted(self.cached_tokens.items())])
+            lines += _metric("mlxkv_time_to_first_token_seconds", "histogram", "time to first token", [])
+            lines += self.ttft.lines("mlxkv_time_to_first_token_seconds")
+            lines += _metric("mlxkv_time_per_output_token_seconds", "histogram", "decode time per token", [])
+            lines += self.tpot.lines("mlxkv_time_per_output_token_seconds")
+        lines += _metric("mlxkv_open_requests", "gauge", "requests queued or running", [f" {open_requests}"])
+        if pool is not None:
+            lines += _metric("mlxkv_pool_blocks", "gauge", "KV pool blocks by state",
+                             [f'{{state="{k}"}} {pool[k]}' for k in ("in_use", "cached_free", "free", "num_blocks",
+                                                                     "budget_blocks") if k in pool])
+            lines += _metric("mlxkv_pool_evictions_total", "counter", "cached blocks evicted from the pool",
+                             [f" {pool.get('evictions', 0)}"])
+        return "\n".join(lines) + "\n"
+
+
+def _metric(name: str, kind: str, help_text: str, samples: list[str]) -> list[str]:
+    return [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", *(name + s for s in samples)]
+
+
+def _number(x: float) -> str:
+    return repr(float(x)) if x != int(x) else str(int(x)) if abs(x) < 1e15 else repr(float(x))

@@ -1,0 +1,217 @@
+"""OpenAI's chat completions and completions, over the shared reply stream.
+
+Shapes follow the official API: usage carries
+`prompt_tokens_details.cached_tokens`; streams are SSE chunks ending in
+`data: [DONE]`, with a usage chunk when `stream_options.include_usage`.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.requests import Request
+from starlette.responses import JSONResponse, StreamingResponse
+
+from mlxkv.serving.api_errors import ApiError
+from mlxkv.serving.http_support import SSE_HEADERS, new_id, now, off_loop, parse_body, sse, until_disconnect
+from mlxkv.serving.reply_stream import Reply, WholeReply
+
+Role = Literal["system", "developer", "user", "assistant", "tool"]
+
+
+class _Lenient(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # clients send fields we do not use (user, logprobs, ...)
+
+
+class ContentPart(_Lenient):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Lenient):
+    role: Role
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+
+
+class StreamOptions(_Lenient):
+    include_usage: bool = False
+
+
+class _Sampling(_Lenient):
+    model: str = ""
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=100)
+    top_p: float | None = Field(None, ge=0, le=1)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = Field(1, ge=1, le=1, description="one choice per request")
+
+    def options(self, default_temperature: float) -> dict:
+        temperature = default_temperature if self.temperature is None else self.temperature
+        return dict(temperature=temperature, top_p=self.top_p or 0.0, seed=self.seed)
+
+    def stops(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+
+class ChatRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[int]
+
+
+def template_messages(messages: list[ChatMessage]) -> list[dict]:
+    """Messages as chat templates take them: text content, a developer as the system."""
+    out = []
+    for i, m in enumerate(messages):
+        msg: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": _text(m.content, i)}
+        if m.tool_calls:
+            msg["tool_calls"] = [_template_call(c) for c in m.tool_calls]
+        for key in ("name", "tool_call_id"):
+            if getattr(m, key) is not None:
+                msg[key] = getattr(m, key)
+        out.append(msg)
+    return out
+
+
+def _text(content, index: int) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    for part in content:
+        if part.type != "text" or part.text is None:
+            raise ApiError(400, f"messages.{index}.content: only text parts are supported, got {part.type!r}",
+                           param=f"messages.{index}.content")
+    return "".join(part.text for part in content)
+
+
+def _template_call(call: dict) -> dict:
+    """A tool call as templates render it: arguments as an object (they apply tojson)."""
+    function = dict(call.get("function") or {})
+    args = function.get("arguments")
+    if isinstance(args, str):
+        try:
+            function["arguments"] = json.loads(args)
+        except json.JSONDecodeError:
+            pass
+    return {**call, "function": function}
+
+
+def usage(stats) -> dict:
+    cached = sum(stats.cached_tokens.values())
+    return {
+        "prompt_tokens": stats.prompt_tokens,
+        "completion_tokens": stats.generation_tokens,
+        "total_tokens": stats.prompt_tokens + stats.generation_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+async def chat_completions(request: Request):
+    backend = request.app.state.backend
+    body = await parse_body(request, ChatRequest)
+    tools = body.tools or None
+    if body.tool_choice == "none":
+        tools = None
+    tokens = await off_loop(backend.chat_tokens, template_messages(body.messages), tools)
+    reply = await _start(request, tokens, body.max_completion_tokens or body.max_tokens, body, tools)
+    if body.stream:
+        return _stream(_chat_chunks(backend.info.name, reply, body))
+    whole = await until_disconnect(request, reply.handle, reply.collect())
+    message: dict[str, Any] = {"role": "assistant", "content": whole.text}
+    if whole.tool_calls:
+        message["tool_calls"] = [c.as_openai() for c in whole.tool_calls]
+    choice = {"index": 0, "message": message, "finish_reason": _finish(whole), "logprobs": None}
+    return JSONResponse({"id": new_id("chatcmpl-"), "object": "chat.completion", "created": now(),
+                         "model": backend.info.name, "choices": [choice], "usage": usage(whole.stats)})
+
+
+async def completions(request: Request):
+    backend = request.app.state.backend
+    body = await parse_body(request, CompletionRequest)
+    if isinstance(body.prompt, str):
+        tokens = await off_loop(backend.text_tokens, body.prompt)
+    else:
+        tokens = backend.token_ids(body.prompt)
+    reply = await _start(request, tokens, body.max_tokens, body, None)
+    if body.stream:
+        return _stream(_completion_chunks(backend.info.name, reply, body))
+    whole = await until_disconnect(request, reply.handle, reply.collect())
+    choice = {"index": 0, "text": whole.text, "finish_reason": _finish(whole), "logprobs": None}
+    return JSONResponse({"id": new_id("cmpl-"), "object": "text_completion", "created": now(),
+                         "model": backend.info.name, "choices": [choice], "usage": usage(whole.stats)})
+
+
+async def _start(request: Request, tokens: list[int], max_tokens: int | None, body: _Sampling,
+                 tools: list | None) -> Reply:
+    backend = request.app.state.backend
+    max_tokens = backend.check(tokens, max_tokens)
+    handle = backend.submit(tokens, max_tokens=max_tokens, **body.options(request.app.state.temperature))
+    reply = Reply(backend, handle, len(tokens), body.stops(), tools)
+    await reply.start()
+    return reply
+
+
+def _finish(whole: WholeReply | Any) -> str:
+    return "stop" if whole.finish_reason == "stop_sequence" else whole.finish_reason
+
+
+def _stream(chunks) -> StreamingResponse:
+    return StreamingResponse(chunks, media_type="text/event-stream", headers=SSE_HEADERS)
+
+
+async def _chat_chunks(model: str, reply: Reply, body: ChatRequest):
+    head = {"id": new_id("chatcmpl-"), "object": "chat.completion.chunk", "created": now(), "model": model}
+
+    def chunk(delta: dict, finish: str | None = None) -> str:
+        return sse({**head, "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]})
+
+    yield chunk({"role": "assistant", "content": ""})
+    calls = 0
+    async for event in _events_or_error(reply):
+        if isinstance(event, str):
+            yield event
+            return
+        if event.text:
+            yield chunk({"content": event.text})
+        for call in event.tool_calls:
+            yield chunk({"tool_calls": [call.as_openai(index=calls)]})
+            calls += 1
+        if event.finish_reason is not None:
+            yield chunk({}, _finish(event))
+            if body.stream_options is not None and body.stream_options.include_usage:
+                yield sse({**head, "choices": [], "usage": usage(event.stats)})
+    yield sse("[DONE]")
+
+
+async def _completion_chunks(model: str, reply: Reply, body: CompletionRequest):
+    head = {"id": new_id("cmpl-"), "object": "text_completion", "created": now(), "model": model}
+    async for event in _events_or_error(reply):
+        if isinstance(event, str):
+            yield event
+            return
+        finish = None if event.finish_reason is None else _finish(event)
+        yield sse({**head, "choices": [{"index": 0, "text": event.text, "finish_reason": finish, "logprobs": None}]})
+        if finish is not None and body.stream_options is not None and body.stream_options.include_usage:
+            yield sse({**head, "choices": [], "usage": usage(event.stats)})
+    yield sse("[DONE]")
+
+
+async def _events_or_error(reply: Reply):
+    """The reply's events; a failure after the headers went out is an error chunk, as OpenAI sends one."""
+    try:
+        async for event in reply.events():
+            yield event
+    except ApiError as e:
+        yield sse(e.openai_body())

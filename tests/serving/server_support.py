@@ -1,0 +1,93 @@
+"""Servers for the tests: a real one on a tiny model, on a free loopback
+port, and a scripted engine thread for replies a random model cannot write."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import urllib.error
+import urllib.request
+from concurrent.futures import Future
+from pathlib import Path
+from types import SimpleNamespace
+
+import anthropic
+import openai
+
+from mlxkv.config import CacheConfig
+from mlxkv.engine.limits import RequestLimits
+from mlxkv.engine.records import GenerationChunk, RequestStats
+from mlxkv.serving.request_handle import RequestHandle
+from mlxkv.serving.server import Server, ServerOptions
+
+CACHE = dict(block_size=8, num_blocks=512, memory_tier_bytes=0)
+
+
+@contextlib.contextmanager
+def running_server(model: str, options: ServerOptions | None = None, **cache):
+    server = Server.load(model, CacheConfig(**{**CACHE, **cache}), options or ServerOptions(port=0)).start()
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+def openai_client(server, key: str = "none") -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0, timeout=120)
+
+
+def anthropic_client(server, key: str = "none") -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=server.url, api_key=key, max_retries=0, timeout=120)
+
+
+def raw(server, method: str, path: str, body=None, headers: dict | None = None):
+    """(status, parsed JSON or text, headers: case-blind) of one raw request."""
+    data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
+    request = urllib.request.Request(server.url + path, data=data, method=method,
+                                     headers={"content-type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(request, timeout=120) as r:
+            status, text, head = r.status, r.read().decode(), r.headers
+    except urllib.error.HTTPError as e:
+        status, text, head = e.code, e.read().decode(), e.headers
+    try:
+        return status, json.loads(text), head
+    except json.JSONDecodeError:
+        return status, text, head
+
+
+class ScriptedThread:
+    """Stands in for EngineThread: every request's reply is `script` (text pieces, one per token)."""
+
+    def __init__(self, model_dir: str, script: list[str]):
+        from mlx_lm.tokenizer_utils import load
+
+        self.script = script
+        tokenizer = load(Path(model_dir))
+        limits = RequestLimits(tokenizer.vocab_size, 4096, 1024, 16)
+        pool = SimpleNamespace(usage=lambda: {"in_use": 0, "num_blocks": 16, "budget_blocks": 1024})
+        self.engine = SimpleNamespace(tokenizer=tokenizer, limits=limits, block_pool=pool,
+                                      loaded=SimpleNamespace(max_context=4096), stats=lambda: {"scripted": True})
+        self.submitted: list[tuple[list[int], dict]] = []
+        self.alive = True
+        self.open_requests = 0
+
+    def wait_ready(self, timeout=None):
+        pass
+
+    def call(self, fn) -> Future:
+        future: Future = Future()
+        future.set_result(fn(self.engine))
+        return future
+
+    def submit(self, tokens, **options) -> RequestHandle:
+        self.submitted.append((tokens, options))
+        handle = RequestHandle(len(self.submitted))
+        for i, text in enumerate(self.script):
+            last = i == len(self.script) - 1
+            stats = RequestStats(len(tokens), {"pool": 0, "memory": 0, "disk": 0}, len(tokens), len(self.script))
+            handle._put(GenerationChunk(text, 7, "stop" if last else None, stats if last else None))
+        return handle
+
+    def close(self):
+        self.alive = False

@@ -1,0 +1,180 @@
+"""The OpenAI API, driven by the official `openai` client against a real server."""
+
+from __future__ import annotations
+
+import threading
+
+import openai
+import pytest
+
+from mlxkv.config import CacheConfig
+from mlxkv.engine.engine import Engine
+from server_support import CACHE, ScriptedThread, raw, openai_client
+from mlxkv.serving.server import Server, ServerOptions
+
+
+@pytest.fixture(scope="module")
+def oracle(llama_dir):
+    """Engine.chat in this process, on the same model and pool shape: the answers to match."""
+    with Engine.load(llama_dir, CacheConfig(**CACHE)) as engine:
+        yield engine
+
+
+def ask(topic: str) -> list[dict]:
+    return [{"role": "system", "content": "You answer briefly."},
+            {"role": "user", "content": f"Tell me about {topic}, and why it matters to people."}]
+
+
+def test_chat_greedy_answer_equals_engine_chat(server, oracle):
+    messages = ask("lighthouses")
+    reply = openai_client(server).chat.completions.create(model="anything", messages=messages, max_tokens=24)
+    expected = oracle.chat(messages, max_tokens=24)
+    assert reply.choices[0].message.content == expected.text
+    assert reply.choices[0].finish_reason == {"length": "length", "stop": "stop"}[expected.finish_reason]
+    assert reply.usage.prompt_tokens == len(expected.prompt_tokens)
+    assert reply.usage.completion_tokens == len(expected.tokens)
+    # Another model's name is served by the loaded model, which says so.
+    assert reply.model == server.backend.info.name
+
+
+def test_completion_greedy_answer_equals_engine_generate(server, oracle):
+    prompt = "The harbour at dawn was quiet, and the boats"
+    reply = openai_client(server).completions.create(model="x", prompt=prompt, max_tokens=16)
+    assert reply.choices[0].text == oracle.generate(prompt, max_tokens=16).text
+    ids = oracle.encode(prompt)
+    by_ids = openai_client(server).completions.create(model="x", prompt=ids, max_tokens=16)
+    assert by_ids.choices[0].text == reply.choices[0].text
+
+
+def test_streaming_equals_non_streaming(server):
+    client = openai_client(server)
+    messages = ask("tides")
+    whole = client.chat.completions.create(model="x", messages=messages, max_tokens=20)
+    chunks = list(client.chat.completions.create(model="x", messages=messages, max_tokens=20, stream=True,
+                                                 stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finish == [whole.choices[0].finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model="x", prompt="Ropes and sails", max_tokens=12, stream=True))
+    assert streamed == client.completions.create(model="x", prompt="Ropes and sails", max_tokens=12).choices[0].text
+
+
+def test_follow_up_turn_reuses_the_whole_first_turn(server):
+    client = openai_client(server)
+    messages = ask("glaciers")
+    first = client.chat.completions.create(model="x", messages=messages, max_tokens=20)
+    assert first.usage.prompt_tokens_details.cached_tokens < first.usage.prompt_tokens - 8
+    messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": "Say more."}]
+    second = client.chat.completions.create(model="x", messages=messages, max_tokens=8)
+    # The reply came back as text; the server put its generated ids back, so
+    # the cache holds through it: every full block of prompt + reply (the
+    # last reply token's KV is never computed).
+    whole_turn = first.usage.prompt_tokens + first.usage.completion_tokens - 1
+    assert second.usage.prompt_tokens_details.cached_tokens == whole_turn // 8 * 8
+
+
+def test_system_reminder_before_the_newest_turn_keeps_everything_before_it(server):
+    client = openai_client(server)
+    messages = ask("rivers")
+    first = client.chat.completions.create(model="x", messages=messages, max_tokens=16)
+    history = messages + [{"role": "assistant", "content": first.choices[0].message.content}]
+    reminder = [{"role": "system", "content": "Reminder: the user prefers short answers."}]
+    second = client.chat.completions.create(
+        model="x", messages=history + reminder + [{"role": "user", "content": "And lakes?"}], max_tokens=4)
+    before = first.usage.prompt_tokens + first.usage.completion_tokens - 1
+    assert second.usage.prompt_tokens_details.cached_tokens == before // 8 * 8
+
+
+def test_eight_concurrent_clients_each_get_their_solo_answer(server, oracle):
+    topics = ["owls", "bridges", "volcanoes", "bread", "comets", "violins", "deserts", "trains"]
+    solo = {t: oracle.chat(ask(t), max_tokens=16).text for t in topics}
+    got, errors = {}, []
+
+    def client(topic):
+        try:
+            reply = openai_client(server).chat.completions.create(model="x", messages=ask(topic), max_tokens=16)
+            got[topic] = reply.choices[0].message.content
+        except Exception as e:  # reported below, with the topic
+            errors.append((topic, e))
+
+    threads = [threading.Thread(target=client, args=(t,)) for t in topics]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors and got == solo
+
+
+def test_stop_strings_cut_the_reply(server, oracle):
+    messages = ask("clocks")
+    full = oracle.chat(messages, max_tokens=24).text
+    stop = full[5:8]
+    cut = openai_client(server).chat.completions.create(model="x", messages=messages, max_tokens=24, stop=[stop])
+    assert cut.choices[0].message.content == full[:full.index(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+    streamed = openai_client(server).chat.completions.create(model="x", messages=messages, max_tokens=24,
+                                                             stop=stop, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == full[:full.index(stop)]
+
+
+def test_a_tool_call_is_parsed_with_mlx_lm_s_parser(llama_dir):
+    script = ["Let me check.", "<tool", '_call>{"name": "get_weather", ', '"arguments": {"city": "Oslo"}}',
+              "</tool_call>", ""]
+    thread = ScriptedThread(llama_dir, script)
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    messages = [{"role": "user", "content": "Weather in Oslo?"}]
+    with Server(thread, "scripted", ServerOptions(port=0)).start() as server:
+        client = openai_client(server)
+        reply = client.chat.completions.create(model="x", messages=messages, tools=tools, max_tokens=50)
+        stream = list(client.chat.completions.create(model="x", messages=messages, tools=tools, max_tokens=50,
+                                                     stream=True))
+        plain = client.chat.completions.create(model="x", messages=messages, max_tokens=50)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Let me check."
+    [call] = choice.message.tool_calls
+    assert call.function.name == "get_weather" and call.function.arguments == '{"city": "Oslo"}'
+    deltas = [c.choices[0].delta for c in stream if c.choices]
+    [streamed_call] = [d.tool_calls[0] for d in deltas if d.tool_calls]
+    assert streamed_call.function.name == "get_weather" and streamed_call.index == 0
+    assert stream[-1].choices[0].finish_reason == "tool_calls"
+    # The tools reached the chat template; without tools the text is just text.
+    assert b"get_weather" in bytes(thread.engine.tokenizer.decode(thread.submitted[0][0]), "utf-8")
+    assert plain.choices[0].message.tool_calls is None and "<tool_call>" in plain.choices[0].message.content
+
+
+def test_models_lists_the_loaded_model(server):
+    assert [m.id for m in openai_client(server).models.list()] == [server.backend.info.name]
+
+
+def test_bad_requests_get_openai_errors(server):
+    user = [{"role": "user", "content": "hi"}]
+    cases = {
+        b"{": "not valid JSON",
+        b"[1]": "must be a JSON object",
+        b'{"messages": []}': "messages",
+        b'{"messages": [{"role": "wizard", "content": "hi"}]}': "messages.0.role",
+        b'{"messages": [{"content": "hi"}]}': "messages.0.role",
+        b'{"messages": [{"role": "user", "content": 5}]}': "messages.0.content",
+        b'{"messages": "hi"}': "messages",
+    }
+    for body, words in cases.items():
+        status, error, _ = raw(server, "POST", "/v1/chat/completions", body)
+        assert status == 400 and words in error["error"]["message"], (body, error)
+        assert error["error"]["type"] == "invalid_request_error"
+    for extra, words in [({"max_tokens": 0}, "max_tokens"), ({"max_tokens": 10 ** 6}, "beyond the context"),
+                         ({"temperature": "hot"}, "temperature"), ({"n": 3}, "n"),
+                         ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "only text")]:
+        status, error, _ = raw(server, "POST", "/v1/chat/completions", {"messages": user, **extra})
+        assert status == 400 and words in error["error"]["message"], (extra, error)
+    status, error, _ = raw(server, "POST", "/v1/completions", {"prompt": [1, 2, 10 ** 6]})
+    assert status == 400 and "outside the model's vocabulary" in error["error"]["message"]
+    with pytest.raises(openai.BadRequestError):
+        openai_client(server).chat.completions.create(model="x", messages=user, max_tokens=0)
+    status, error, _ = raw(server, "GET", "/v1/nothing")
+    assert status == 404 and "no such endpoint" in error["error"]["message"]
+    status, error, _ = raw(server, "GET", "/v1/chat/completions")
+    assert status == 405
