@@ -4,15 +4,18 @@
 The workload is what coding agents send: several sessions share a long
 system prompt; each takes several turns, every turn re-sending the whole
 conversation with the replies as text and a tool result added; then the
-server restarts and every session takes one more turn. Each server runs
-alone in its own process (started here), one request at a time, through the
-official `openai` client, streaming, greedy.
+server restarts and every session resumes: the whole conversation again,
+with a short user message. Each server runs alone in its own process
+(started here), one request at a time, through the official `openai`
+client, streaming, greedy.
 
-Rows: wall time of the turns before the restart (goal: mlxkv at least 1.5x
-faster, so ratio <= 0.667), the median TTFT of warm turns (a session's
-second turn on), and the median TTFT of the first turn after the restart
-(goal <= 0.10). mlxkv keeps its SSD tier across the restart (in a
-temporary directory); mlx_lm.server keeps its prompt cache in memory only.
+Rows: wall time of all the turns, the resumed ones included (server
+start-up and model loading excluded; goal: mlxkv at least 1.5x faster, so
+ratio <= 0.667), the median TTFT of warm turns (a session's second turn on),
+and the median TTFT of the first turn after the restart (goal <= 0.10).
+mlxkv keeps its SSD tier across the restart (in a temporary directory);
+mlx_lm.server keeps its prompt cache in memory only. A warm turn's TTFT is
+the prefill of its tool result, which no cache avoids: both servers pay it.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from mlxkv.benchmarks.rows import format_rows, row  # noqa: F401  (format_rows: 
 WALL_GOAL = 1 / 1.5
 RESTART_GOAL = 0.10
 START_TIMEOUT_S = 300
+RESUME = "We were interrupted. Continue where you left off."
 
 
 @dataclass
@@ -142,10 +146,13 @@ def _play(start_server, w: Workload) -> Measured:
         server.stop()
     server = start_server()
     try:
+        begin = time.perf_counter()
         for chat in chats:
+            chat[-1] = {"role": "user", "content": RESUME}  # the agent comes back after the restart
             reply, ttft = _turn(server, chat, w.reply_tokens)
             m.restart_ttft.append(ttft)
             m.replies.append(reply)
+        m.wall_s += time.perf_counter() - begin
     finally:
         server.stop()
     return m
@@ -162,11 +169,13 @@ def run_serve_benchmark(model: str | None = None, workload: Workload | None = No
         theirs = _play(lambda: _mlx_lm_server(path), w)
     finally:
         shutil.rmtree(ssd, ignore_errors=True)
-    same = ours.replies == theirs.replies
-    note = f"{w.sessions} sessions x {w.turns} turns, then a restart; replies identical: {same}"
+    # Only first turns have the same prompt on both: later ones carry the
+    # replies as mlxkv's generated ids, where mlx-lm re-tokenizes their text.
+    same = ours.replies[:w.sessions] == theirs.replies[:w.sessions]
+    note = f"{w.sessions} sessions x {w.turns} turns, then a restart; first replies identical: {same}"
     warm = statistics.median(ours.warm_ttft), statistics.median(theirs.warm_ttft)
     restart = statistics.median(ours.restart_ttft), statistics.median(theirs.restart_ttft)
-    extra = dict(model=os.path.basename(path), replies_identical=same)
+    extra = dict(model=os.path.basename(path), first_replies_identical=same)
     return [
         row("agent session wall time", "s", ours.wall_s, theirs.wall_s, "mlx_lm.server", "<= 0.667",
             ours.wall_s <= WALL_GOAL * theirs.wall_s, note, **extra),
@@ -182,7 +191,15 @@ def _mlxkv_server(path: str, ssd: str) -> _Process:
                      "--disk-tier", ssd], port, path)
 
 
+# mlx_lm.server on the BLAS mlxkv runs on: on Linux, `import mlxkv` loads a
+# real BLAS before mlx.core (system/blas.py); run bare, mlx-lm would get
+# MLX's bundled reference BLAS, some 30x slower, and the ratio would be ours
+# against a handicap. On a Mac the import changes nothing.
+_MLX_LM_ON_OUR_BLAS = ("import runpy, sys, mlxkv; sys.argv = ['mlx_lm'] + sys.argv[1:]; "
+                       "runpy.run_module('mlx_lm', run_name='__main__', alter_sys=True)")
+
+
 def _mlx_lm_server(path: str) -> _Process:
     port = _free_port()
-    return _Process([sys.executable, "-m", "mlx_lm", "server", "--model", path, "--port", str(port),
+    return _Process([sys.executable, "-c", _MLX_LM_ON_OUR_BLAS, "server", "--model", path, "--port", str(port),
                      "--log-level", "WARNING"], port, path)

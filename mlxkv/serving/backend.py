@@ -13,6 +13,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 
 from mlxkv.chat import prompting
 from mlxkv.engine.limits import RequestLimits
@@ -21,7 +22,7 @@ from mlxkv.errors import MlxkvError
 from mlxkv.serving.api_errors import ApiError
 from mlxkv.serving.engine_thread import EngineThread
 from mlxkv.serving.metrics import ServerMetrics
-from mlxkv.serving.reply_ids import ReplyIds
+from mlxkv.serving.reply_ids import DEFAULT_KEPT, ReplyIds
 from mlxkv.serving.request_handle import RequestHandle
 
 log = logging.getLogger(__name__)
@@ -32,6 +33,7 @@ RETRY_AFTER_S = 1
 # A reply's length when the request does not say (Anthropic's API requires
 # max_tokens; OpenAI's does not). Cut to the room the context and pool leave.
 DEFAULT_MAX_TOKENS = 2048
+REPLY_LOG = "reply-ids.jsonl"
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,14 @@ class ModelInfo:
     tokenizer: object
     limits: RequestLimits
     max_context: int | None
+    # Where reply ids outlive the process: beside the SSD tier's blocks for this model.
+    reply_log: Path | None = None
+
+
+def _model_info(name: str, engine) -> ModelInfo:
+    disk = engine.cache_config.disk_tier
+    log_path = None if disk is None else Path(disk).expanduser() / engine.fingerprint.hex() / REPLY_LOG
+    return ModelInfo(name, engine.tokenizer, engine.limits, engine.loaded.max_context, log_path)
 
 
 class ServingBackend:
@@ -49,14 +59,14 @@ class ServingBackend:
     open-request check and the submit that follows it cannot interleave."""
 
     def __init__(self, thread: EngineThread, name: str, *, max_open: int = DEFAULT_MAX_OPEN,
-                 default_max_tokens: int = DEFAULT_MAX_TOKENS, reply_ids: ReplyIds | None = None):
+                 default_max_tokens: int = DEFAULT_MAX_TOKENS, reply_ids_kept: int = DEFAULT_KEPT):
         self.thread = thread
         self.max_open = max_open
         self.default_max_tokens = default_max_tokens
-        self.reply_ids = reply_ids if reply_ids is not None else ReplyIds()
         self.metrics = ServerMetrics()
         thread.wait_ready()
-        self.info = thread.call(lambda e: ModelInfo(name, e.tokenizer, e.limits, e.loaded.max_context)).result()
+        self.info = thread.call(lambda e: _model_info(name, e)).result()
+        self.reply_ids = ReplyIds(reply_ids_kept, self.info.reply_log)
 
     # -- prompts (blocking: call through a worker thread) ---------------------
 
@@ -129,6 +139,9 @@ class ServingBackend:
                 handle.cancel()  # the client went away: its blocks go back at the next step
                 self.metrics.request_cancelled()
             handle.notify = None
+
+    def close(self) -> None:
+        self.reply_ids.close()
 
     async def pool_usage(self) -> dict:
         return await asyncio.wrap_future(self.thread.call(lambda e: e.block_pool.usage()))

@@ -22,7 +22,7 @@ from mlxkv.serving.backend import DEFAULT_MAX_OPEN, DEFAULT_MAX_TOKENS, ServingB
 from mlxkv.serving.engine_thread import EngineThread, load_engine
 from mlxkv.serving.http_app import AppConfig, build_app
 from mlxkv.serving.http_support import DEFAULT_MAX_BODY_BYTES
-from mlxkv.serving.reply_ids import DEFAULT_KEPT, ReplyIds
+from mlxkv.serving.reply_ids import DEFAULT_KEPT
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +92,7 @@ class Server:
         self.port = self.socket.getsockname()[1]
         try:
             self.backend = ServingBackend(thread, name, max_open=o.max_open, default_max_tokens=o.max_tokens,
-                                          reply_ids=ReplyIds(o.reply_ids_kept))
+                                          reply_ids_kept=o.reply_ids_kept)
         except BaseException:
             self._close_engine()
             raise
@@ -140,6 +140,9 @@ class Server:
         self._close_engine()
 
     def _close_engine(self) -> None:
+        backend = getattr(self, "backend", None)
+        if backend is not None:
+            backend.close()
         self.engine.close()  # finishes the SSD tier's writes
         self.socket.close()
 

@@ -67,7 +67,8 @@ class ScriptedThread:
         limits = RequestLimits(tokenizer.vocab_size, 4096, 1024, 16)
         pool = SimpleNamespace(usage=lambda: {"in_use": 0, "num_blocks": 16, "budget_blocks": 1024})
         self.engine = SimpleNamespace(tokenizer=tokenizer, limits=limits, block_pool=pool,
-                                      loaded=SimpleNamespace(max_context=4096), stats=lambda: {"scripted": True})
+                                      loaded=SimpleNamespace(max_context=4096), stats=lambda: {"scripted": True},
+                                      cache_config=SimpleNamespace(disk_tier=None), fingerprint=bytes(32))
         self.submitted: list[tuple[list[int], dict]] = []
         self.alive = True
         self.open_requests = 0

@@ -164,3 +164,19 @@ def test_restart_on_the_same_ssd_tier_reports_cached_tokens_on_the_first_request
     assert first.usage.prompt_tokens_details.cached_tokens == 0
     assert after.usage.prompt_tokens_details.cached_tokens == first.usage.prompt_tokens // 8 * 8
     assert after.choices[0].message.content == first.choices[0].message.content
+
+
+def test_reply_ids_outlive_a_restart_beside_the_ssd_tier(llama_dir, tmp_path):
+    """After a restart the replies sent back as text still carry their generated
+    ids, so the SSD tier's blocks of the whole last turn are hit."""
+    messages = [{"role": "user", "content": "Name three rivers and one fact about each."}]
+    with running_server(llama_dir, disk_tier=str(tmp_path)) as server:
+        first = openai_client(server).chat.completions.create(model="x", messages=messages, max_tokens=20)
+    text = first.choices[0].message.content
+    messages += [{"role": "assistant", "content": text}, {"role": "user", "content": "Thanks."}]
+    with running_server(llama_dir, disk_tier=str(tmp_path)) as server:
+        assert server.backend.reply_ids.lookup(text) is not None
+        assert (server.backend.info.reply_log.stat().st_mode & 0o777) == 0o600
+        second = openai_client(server).chat.completions.create(model="x", messages=messages, max_tokens=2)
+    whole_turn = first.usage.prompt_tokens + first.usage.completion_tokens - 1
+    assert second.usage.prompt_tokens_details.cached_tokens == whole_turn // 8 * 8
