@@ -39,7 +39,8 @@ def main() -> None:
 
     system = {"role": "system", "content": "You are a patient assistant. " * 12}
     a = [system, {"role": "user", "content": "Tell me a story about the sea. " * 3}]
-    b = [{"role": "user", "content": "Now something else entirely: mountains and snow. " * 4}]
+    # Longer than all of A, so its prompt alone pushes A out of the pool, whatever the replies.
+    b = [{"role": "user", "content": "Now something else entirely: mountains and snow. " * 16}]
 
     tokenizer = load_tokenizer(args.model)  # prompts need no model and no pool
     longest = max(len(chat_prompt(tokenizer, m)) for m in (a, b)) + 2 * 24 + 40

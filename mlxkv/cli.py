@@ -46,7 +46,7 @@ def _number(kind: type, low: float, high: float | None = None):
 
 def _add_cache_flags(p: argparse.ArgumentParser, model_help: str | None = None) -> None:
     p.add_argument("--model", default="demo" if model_help is None else None,
-                   help=model_help or 'model path, Hugging Face id, or "demo" (default)')
+                   help=model_help or 'model directory, GGUF file, Hugging Face id, "demo" (default) or "tiny"')
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (power of two)")
     p.add_argument("--num-blocks", type=int, default=None, help="KV pool size in blocks (default: a share of memory)")
     p.add_argument("--no-prefix-cache", action="store_true", help="do not share blocks between prompts")
@@ -77,7 +77,7 @@ def _add_chat(sub) -> None:
     from mlxkv.models.fetch import DEFAULT_CHAT_MODEL
 
     p = sub.add_parser("chat", help="chat in a terminal app with a live view of the KV cache")
-    _add_cache_flags(p, model_help=f'model path, Hugging Face id, or "demo" (offline); default: '
+    _add_cache_flags(p, model_help=f'model directory, GGUF file, Hugging Face id, or "demo" (offline); default: '
                                    f'{DEFAULT_CHAT_MODEL}, downloaded once')
     p.add_argument("--max-tokens", type=_number(int, 1), default=1024, help="longest reply")
     p.add_argument("--temp", type=_number(float, 0), default=0.0, help="sampling temperature (0 = greedy)")

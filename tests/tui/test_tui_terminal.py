@@ -76,9 +76,10 @@ def test_chat_in_a_real_terminal(terminal):
     term, db = terminal
     term.wait_for(lambda s: "Block pool:" in s, "the model to load")
 
-    term.type("hello there")
+    term.type("What is the capital of France?")
     screen = term.wait_for(lambda s: "decode" in s and "tok/s" in s, "the first reply and its stats")
     (reply, stats), = sqlite3.connect(db).execute("SELECT content, stats FROM messages WHERE role = 'assistant'")
+    assert "Paris" in reply, reply  # the demo model is a real one (SmolLM2-135M-Instruct): English
     # A word of the reply that fits on one screen line (a longer one wraps).
     word = max(re.findall(r"[A-Za-z]{3,30}", reply), key=len)
     screen = term.wait_for(lambda s: "assistant" in s and word in s, f"the reply ({word!r}) on screen")
