@@ -18,6 +18,11 @@ DEFAULT_CHECKPOINT_INTERVAL = 2048
 # Hybrid models: a real model's state is megabytes per layer, so the
 # checkpoints get their own share of the pool's budget.
 DEFAULT_CHECKPOINT_SHARE = 0.25
+# Hybrid models: a checkpoint a request leaves goes to the SSD tier once the
+# KV computed since its chain's last one there outweighs it this many times
+# (checkpoints.py): SSD checkpoint bytes stay under half the KV bytes, and a
+# restart recomputes at most twice a checkpoint's worth of KV.
+DEFAULT_CHECKPOINT_WRITE_RATIO = 2.0
 
 
 @dataclass(slots=True)
@@ -40,6 +45,9 @@ class CacheConfig:
         and replies also leave one at their last full block.
     checkpoint_share: the share of the pool's byte budget that holds those
         checkpoints; the KV blocks get the rest.
+    checkpoint_write_ratio: a checkpoint a request leaves is written to the
+        SSD tier once the KV computed since the last one there is this many
+        times its bytes; 0 writes every one (fastest restarts, most bytes).
     """
 
     block_size: int = 16
@@ -54,6 +62,7 @@ class CacheConfig:
     attention: str | None = None
     checkpoint_interval: int = DEFAULT_CHECKPOINT_INTERVAL
     checkpoint_share: float = DEFAULT_CHECKPOINT_SHARE
+    checkpoint_write_ratio: float = DEFAULT_CHECKPOINT_WRITE_RATIO
 
     def __post_init__(self):
         bs = self.block_size
@@ -72,6 +81,9 @@ class CacheConfig:
             raise MlxkvError(f"checkpoint interval must be a whole number of tokens >= 1, got {self.checkpoint_interval!r}")
         if not 0 < self.checkpoint_share < 1:
             raise MlxkvError(f"checkpoint share must be between 0 and 1, got {self.checkpoint_share!r}")
+        ratio = self.checkpoint_write_ratio
+        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 <= ratio < float("inf"):
+            raise MlxkvError(f"checkpoint write ratio must be a number >= 0, got {ratio!r}")
         if self.attention not in (None, "auto", "reference", "kernel"):
             raise MlxkvError(
                 f"attention must be auto, reference or kernel, got {self.attention!r}"

@@ -11,6 +11,16 @@ references a step made is the copy, and a checkpoint never changes.
 The store holds checkpoints in bytes against their share of the pool's
 budget, evicting the least recently used first and handing each to
 `on_evict` (the connector's tiers), as the block pool does with blocks.
+
+It also decides which checkpoints a leaving sequence writes through to the
+SSD tier. A real model's state is megabytes, a chat turn's KV often less,
+so writing every turn's checkpoint made the SSD bytes several times the
+KV bytes. Each checkpoint remembers its chain's *anchor*, the boundary of
+the newest checkpoint before it known to be on disk; a new one is written
+only once the KV computed since the anchor outweighs `write_ratio` times
+its own bytes. Checkpoint bytes written thus stay under 1/write_ratio of
+the KV bytes, and a restart recomputes at most write_ratio x state bytes /
+KV bytes per token tokens from the anchor. write_ratio 0 writes every one.
 """
 
 from __future__ import annotations
@@ -52,10 +62,13 @@ class CheckpointStats:
 class CheckpointStore:
     """Checkpoints by key, least recently used first, within `budget_bytes`."""
 
-    def __init__(self, budget_bytes: int, on_evict: Callable[[BlockHash, States], None] | None = None):
+    def __init__(self, budget_bytes: int, on_evict: Callable[[BlockHash, States], None] | None = None,
+                 write_ratio: float = 0.0):
         self.budget_bytes = budget_bytes
         self.on_evict = on_evict
+        self.write_ratio = write_ratio
         self._held: OrderedDict[BlockHash, States] = OrderedDict()
+        self._anchors: dict[BlockHash, int] = {}  # key -> its chain's last on-disk boundary (tokens)
         self._stats = CheckpointStats()
 
     def __contains__(self, key: BlockHash) -> bool:
@@ -86,12 +99,26 @@ class CheckpointStore:
         self._stats.stores += 1
         while self._stats.bytes_held > self.budget_bytes:
             old_key, old = self._held.popitem(last=False)
+            self._anchors.pop(old_key, None)
             self._stats.held -= 1
             self._stats.bytes_held -= states_nbytes(old)
             self._stats.evictions += 1
             if self.on_evict is not None:
                 self.on_evict(old_key, old)
         return True
+
+    def anchor(self, key: BlockHash) -> int:
+        """The boundary of the last on-disk checkpoint in the chain of a held one (0: none known)."""
+        return self._anchors.get(key, 0)
+
+    def worth_writing(self, boundary: int, anchor: int, states: States, kv_bytes_per_token: int) -> bool:
+        """Whether the checkpoint at `boundary` should go to the SSD tier, its chain's anchor at `anchor`."""
+        kv_since = (boundary - anchor) * kv_bytes_per_token
+        return self.write_ratio <= 0 or kv_since >= self.write_ratio * states_nbytes(states)
+
+    def set_anchor(self, key: BlockHash, anchor: int) -> None:
+        if key in self._held:
+            self._anchors[key] = anchor
 
     def stats(self) -> dict[str, int]:
         return {**self._stats.as_dict(), "budget_bytes": self.budget_bytes}

@@ -29,7 +29,7 @@ from mlxkv.cache.kv_pool import KVPool
 from mlxkv.cache.layer_groups import GroupLayout, KVGroup
 from mlxkv.cache.prefix_lookup import PrefixHit, PrefixLookup
 from mlxkv.cache.sequence import Sequence
-from mlxkv.cache.tiers import POOL, TIERS
+from mlxkv.cache.tiers import DISK, POOL, TIERS
 from mlxkv.connectors.base import KVCacheConnector, NoopKVCacheConnector
 
 log = logging.getLogger(__name__)
@@ -125,7 +125,7 @@ class KVCacheManager:
         """Take the prompt's prefix hit from the pool and the tiers."""
         seq.tables = [[] for _ in self.groups]
         seq.unstored = [[] for _ in self.groups]
-        seq.num_computed = seq.num_cached_blocks = seq.checkpointed = 0
+        seq.num_computed = seq.num_cached_blocks = seq.checkpointed = seq.disk_anchor = 0
         seq.states, seq.snapshots, seq.last_checkpoint = None, {}, None
         if seq.hash_root is None:
             return
@@ -167,6 +167,10 @@ class KVCacheManager:
         seq.num_cached_blocks = b
         seq.num_computed = seq.checkpointed = b * self.block_size
         seq.states = states
+        if hit.checkpoint is not None:  # resuming from disk anchors the chain there; else where its checkpoint did
+            if state_tier == DISK:
+                self.checkpoints.set_anchor(hit.checkpoint, seq.checkpointed)
+            seq.disk_anchor = self.checkpoints.anchor(hit.checkpoint)
         for source in sources:
             source = max(source, state_tier, key=TIERS.index)  # as slow as the checkpoint, too
             seq.cached_tokens[source] = seq.cached_tokens.get(source, 0) + self.block_size
@@ -331,10 +335,22 @@ class KVCacheManager:
             key = checkpoint_key(seq.block_hashes[boundary // self.block_size - 1])
             states = seq.snapshots[boundary]
             if self.checkpoints.put(key, states):
-                seq.last_checkpoint = (key, states)
+                seq.last_checkpoint = (key, states, boundary)
             seq.checkpointed = boundary
         for boundary in [b for b in seq.snapshots if b <= seq.checkpointed]:
             del seq.snapshots[boundary]
+
+    def _write_through(self, seq: Sequence, key, states, boundary: int) -> None:
+        """Send the checkpoint a sequence leaves to the SSD tier if the write policy says so (checkpoints.py)."""
+        anchor = seq.disk_anchor
+        per_token = self.kv_pool.layout.bytes_per_block // self.block_size
+        if self.checkpoints.worth_writing(boundary, anchor, states, per_token):
+            try:
+                self.connector.cache_checkpoint(key, states)
+                anchor = boundary
+            except Exception:  # a lost copy, as with blocks
+                log.exception("the connector could not store a checkpoint")
+        self.checkpoints.set_anchor(key, anchor)
 
     def _store(self, seq: Sequence) -> None:
         for g in range(len(seq.unstored)):
@@ -359,10 +375,7 @@ class KVCacheManager:
         if seq.snapshots and seq.hash_root is not None:
             self._register_checkpoints(seq, min(seq.num_computed, seq.num_tokens), every=False)
         if seq.last_checkpoint is not None:
-            try:
-                self.connector.cache_checkpoint(*seq.last_checkpoint)
-            except Exception:  # a lost copy, as with blocks
-                log.exception("the connector could not store a checkpoint")
+            self._write_through(seq, *seq.last_checkpoint)
         seq.snapshots, seq.states, seq.last_checkpoint = {}, None, None
         self._store(seq)
         longest = max(len(table) for table in seq.tables)

@@ -45,7 +45,10 @@ class Sequence:
     # The boundary of the newest checkpoint this sequence has registered,
     # and that checkpoint (key, states): the SSD tier gets it when the sequence leaves.
     checkpointed: int = 0
-    last_checkpoint: tuple[BlockHash, States] | None = None
+    last_checkpoint: tuple[BlockHash, States, int] | None = None  # (key, states, boundary)
+    # The boundary of the newest checkpoint of this chain known to be on the
+    # SSD tier (checkpoints.py: the write policy's anchor).
+    disk_anchor: int = 0
 
     @property
     def tokens(self) -> list[int]:

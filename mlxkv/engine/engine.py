@@ -64,7 +64,8 @@ class Engine:
         self.kv_pool = KVPool(self.layout, initial_blocks(budget))
         self.block_pool = BlockPool(budget, initial=self.kv_pool.num_blocks, on_grow=self.kv_pool.grow)
         self.connector = build_connector(cache, self.fingerprint, self.layout)
-        self.checkpoints = (CheckpointStore(checkpoint_budget(cache, self.layout, budget))
+        self.checkpoints = (CheckpointStore(checkpoint_budget(cache, self.layout, budget),
+                                            write_ratio=cache.checkpoint_write_ratio)
                             if groups.has_recurrent else None)
         self.manager = KVCacheManager(self.block_pool, cache.block_size, self.kv_pool, self.connector, groups,
                                       self.checkpoints, cache.checkpoint_interval)

@@ -5,6 +5,7 @@ preemption, and after a restart from the SSD tier."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -34,8 +35,8 @@ def family(request, tmp_path_factory):
 
 
 def engine_for(loaded, num_blocks=128, prefill_chunk=512, **cache) -> Engine:
-    config = CacheConfig(block_size=BLOCK, num_blocks=num_blocks, checkpoint_interval=INTERVAL,
-                         **{"memory_tier_bytes": 0, **cache})
+    config = CacheConfig(block_size=BLOCK, num_blocks=num_blocks,
+                         **{"memory_tier_bytes": 0, "checkpoint_interval": INTERVAL, **cache})
     return Engine(loaded, config, prefill_chunk=prefill_chunk)
 
 
@@ -142,14 +143,17 @@ import json, sys
 from mlxkv.config import CacheConfig
 from mlxkv.engine.engine import Engine
 path, disk, prompt = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
-with Engine.load(path, CacheConfig(block_size=16, num_blocks=128, disk_tier=disk, checkpoint_interval=32)) as engine:
+config = CacheConfig(block_size=16, num_blocks=128, disk_tier=disk, checkpoint_interval=32,
+                     checkpoint_write_ratio=float(sys.argv[4]))
+with Engine.load(path, config) as engine:
     r = engine.generate(prompt, max_tokens=16)
 print(json.dumps({"tokens": r.tokens, "cached": r.stats.cached_tokens}))
 """
 
 
-def run_in_new_process(path: str, disk, prompt: list[int]) -> dict:
-    out = subprocess.run([sys.executable, "-c", RUN_ONCE, path, str(disk), json.dumps(prompt)],
+def run_in_new_process(path: str, disk, prompt: list[int], write_ratio: float = 0.0) -> dict:
+    """One request in a new process; write_ratio 0: every checkpoint a request leaves goes to SSD."""
+    out = subprocess.run([sys.executable, "-c", RUN_ONCE, path, str(disk), json.dumps(prompt), str(write_ratio)],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout.splitlines()[-1])
@@ -187,7 +191,7 @@ def test_a_bad_checkpoint_file_falls_back_to_the_longest_good_hit(family, tmp_pa
     prompt = prompt_of(90, salt=5)  # checkpoints at 32, 64 and 80
     # A store that keeps one: the first two spill to disk as the next ones come;
     # the last (where the request left) is written through.
-    engine, _ = budget_of(loaded, 1.5, disk_tier=str(tmp_path / "kv"))
+    engine, _ = budget_of(loaded, 1.5, disk_tier=str(tmp_path / "kv"), checkpoint_write_ratio=0)
     with engine:
         engine.generate(prompt, max_tokens=1)
         hashes = extend_block_hashes([], root_hash(engine.fingerprint), prompt, BLOCK)
@@ -207,3 +211,32 @@ def test_a_bad_checkpoint_file_falls_back_to_the_longest_good_hit(family, tmp_pa
     assert result.stats.cached_tokens["disk"] == 32
     assert result.tokens == reference(longer, 12)
     assert disk["corrupt"] == (2 if fault == "corrupt" else 0)
+
+
+def test_short_turns_write_a_checkpoint_only_once_the_kv_since_the_last_outweighs_it(family, tmp_path):
+    """The SSD write policy (checkpoints.py): turns whose KV is small against a
+    checkpoint leave theirs in memory; a restart resumes at the last one on
+    disk and recomputes the rest, with the same output."""
+    path, loaded, reference = family
+    disk = tmp_path / "kv"
+    with engine_for(loaded, checkpoint_interval=4096) as probe:
+        probe.generate(prompt_of(40), max_tokens=1)
+        state_bytes = probe.checkpoints.stats()["bytes_held"]
+        per_token = probe.layout.bytes_per_block // BLOCK
+    # Each turn adds 32 tokens and leaves its checkpoint on a block boundary
+    # (32, 64, ...); at this ratio a checkpoint is written once 3 turns of KV
+    # have gone by since the last one written: after turns 2 and 5.
+    ratio = 3 * 32 * per_token / state_bytes
+    chat, written = [], []
+    with engine_for(loaded, disk_tier=str(disk), checkpoint_interval=4096, checkpoint_write_ratio=ratio) as engine:
+        for turn in range(7):
+            chat += prompt_of(32 if turn == 0 else 24, salt=turn)
+            result = engine.generate(chat, max_tokens=8)
+            chat += result.tokens
+            engine.connector.flush(30)
+            written.append(len(checkpoint_files(disk)))
+    assert written == [0, 0, 1, 1, 1, 2, 2]
+    follow = chat + prompt_of(5, salt=99)
+    restarted = run_in_new_process(path, disk, follow, write_ratio=ratio)
+    assert restarted["cached"]["disk"] == 6 * 32  # the last one written (turn 5's), not turn 6's
+    assert restarted["tokens"] == reference(follow, 16)
