@@ -155,9 +155,9 @@ def test_serve_benchmark_rows(llama_dir):
     """Both servers in their own processes at a tiny size: rows are well formed, replies agree."""
     from mlxkv.benchmarks.serve import Workload, run_serve_benchmark
 
-    rows = run_serve_benchmark(llama_dir, Workload(sessions=2, turns=2, system_words=60, tool_words=10,
-                                                   reply_tokens=4))
-    assert [r["name"] for r in rows] == ["agent session wall time", "median warm TTFT", "median TTFT after restart"]
+    rows = run_serve_benchmark(llama_dir, (Workload(sessions=2, turns=2, system_words=60, tool_words=10,
+                                                    reply_tokens=4),))
+    assert [r["name"] for r in rows] == ["agent wall time", "median warm TTFT", "median TTFT after restart"]
     for row in rows:
         assert KEYS <= row.keys() and row["ours"] > 0 and row["baseline"] > 0, row
     assert rows[0]["first_replies_identical"]

@@ -106,3 +106,12 @@ def test_bad_requests_get_anthropic_errors(server):
         assert error["error"]["type"] == "invalid_request_error" and words in error["error"]["message"], error
     with pytest.raises(anthropic.BadRequestError):
         anthropic_client(server).messages.create(model="x", max_tokens=10 ** 7, messages=ok)
+
+
+def test_stop_sequences_end_with_stop_sequence(server, oracle):
+    full = oracle.chat([{"role": "user", "content": "Explain fog to a child, with an example."}], max_tokens=20).text
+    stop = full[4:7]
+    message = anthropic_client(server).messages.create(model="x", max_tokens=20, stop_sequences=[stop],
+                                                       messages=question("fog"))
+    assert message.content[0].text == full[:full.index(stop)]
+    assert message.stop_reason == "stop_sequence" and message.stop_sequence == stop

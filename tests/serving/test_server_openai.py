@@ -178,3 +178,12 @@ def test_bad_requests_get_openai_errors(server):
     assert status == 404 and "no such endpoint" in error["error"]["message"]
     status, error, _ = raw(server, "GET", "/v1/chat/completions")
     assert status == 405
+
+
+def test_a_seed_makes_sampling_repeatable(server):
+    client = openai_client(server)
+    ask_twice = [client.chat.completions.create(model="x", messages=ask("kites"), max_tokens=12, temperature=1.0,
+                                                seed=7).choices[0].message.content for _ in range(2)]
+    other = client.chat.completions.create(model="x", messages=ask("kites"), max_tokens=12, temperature=1.0,
+                                           seed=8).choices[0].message.content
+    assert ask_twice[0] == ask_twice[1] != other
