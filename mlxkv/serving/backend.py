@@ -121,7 +121,14 @@ class ServingBackend:
         """The request's records, in lists as they arrive; cancels it if the caller stops early."""
         loop = asyncio.get_running_loop()
         arrived = asyncio.Event()
-        handle.notify = lambda: loop.call_soon_threadsafe(arrived.set)
+
+        def wake() -> None:  # on the engine thread: it must never raise there
+            try:
+                loop.call_soon_threadsafe(arrived.set)
+            except RuntimeError:  # the server's loop has closed: nobody is waiting
+                pass
+
+        handle.notify = wake
         finished = False
         try:
             while True:

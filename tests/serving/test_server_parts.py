@@ -111,3 +111,31 @@ def test_metrics_render_prometheus_text():
     assert 'mlxkv_time_to_first_token_seconds_bucket{le="0.1"} 0' in text
     assert "mlxkv_time_per_output_token_seconds_sum 0.02" in text
     assert 'mlxkv_pool_blocks{state="budget_blocks"} 64' in text and "mlxkv_open_requests 1" in text
+
+
+def test_a_record_for_a_closed_server_loop_never_raises_on_the_engine_thread(llama_dir):
+    """The engine thread queues records through handle.notify; once the
+    server's event loop has closed (shutdown), waking it must not raise
+    into the engine's step."""
+    import asyncio
+
+    from mlxkv.engine.records import GenerationChunk
+    from mlxkv.serving.backend import ServingBackend
+    from mlxkv.serving.request_handle import RequestHandle
+    from server_support import ScriptedThread
+
+    backend = ServingBackend(ScriptedThread(llama_dir, []), "scripted")
+    handle = RequestHandle(1)
+    records = backend.records(handle)
+    loop = asyncio.new_event_loop()
+
+    async def start_waiting():
+        waiting = asyncio.ensure_future(anext(records))
+        await asyncio.sleep(0)
+        return waiting
+
+    waiting = loop.run_until_complete(start_waiting())
+    assert handle.notify is not None and not waiting.done()
+    loop.close()
+    handle._put(GenerationChunk("late", 5))  # must not raise
+    assert handle.drain()[0].text == "late"
