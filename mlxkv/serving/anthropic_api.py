@@ -12,22 +12,18 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 
 from mlxkv.serving.api_errors import ApiError
-from mlxkv.serving.http_support import SSE_HEADERS, new_id, off_loop, parse_body, sse, until_disconnect
+from mlxkv.serving.http_support import SSE_HEADERS, Lenient, new_id, off_loop, parse_body, sse, until_disconnect
 from mlxkv.serving.reply_stream import Reply
 
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "stop_sequence": "stop_sequence"}
 
 
-class _Lenient(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # cache_control, citations, metadata, ...
-
-
-class Block(_Lenient):
+class Block(Lenient):
     type: str
     text: str | None = None
     id: str | None = None
@@ -40,18 +36,18 @@ class Block(_Lenient):
 Block.model_rebuild()
 
 
-class Message(_Lenient):
+class Message(Lenient):
     role: Literal["user", "assistant"]
     content: str | list[Block]
 
 
-class Tool(_Lenient):
+class Tool(Lenient):
     name: str
     description: str | None = None
     input_schema: dict[str, Any] = Field(default_factory=dict)
 
 
-class CountRequest(_Lenient):
+class CountRequest(Lenient):
     model: str = ""
     messages: list[Message] = Field(min_length=1)
     system: str | list[Block] | None = None

@@ -9,13 +9,20 @@ import json
 import time
 import uuid
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 
 from mlxkv.serving.api_errors import ApiError, validation_message
 
 DEFAULT_MAX_BODY_BYTES = 32 << 20  # a 128k-token prompt is well under 1 MiB of JSON
+
+
+class Lenient(BaseModel):
+    """A request model that ignores fields it does not name: clients send many
+    we do not use (user, logprobs, metadata, cache_control, ...)."""
+
+    model_config = ConfigDict(extra="ignore")
 
 
 async def parse_body(request: Request, model: type[BaseModel]) -> BaseModel:

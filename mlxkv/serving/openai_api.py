@@ -10,27 +10,23 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 
 from mlxkv.serving.api_errors import ApiError
-from mlxkv.serving.http_support import SSE_HEADERS, new_id, now, off_loop, parse_body, sse, until_disconnect
+from mlxkv.serving.http_support import SSE_HEADERS, Lenient, new_id, now, off_loop, parse_body, sse, until_disconnect
 from mlxkv.serving.reply_stream import Reply, WholeReply
 
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 
 
-class _Lenient(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # clients send fields we do not use (user, logprobs, ...)
-
-
-class ContentPart(_Lenient):
+class ContentPart(Lenient):
     type: str
     text: str | None = None
 
 
-class ChatMessage(_Lenient):
+class ChatMessage(Lenient):
     role: Role
     content: str | list[ContentPart] | None = None
     name: str | None = None
@@ -38,11 +34,11 @@ class ChatMessage(_Lenient):
     tool_call_id: str | None = None
 
 
-class StreamOptions(_Lenient):
+class StreamOptions(Lenient):
     include_usage: bool = False
 
 
-class _Sampling(_Lenient):
+class _Sampling(Lenient):
     model: str = ""
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=100)

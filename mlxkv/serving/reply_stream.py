@@ -61,7 +61,7 @@ class Reply:
             await self._records.aclose()
             raise
         last = self._first[-1]
-        if isinstance(last, RequestFailed) and not self._ids:
+        if isinstance(last, RequestFailed):
             await self._records.aclose()
             raise ApiError(500, last.message)
 

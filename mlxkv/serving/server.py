@@ -13,8 +13,11 @@ import logging
 import os
 import socket
 import threading
+import time
 import warnings
 from dataclasses import dataclass
+
+import uvicorn
 
 from mlxkv.config import CacheConfig
 from mlxkv.errors import MlxkvError, MlxkvWarning
@@ -84,8 +87,6 @@ class Server:
 
     def __init__(self, thread: EngineThread, name: str, options: ServerOptions | None = None,
                  sock: socket.socket | None = None):
-        import uvicorn
-
         o = self.options = options or ServerOptions()
         self.engine = thread
         self.socket = sock or bind(o.host, o.port)
@@ -99,7 +100,7 @@ class Server:
         app = build_app(self.backend, AppConfig(o.api_key, o.max_body_bytes, o.temperature))
         config = uvicorn.Config(app, log_config=None, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
                                 access_log=False)
-        self.uvicorn = _uvicorn_class()(config)
+        self.uvicorn = _Uvicorn(config)
         self._thread: threading.Thread | None = None
 
     @classmethod
@@ -130,7 +131,7 @@ class Server:
                                         name="mlxkv-http", daemon=True)
         self._thread.start()
         while not self.uvicorn.started and self._thread.is_alive():
-            threading.Event().wait(0.01)
+            time.sleep(0.01)
         return self
 
     def close(self) -> None:
@@ -153,30 +154,20 @@ class Server:
         self.close()
 
 
-def _uvicorn_class():
-    import uvicorn
+class _Uvicorn(uvicorn.Server):
+    """uvicorn re-raises the Ctrl-C or SIGTERM that stopped it, once it has
+    stopped: SIGTERM's default action would then end the process before the
+    engine closes (and the SSD tier's last writes finish). Here a signal only
+    stops the serving; serve_forever then closes the engine and the command
+    exits 0. (_captured_signals is uvicorn's; the restart test covers it.)"""
 
-    class Quiet(uvicorn.Server):
-        """uvicorn re-raises the Ctrl-C or SIGTERM that stopped it, once it
-        has stopped: SIGTERM's default action would then end the process
-        before the engine closes (and the SSD tier's last writes finish).
-        Here a signal only stops the serving; serve_forever then closes the
-        engine and the command exits 0."""
-
-        def capture_signals(self):  # _captured_signals is uvicorn's; the restart test covers it
-            captured = super().capture_signals()
-            return _forgetting(self, captured)
-
-    return Quiet
-
-
-@contextlib.contextmanager
-def _forgetting(server, captured):
-    with captured:
-        try:
-            yield
-        finally:
-            server._captured_signals.clear()
+    @contextlib.contextmanager
+    def capture_signals(self):
+        with super().capture_signals():
+            try:
+                yield
+            finally:
+                self._captured_signals.clear()
 
 
 def api_key_from(flag: str | None) -> str | None:
