@@ -64,9 +64,12 @@ def cblas_binding(stderr: str) -> str:
     return match.group(1)
 
 
+LD_DEBUG_LINE = re.compile(r"^\s*\d+:")  # "  1234:\t..." from ld.so, whatever paths it names
+
+
 def mlx_notices(stderr: str) -> list[str]:
-    """mlxkv's own lines, without the LD_DEBUG noise."""
-    return [line for line in stderr.splitlines() if "mlxkv" in line and "binding" not in line]
+    """mlxkv's own lines, without the LD_DEBUG noise (which names paths that may contain "mlxkv")."""
+    return [line for line in stderr.splitlines() if "mlxkv" in line and not LD_DEBUG_LINE.match(line)]
 
 
 MATMUL = """
