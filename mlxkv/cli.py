@@ -384,5 +384,12 @@ def _show_warning(message, category, filename, lineno, file=None, line=None) -> 
 _python_showwarning = warnings.showwarning
 
 
+def run() -> None:
+    """The `mlxkv` command: main(), then an exit no library teardown can hang (system/exit.py)."""
+    from mlxkv.system.exit import exit_now
+
+    exit_now(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()
