@@ -23,6 +23,11 @@ DEFAULT_CHECKPOINT_SHARE = 0.25
 # (checkpoints.py): SSD checkpoint bytes stay under half the KV bytes, and a
 # restart recomputes at most twice a checkpoint's worth of KV.
 DEFAULT_CHECKPOINT_WRITE_RATIO = 2.0
+# An engine idle this long writes a hybrid's newest checkpoints to the SSD
+# tier (so a restarted chat resumes at its last turn)...
+DEFAULT_IDLE_CHECKPOINT_S = 5.0
+# ...and this long gives the pool's memory back (cached blocks spill to the tiers).
+DEFAULT_IDLE_SHRINK_S = 300.0
 
 
 @dataclass(slots=True)
@@ -48,6 +53,11 @@ class CacheConfig:
     checkpoint_write_ratio: a checkpoint a request leaves is written to the
         SSD tier once the KV computed since the last one there is this many
         times its bytes; 0 writes every one (fastest restarts, most bytes).
+        The newest one of each chat not written goes there anyway on a clean
+        close, or once the engine has been idle `idle_checkpoint_s`.
+    idle_shrink_s: once the engine has been idle this long, the pool keeps
+        about what its last busy spell used and gives the rest of its
+        memory back (its other cached blocks spill to the tiers).
     """
 
     block_size: int = 16
@@ -63,6 +73,8 @@ class CacheConfig:
     checkpoint_interval: int = DEFAULT_CHECKPOINT_INTERVAL
     checkpoint_share: float = DEFAULT_CHECKPOINT_SHARE
     checkpoint_write_ratio: float = DEFAULT_CHECKPOINT_WRITE_RATIO
+    idle_checkpoint_s: float = DEFAULT_IDLE_CHECKPOINT_S
+    idle_shrink_s: float = DEFAULT_IDLE_SHRINK_S
 
     def __post_init__(self):
         bs = self.block_size
@@ -84,6 +96,10 @@ class CacheConfig:
         ratio = self.checkpoint_write_ratio
         if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 <= ratio < float("inf"):
             raise MlxkvError(f"checkpoint write ratio must be a number >= 0, got {ratio!r}")
+        for name in ("idle_checkpoint_s", "idle_shrink_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+                raise MlxkvError(f"{name} must be a number of seconds >= 0, got {value!r}")
         if self.attention not in (None, "auto", "reference", "kernel"):
             raise MlxkvError(
                 f"attention must be auto, reference or kernel, got {self.attention!r}"

@@ -47,3 +47,27 @@ def test_the_kernel_sources_are_package_data_of_mlxkv():
     done = _python("from importlib import resources; "
                    "print(sorted(p.name for p in resources.files('mlxkv.metal').iterdir() if p.suffix == '.metal'))")
     assert done.stdout.strip() == "['common.metal', 'paged_decode.metal', 'paged_reduce.metal']"
+
+
+def _imported_packages(package: str) -> dict[str, set[str]]:
+    """For each module of mlxkv/<package>, the mlxkv packages it imports (at any depth of its code)."""
+    import ast
+
+    found = {}
+    for path in (ROOT / "mlxkv" / package).rglob("*.py"):
+        names = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("mlxkv."):
+                names.add(node.module.split(".")[1])
+            elif isinstance(node, ast.Import):
+                names |= {a.name.split(".")[1] for a in node.names if a.name.startswith("mlxkv.")}
+        found[str(path.relative_to(ROOT))] = names
+    return found
+
+
+def test_the_cache_imports_nothing_above_it():
+    """The connector protocol is the cache's seam: the tiers implement it, the cache never imports them."""
+    above = {"connectors", "attention", "engine", "chat", "models", "serving", "tui", "benchmarks", "cli"}
+    imports = _imported_packages("cache")
+    assert len(imports) > 10
+    assert {module: names & above for module, names in imports.items() if names & above} == {}

@@ -19,18 +19,17 @@ import mlx.core as mx
 
 from mlxkv.cache.block_pool import Block
 from mlxkv.cache.kv_pool import KVPool
-from mlxkv.cache.sequence import Sequence
 
 
-def shared_blocks(seqs: list[Sequence], block_size: int) -> list[Block]:
-    """The longest run of leading blocks common to all rows, before every row's write position.
+def shared_blocks(tables: list[list[Block]], computed: int, block_size: int) -> list[Block]:
+    """The longest run of leading blocks common to all rows' tables, before `computed` tokens
+    (the least any row has computed: every row's write position is past it).
 
     Empty when some block of that run has no hash (prefix caching off).
     """
-    limit = min(s.num_computed for s in seqs) // block_size
-    first = seqs[0].blocks[:limit]
+    first = tables[0][: computed // block_size]
     n = 0
-    while n < len(first) and all(len(s.blocks) > n and s.blocks[n] is first[n] for s in seqs):
+    while n < len(first) and all(len(t) > n and t[n] is first[n] for t in tables):
         n += 1
     run = first[:n]
     return run if all(b.block_hash is not None for b in run) else []

@@ -27,7 +27,7 @@ from mlxkv.benchmarks.engine import (
     _stderr, _tokens, bench_model_path, check_context, describe_model, mlx_lm_kv_bytes,
 )
 from mlxkv.benchmarks.rows import format_rows, row  # noqa: F401  (format_rows: the suite's printer)
-from mlxkv.cache.manager import blocks_for
+from mlxkv.cache.groups.base import blocks_for
 from mlxkv.config import CacheConfig
 from mlxkv.engine.engine import Engine
 from mlxkv.models.loader import load_model
@@ -68,7 +68,7 @@ def _run(engine: Engine, prompts: list[list[int]], max_tokens: int) -> dict:
     start, peak, peak_copy, all_started = time.perf_counter(), 0, 0, None
     while loop.has_work:
         loop.step()
-        peak = max(peak, engine.block_pool.num_blocks - engine.block_pool.num_free)
+        peak = max(peak, engine.block_pool.in_use)
         peak_copy = max(peak_copy, engine.runner.prefix_nbytes)
         if all_started is None and all(outs):
             all_started = (time.perf_counter(), sum(map(len, outs)))
@@ -103,7 +103,7 @@ def _against_mlx_lm(engine: Engine, prompts: list[list[int]], decode_tokens: int
     their_tokens = [list(t) for t in theirs.token_ids] if hasattr(theirs, "token_ids") else None
     same = their_tokens is None or sum(a == b for a, b in zip(ours["tokens"], their_tokens))
     n_ours, n_theirs = sum(map(len, ours["tokens"])), sum(map(len, their_tokens or ours["tokens"]))
-    layout = engine.layout
+    layout = engine.kv_layout
     longest = max(map(len, prompts)) + decode_tokens
     our_kv = ours["peak_blocks"] * layout.bytes_per_block + ours["peak_copy_bytes"]
     their_kv = len(prompts) * mlx_lm_kv_bytes(layout, longest)
@@ -120,7 +120,7 @@ def _against_mlx_lm(engine: Engine, prompts: list[list[int]], decode_tokens: int
 
 
 def _capacity_row(engine: Engine, prefix: int, decode_tokens: int) -> dict:
-    layout = engine.layout
+    layout = engine.kv_layout
     budget_blocks = BUDGET_BYTES // layout.bytes_per_block
     shared = prefix // BLOCK_SIZE  # the prefix's full blocks, held once
     own = blocks_for(prefix + SUFFIX + decode_tokens, BLOCK_SIZE) - shared

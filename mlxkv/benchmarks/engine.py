@@ -34,7 +34,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.generate import stream_generate
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-from mlxkv.cache.manager import blocks_for
+from mlxkv.cache.groups.base import blocks_for
 from mlxkv.config import CacheConfig
 from mlxkv.engine.engine import PREFILL_STEP, Engine
 from mlxkv.errors import MlxkvError
@@ -113,7 +113,7 @@ def run_engine_benchmark(
 
 
 def describe_model(engine: Engine) -> str:
-    c, lay = engine.loaded.config, engine.layout
+    c, lay = engine.loaded.config, engine.kv_layout
     params = sum(v.size for _, v in tree_flatten(engine.model.parameters()))
     layers = lay.group_layout.num_slots
     pages = "" if lay.num_layers == layers else f" x {lay.num_layers} layers (a page)"
@@ -283,7 +283,7 @@ def mlx_lm_kv_bytes(layout, tokens: int) -> int:
 
 
 def _kv_rows(engine: Engine, prefix: list[int]) -> list[dict]:
-    layout, rows = engine.layout, []
+    layout, rows = engine.kv_layout, []
     bs = layout.block_size
     for n in kv_lengths(len(prefix), bs):
         # A prefix of the prompt cached by the TTFT case, so little is computed;

@@ -7,7 +7,7 @@ For each context and batch size, one decode step's attention of one layer:
   other machines it is the reference path (gather the blocks into a
   contiguous copy, then SDPA), so there the figure measures the gather.
   (The engine spares a lone sequence that gather with its contiguous
-  mirror, kv_mirror.py; at batch 1 the figure is an upper bound.)
+  mirror, mirror.py; at batch 1 the figure is an upper bound.)
 - sdpa: `mx.fast.scaled_dot_product_attention` over the same K/V already
   laid out contiguously, as mlx-lm's own cache holds them.
 

@@ -42,7 +42,7 @@ def run_memory_benchmark(model: str | None = None, log=None) -> list[dict]:
     return [row(
         f"peak memory, {PROMPT_TOKENS} + {NEW_TOKENS} tok, default config", "MiB", ours / 2**20, theirs / 2**20,
         "mlx-lm stream_generate", f"<= {MEMORY_GOAL:.2f}", ratio <= MEMORY_GOAL,
-        f"pool {stats['pool']['num_blocks']} of {stats['pool']['budget_blocks']:,} blocks made "
+        f"pool {stats['pool']['size_blocks']} of {stats['pool']['budget_blocks']:,} blocks made "
         f"({stats['pool_bytes'] / 2**20:.1f} of {stats['pool_budget_bytes'] / 2**20:,.0f} MiB); "
         f"greedy tokens {'identical' if ours_tokens == theirs_tokens else 'DIFFER'}",
         ratio=ratio, tokens_identical=ours_tokens == theirs_tokens, model=describe_model(engine),

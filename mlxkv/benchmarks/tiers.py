@@ -110,7 +110,7 @@ def _ssd_read_row(engine: Engine, block_ids: list[int], directory: Path, log) ->
 
     log(f"ssd read: {len(block_ids)} blocks ...")
     disk = DiskKVCacheConnector(directory / "tier", engine.fingerprint, block_size=16,
-                                num_layers=engine.layout.num_layers, dtype=engine.layout.dtype, min_free_bytes=0)
+                                num_layers=engine.kv_layout.num_layers, dtype=engine.kv_layout.dtype, min_free_bytes=0)
     kvs = engine.kv_pool.read_blocks(block_ids)
     hashes = [bytes([i % 256, i // 256]) * 16 for i in range(len(kvs))]
     disk.cache_blocks(hashes, lambda: kvs)  # as the engine registers a prefill: files of runs
@@ -177,7 +177,7 @@ def _direct_read_seconds(path: Path) -> float:
 def _memory_hydrate_row(engine: Engine, block_ids: list[int], log) -> dict:
     log("memory hydrate ...")
     kvs = engine.kv_pool.read_blocks(block_ids)
-    tier = InMemoryKVCacheConnector(DEFAULT_MEMORY_TIER_BYTES, engine.layout.block_size)
+    tier = InMemoryKVCacheConnector(DEFAULT_MEMORY_TIER_BYTES, engine.kv_layout.block_size)
     hashes = [bytes([i % 256, i // 256]) * 16 for i in range(len(kvs))]
     # Filled as the engine fills it: one allocation evicts a freed
     # sequence's blocks last first, read from the pool in prefix order.
@@ -205,7 +205,7 @@ def _continue_from(engine: Engine, blocks: list, suffix: list[int]) -> tuple[lis
     from mlx_lm.models.cache import KVCache
 
     caches = []
-    for layer in range(engine.layout.num_layers):
+    for layer in range(engine.kv_layout.num_layers):
         cache = KVCache()
         keys = mx.concatenate([b.keys[layer] for b in blocks], axis=1)[None]  # [1, H, T, D]
         values = mx.concatenate([b.values[layer] for b in blocks], axis=1)[None]
@@ -222,7 +222,7 @@ def _continue_from(engine: Engine, blocks: list, suffix: list[int]) -> tuple[lis
 def _quantized_row(engine: Engine, block_ids: list[int], log) -> dict:
     log("8-bit memory tier: greedy and log-prob drift ...")
     kvs = engine.kv_pool.read_blocks(block_ids)
-    tier = InMemoryKVCacheConnector(1 << 40, engine.layout.block_size, quantize_bits=8)
+    tier = InMemoryKVCacheConnector(1 << 40, engine.kv_layout.block_size, quantize_bits=8)
     hashes = [bytes([i % 256, i // 256]) * 16 for i in range(len(kvs))]
     for h, kv in zip(hashes, kvs):
         tier.store(h, kv)
@@ -237,5 +237,5 @@ def _quantized_row(engine: Engine, block_ids: list[int], log) -> dict:
     return row("memory tier 8-bit", "tokens", same, len(exact_tokens), "greedy tokens, exact KV",
                "report", True,
                note=f"first {same} of {len(exact_tokens)} greedy tokens identical after a "
-                    f"{len(kvs) * engine.layout.block_size}-token prefix; max next-token probability "
+                    f"{len(kvs) * engine.kv_layout.block_size}-token prefix; max next-token probability "
                     f"change {drift:.2e}; holds {full / held:.2f}x the blocks of fp32")

@@ -23,7 +23,7 @@ from mlxkv.benchmarks.engine import (
     kv_bytes_per_token,
 )
 from mlxkv.benchmarks.rows import format_rows, row  # noqa: F401  (format_rows: the suite's printer)
-from mlxkv.cache.manager import blocks_for
+from mlxkv.cache.groups.base import blocks_for
 from mlxkv.config import CacheConfig
 from mlxkv.engine.engine import PREFILL_STEP, Engine
 from mlxkv.models.loader import load_model
@@ -45,7 +45,7 @@ def run_windows_benchmark(context: int = 4096, prefix: int = 2048, rounds: int =
     # Room for a few full contexts in every layer: the cases use several cache salts.
     num_blocks = 4 * blocks_for(max(context, prefix) + DECODE_TOKENS, BLOCK_SIZE) * spec.num_layers
     engine = Engine(loaded, CacheConfig(block_size=BLOCK_SIZE, num_blocks=num_blocks, memory_tier_bytes=0))
-    described = describe_model(engine) + f"; groups: {engine.manager.layout.describe()}"
+    described = describe_model(engine) + f"; groups: {engine.cache.group_layout.describe()}"
     log(described)
     vocab = loaded.config["vocab_size"]
     log(f"kv bytes at {context} context ...")
@@ -59,7 +59,7 @@ def run_windows_benchmark(context: int = 4096, prefix: int = 2048, rounds: int =
 
 
 def _kv_row(engine: Engine, prompt: list[int]) -> dict:
-    layout = engine.layout
+    layout = engine.kv_layout
     held = _held_in_decode(engine, prompt)
     ours = held * layout.bytes_per_block
     theirs = _mlx_lm_kv_bytes(engine.model, prompt)
@@ -84,7 +84,7 @@ def _held_in_decode(engine: Engine, prompt: list[int]) -> int:
         loop.step()
         seq = request.seq
         if seq is not None and seq.num_computed > len(prompt):
-            held = max(held, len(seq.held()))
+            held = max(held, len(engine.cache.held(seq)))
     return held
 
 

@@ -70,6 +70,21 @@ class KVPool:
                 mx.eval(pools[layer])
         self.num_blocks = num_blocks
 
+    def shrink(self, moves: list[tuple[int, int]], num_blocks: int) -> None:
+        """Copy each kept block from its old id to its new one, then hold only `num_blocks`
+        blocks (block_pool.py's shrink decides which). A layer at a time, as grow."""
+        src = mx.array([old for old, _ in moves], dtype=mx.int32) if moves else None
+        dst = mx.array([new for _, new in moves], dtype=mx.int32) if moves else None
+        for layer in range(self.layout.num_layers):
+            for pools in (self.keys, self.values):
+                pool = pools[layer]
+                if moves:
+                    pool[dst] = pool[src]
+                pools[layer] = mx.array(pool[:num_blocks])  # a copy: the old buffer can go
+                mx.eval(pools[layer])
+        self.num_blocks = num_blocks
+        mx.clear_cache()  # give the freed buffers back to the system, not MLX's cache
+
     @property
     def arrays(self) -> list[mx.array]:
         """Every layer's K and V pool: what to evaluate so queued writes land."""

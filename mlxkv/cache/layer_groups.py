@@ -40,19 +40,8 @@ class KVGroup:
     """A group of cache slots with one rule, stored in the pages of one block table."""
 
     index: int
-    kind: str  # FULL or SLIDING
-    window: int | None  # tokens, for SLIDING
+    window: int | None  # tokens of a sliding window; None: full attention
     slots: tuple[int, ...]  # cache slots, in page-layer order
-
-    def first_needed_block(self, position: int, block_size: int) -> int:
-        """The first block the query at `position` (and any after it) attends to."""
-        if self.window is None:
-            return 0
-        return max(0, position - self.window + 1) // block_size
-
-    def first_visible(self, position: int) -> int:
-        """The first position the query at `position` attends to."""
-        return 0 if self.window is None else max(0, position - self.window + 1)
 
     def describe(self) -> str:
         return FULL if self.window is None else f"{SLIDING}{self.window}"
@@ -69,7 +58,7 @@ class GroupLayout:
     @classmethod
     def plain(cls, num_slots: int) -> GroupLayout:
         """Every slot full attention: one group, a page of every layer."""
-        return cls((KVGroup(0, FULL, None, tuple(range(num_slots))),), num_slots, num_slots)
+        return cls((KVGroup(0, None, tuple(range(num_slots))),), num_slots, num_slots)
 
     @property
     def is_plain(self) -> bool:
@@ -121,8 +110,7 @@ def group_layout(caches: list) -> GroupLayout:
     for window in sorted(kinds, key=lambda w: (w is not None, w or 0)):
         slots = kinds[window]
         for start in range(0, len(slots), page):
-            kind = FULL if window is None else SLIDING
-            groups.append(KVGroup(len(groups), kind, window, tuple(slots[start : start + page])))
+            groups.append(KVGroup(len(groups), window, tuple(slots[start : start + page])))
     return GroupLayout(tuple(groups), len(caches), page, tuple(recurrent), tuple(recurrent.values()))
 
 

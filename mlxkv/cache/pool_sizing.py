@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from mlxkv.cache.block_pool import GROW_MIN_BLOCKS
 from mlxkv.cache.kv_pool import KVLayout
-from mlxkv.cache.manager import blocks_for
+from mlxkv.cache.groups.base import blocks_for
 from mlxkv.config import DEFAULT_MEMORY_SHARE, CacheConfig
 from mlxkv.errors import MlxkvError
 from mlxkv.system.machine import physical_memory

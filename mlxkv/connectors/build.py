@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from mlxkv.connectors.base import NoopKVCacheConnector
+from mlxkv.cache.connector import NoopKVCacheConnector
 from mlxkv.connectors.memory import InMemoryKVCacheConnector
 from mlxkv.connectors.tiered import TieredKVCacheConnector
 
@@ -11,11 +11,6 @@ def build_connector(cache_config, fingerprint: bytes, layout):
     """The connector a CacheConfig asks for: explicit, tiers, or the no-op."""
     if cache_config.connector is not None:
         return cache_config.connector
-    memory = None
-    if cache_config.memory_tier_bytes:
-        memory = InMemoryKVCacheConnector(
-            cache_config.memory_tier_bytes, layout.block_size, cache_config.memory_tier_bits
-        )
     disk = None
     if cache_config.disk_tier is not None:
         from mlxkv.connectors.disk.connector import DiskKVCacheConnector
@@ -31,6 +26,9 @@ def build_connector(cache_config, fingerprint: bytes, layout):
         if disk.disabled:  # it warned why; left in, it would show as an empty tier
             disk.close()
             disk = None
-    if memory and disk:
-        return TieredKVCacheConnector(memory, disk)
-    return memory or disk or NoopKVCacheConnector()
+    memory_bytes, bits = cache_config.memory_tier_bytes, cache_config.memory_tier_bits
+    if memory_bytes and disk:
+        return TieredKVCacheConnector(disk, memory_bytes, layout.block_size, bits)
+    if memory_bytes:
+        return InMemoryKVCacheConnector(memory_bytes, layout.block_size, bits)
+    return disk or NoopKVCacheConnector()

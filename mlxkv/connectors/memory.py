@@ -18,13 +18,11 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-
 import mlx.core as mx
 
 from mlxkv.cache.block_kv import BlockKV, KVRun
-from mlxkv.cache.checkpoints import States, states_nbytes
-from mlxkv.connectors.base import LoadedBlock, LoadedCheckpoint, TierStats
+from mlxkv.cache.checkpoints import Checkpoint
+from mlxkv.cache.connector import LoadedBlock, LoadedCheckpoint, TierStats
 from mlxkv.errors import MlxkvError
 from mlxkv.cache.hashing import BlockHash
 from mlxkv.cache.tiers import MEMORY
@@ -55,14 +53,6 @@ class _Quantized:
         return x.reshape(self.shape).astype(self.dtype)
 
 
-@dataclass(frozen=True)
-class _Checkpoint:
-    """A recurrent-state checkpoint held in the tier's one LRU beside the blocks (kept exact)."""
-
-    states: States
-    nbytes: int
-
-
 class InMemoryKVCacheConnector:
     def __init__(
         self,
@@ -71,7 +61,7 @@ class InMemoryKVCacheConnector:
         quantize_bits: int | None = None,
         on_evict: Callable[[BlockHash, BlockKV], None] | None = None,
         tier_name: str = MEMORY,
-        on_evict_checkpoint: Callable[[BlockHash, States], None] | None = None,
+        on_evict_checkpoint: Callable[[Checkpoint], None] | None = None,
     ):
         if quantize_bits not in (None, 4, 8):
             raise MlxkvError(f"memory tier quantization must be 4 or 8 bits, got {quantize_bits}")
@@ -116,24 +106,27 @@ class InMemoryKVCacheConnector:
         pass  # the pool holds registered blocks; this tier takes them on eviction
 
     def has_checkpoint(self, key: BlockHash) -> bool:
-        return isinstance(self._blocks.get(key), _Checkpoint)
+        return isinstance(self._blocks.get(key), Checkpoint)
 
     def load_checkpoint(self, key: BlockHash) -> LoadedCheckpoint | None:
         held = self._blocks.get(key)
-        if not isinstance(held, _Checkpoint):
+        if not isinstance(held, Checkpoint):
             return None
         self._blocks.move_to_end(key)
         self._stats.hydrations += 1
         return LoadedCheckpoint(key, held.states, self.tier_name)
 
-    def cache_checkpoint(self, key: BlockHash, states: States) -> None:
+    def cache_checkpoint(self, checkpoint: Checkpoint) -> None:
         pass  # as with blocks: the pool's store holds it; this tier takes it on eviction
 
-    def evict_checkpoint(self, key: BlockHash, states: States) -> None:
-        if key in self._blocks:
-            self._blocks.move_to_end(key)
-        elif self._keep(key, _Checkpoint(states, states_nbytes(states))):
+    def evict_checkpoint(self, checkpoint: Checkpoint) -> None:
+        if checkpoint.key in self._blocks:
+            self._blocks.move_to_end(checkpoint.key)
+        elif self._keep(checkpoint.key, checkpoint):
             self._stats.spills += 1
+
+    def checkpoint_refs(self):
+        return []  # it holds only what this process's store let go of
 
     def evict_blocks(self, block_hashes: Sequence[BlockHash], read) -> None:
         wanted = []
@@ -194,9 +187,9 @@ class InMemoryKVCacheConnector:
             old_key = next(iter(self._blocks))
             old = self._drop(old_key)
             self._stats.evictions += 1
-            if isinstance(old, _Checkpoint):
+            if isinstance(old, Checkpoint):
                 if self.on_evict_checkpoint is not None:
-                    self.on_evict_checkpoint(old_key, old.states)
+                    self.on_evict_checkpoint(old)
             elif self.on_evict is not None:
                 self.on_evict(old_key, self._restore(old))
         return True
@@ -215,7 +208,7 @@ class InMemoryKVCacheConnector:
         return run.block(0, kv.group)
 
     def _hold(self, block_hash: BlockHash, stored) -> None:
-        if isinstance(stored, _Checkpoint):
+        if isinstance(stored, Checkpoint):
             self._stats.bytes_held += stored.nbytes
             self._stats.checkpoints += 1
             return
@@ -232,7 +225,7 @@ class InMemoryKVCacheConnector:
 
     def _drop(self, block_hash: BlockHash):
         stored = self._blocks.pop(block_hash)
-        if isinstance(stored, _Checkpoint):
+        if isinstance(stored, Checkpoint):
             self._stats.bytes_held -= stored.nbytes
             self._stats.checkpoints -= 1
             return stored
@@ -279,7 +272,7 @@ class InMemoryKVCacheConnector:
 
     @staticmethod
     def _nbytes(stored) -> int:
-        if isinstance(stored, _Checkpoint):
+        if isinstance(stored, Checkpoint):
             return stored.nbytes
         if isinstance(stored, BlockKV):
             return stored.run.nbytes

@@ -3,24 +3,25 @@
 What the memory tier pushes out goes to SSD; an SSD hit is promoted into
 memory. Newly full blocks are written through to SSD at registration, so a
 restart finds everything the previous process computed, not only what it
-happened to evict.
+happened to evict. This connector makes its memory tier, so the tier's
+hooks into the SSD tier are set by their owner when it is made.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from mlxkv.connectors.base import LoadedBlock, LoadedCheckpoint
-from mlxkv.connectors.memory import InMemoryKVCacheConnector
+from mlxkv.cache.checkpoints import Checkpoint
+from mlxkv.cache.connector import LoadedBlock, LoadedCheckpoint
 from mlxkv.cache.hashing import BlockHash
+from mlxkv.connectors.memory import InMemoryKVCacheConnector
 
 
 class TieredKVCacheConnector:
-    def __init__(self, memory: InMemoryKVCacheConnector, disk):
-        self.memory = memory
+    def __init__(self, disk, memory_bytes: int, block_size: int, memory_bits: int | None = None):
         self.disk = disk
-        memory.on_evict = self._spill_to_disk
-        memory.on_evict_checkpoint = self.disk.evict_checkpoint
+        self.memory = InMemoryKVCacheConnector(memory_bytes, block_size, memory_bits, on_evict=self._spill_to_disk,
+                                               on_evict_checkpoint=disk.evict_checkpoint)
 
     def _spill_to_disk(self, block_hash: BlockHash, kv) -> None:
         if not self.disk.contains(block_hash):
@@ -32,11 +33,14 @@ class TieredKVCacheConnector:
     def load_checkpoint(self, key: BlockHash) -> LoadedCheckpoint | None:
         return self.memory.load_checkpoint(key) or self.disk.load_checkpoint(key)
 
-    def cache_checkpoint(self, key: BlockHash, states) -> None:
-        self.disk.cache_checkpoint(key, states)  # written through, as blocks are
+    def cache_checkpoint(self, checkpoint: Checkpoint) -> None:
+        self.disk.cache_checkpoint(checkpoint)  # written through, as blocks are
 
-    def evict_checkpoint(self, key: BlockHash, states) -> None:
-        self.memory.evict_checkpoint(key, states)
+    def evict_checkpoint(self, checkpoint: Checkpoint) -> None:
+        self.memory.evict_checkpoint(checkpoint)
+
+    def checkpoint_refs(self):
+        return self.disk.checkpoint_refs()
 
     def get_computed_blocks(self, block_hashes: Sequence[BlockHash]) -> int:
         n = self.memory.get_computed_blocks(block_hashes)
@@ -66,4 +70,3 @@ class TieredKVCacheConnector:
 
     def close(self) -> None:
         self.disk.close()
-

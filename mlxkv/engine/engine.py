@@ -11,12 +11,10 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from mlxkv.attention.dispatch import choose_attention
-from mlxkv.cache.block_pool import BlockPool
-from mlxkv.cache.checkpoints import CheckpointStore
+from mlxkv.cache.coordinator import KVCacheCoordinator
 from mlxkv.cache.fingerprint import model_fingerprint
 from mlxkv.cache.hashing import root_hash
 from mlxkv.cache.kv_pool import KVPool
-from mlxkv.cache.manager import KVCacheManager
 from mlxkv.cache.pool_sizing import checkpoint_budget, initial_blocks, size_pool
 from mlxkv.chat import prompting
 from mlxkv.config import CacheConfig
@@ -55,31 +53,31 @@ class Engine:
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
         self.cache_config = cache
-        self.layout = probe_kv_layout(loaded, cache.block_size)
-        groups = self.layout.group_layout
-        self.fingerprint = model_fingerprint(self.model, loaded.config, self.layout.dtype, cache.block_size,
+        self.kv_layout = probe_kv_layout(loaded, cache.block_size)
+        groups = self.kv_layout.group_layout
+        self.fingerprint = model_fingerprint(self.model, loaded.config, self.kv_layout.dtype, cache.block_size,
                                              None if groups.is_plain else groups.describe())
-        budget = size_pool(cache, self.layout, loaded.max_context, device)
+        budget = size_pool(cache, self.kv_layout, loaded.max_context, device)
         # The pool grows on demand to its budget (block_pool.py): memory as sequences need it.
-        self.kv_pool = KVPool(self.layout, initial_blocks(budget))
-        self.block_pool = BlockPool(budget, initial=self.kv_pool.num_blocks, on_grow=self.kv_pool.grow)
-        self.connector = build_connector(cache, self.fingerprint, self.layout)
-        self.checkpoints = (CheckpointStore(checkpoint_budget(cache, self.layout, budget),
-                                            write_ratio=cache.checkpoint_write_ratio)
-                            if groups.has_recurrent else None)
-        self.manager = KVCacheManager(self.block_pool, cache.block_size, self.kv_pool, self.connector, groups,
-                                      self.checkpoints, cache.checkpoint_interval)
-        lay = self.layout
+        self.kv_pool = KVPool(self.kv_layout, initial_blocks(budget))
+        self.connector = build_connector(cache, self.fingerprint, self.kv_layout)
+        self.cache = KVCacheCoordinator(
+            groups, cache.block_size, budget, kv_pool=self.kv_pool, connector=self.connector,
+            initial=self.kv_pool.num_blocks, checkpoint_budget=checkpoint_budget(cache, self.kv_layout, budget),
+            checkpoint_interval=cache.checkpoint_interval, checkpoint_write_ratio=cache.checkpoint_write_ratio)
+        self.block_pool = self.cache.pool
+        lay = self.kv_layout
         self.attention = choose_attention(cache.attention, lay.dtype, lay.head_dim, lay.v_head_dim, lay.block_size,
                                           loaded.config.get("num_attention_heads", lay.n_kv_heads), lay.n_kv_heads)
-        self.runner = ModelRunner(self.model, self.kv_pool, self.attention.path, groups)
+        self.runner = ModelRunner(self.model, self.kv_pool, self.cache, self.attention.path)
         model_bytes = sum(v.nbytes for _, v in tree_flatten(self.model.parameters()))
-        self.loop = BatchLoop(self.manager, self.runner, self.tokenizer.eos_token_ids, prefill_chunk, max_running,
+        self.loop = BatchLoop(self.cache, self.runner, self.tokenizer.eos_token_ids, prefill_chunk, max_running,
                               WiredLimit(model_bytes, device))
-        peak = None if groups.is_plain else (lambda n: self.manager.peak_blocks(n, prefill_chunk))
+        peak = None if groups.is_plain else (lambda n: self.cache.peak_blocks(n, prefill_chunk))
         self.limits = RequestLimits(loaded.vocab_size, loaded.max_context, budget,
                                     cache.block_size, peak)
         self._request_ids = itertools.count()
+        self._shrunk_after: int | None = None  # requests served at the last shrink
 
     @classmethod
     def load(cls, model: str, cache: CacheConfig | None = None, **cache_fields) -> Engine:
@@ -224,10 +222,10 @@ class Engine:
         """Pool state and configuration, as plain data."""
         return {
             "model": self.loaded.name,
-            "block_size": self.layout.block_size,
-            "kv_bytes_per_block": self.layout.bytes_per_block,
+            "block_size": self.kv_layout.block_size,
+            "kv_bytes_per_block": self.kv_layout.bytes_per_block,
             "pool_bytes": self.kv_pool.nbytes,
-            "pool_budget_bytes": self.block_pool.budget * self.layout.bytes_per_block,
+            "pool_budget_bytes": self.block_pool.budget * self.kv_layout.bytes_per_block,
             "prefix_cache": self.cache_config.prefix_cache,
             "requests": self.loop.requests_served,
             "attention": self.attention.as_dict(),
@@ -236,8 +234,34 @@ class Engine:
             **({"checkpoints": self.checkpoints.stats()} if self.checkpoints is not None else {}),
         }
 
+    def idle(self, seconds: float) -> None:
+        """Use a pause: whoever drives the engine (EngineThread) says how long it has had no request.
+
+        After `idle_checkpoint_s` a hybrid's newest checkpoints go to the SSD
+        tier; after `idle_shrink_s` the pool gives memory back, once per
+        busy spell (cache/block_pool.py's shrink).
+        """
+        if self.loop.has_work:
+            return
+        config = self.cache_config
+        if seconds >= config.idle_checkpoint_s:
+            self.cache.write_pending_checkpoints()
+        served = self.loop.requests_served
+        if seconds >= config.idle_shrink_s and self._shrunk_after != served:
+            self._shrunk_after = served
+            before = self.kv_pool.nbytes
+            self.cache.shrink()
+            log.info("idle: the KV pool gave back %.1f MiB", (before - self.kv_pool.nbytes) / 2**20)
+
+    @property
+    def checkpoints(self):
+        """A hybrid model's checkpoint store (None for other models)."""
+        return self.cache.recurrent.store if self.cache.recurrent is not None else None
+
     def close(self) -> None:
-        """Finish the connector's pending work (e.g. SSD writes)."""
+        """Leave what a restart needs on the SSD tier (a hybrid's newest checkpoints), then
+        finish the connector's pending work (its writes)."""
+        self.cache.write_pending_checkpoints()
         self.connector.close()
 
     def __enter__(self):

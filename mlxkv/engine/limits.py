@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from mlxkv.cache.manager import blocks_for
+from mlxkv.cache.groups.base import blocks_for
 from mlxkv.engine.sampling import whole
 from mlxkv.errors import MlxkvError
 
@@ -19,7 +19,7 @@ class RequestLimits:
     num_blocks: int
     block_size: int
     # Blocks one sequence of n tokens holds at its peak, all layer groups
-    # together (KVCacheManager.peak_blocks); None: one block per block of tokens.
+    # together (KVCacheCoordinator.peak_blocks); None: one block per block of tokens.
     peak_blocks: Callable[[int], int] | None = None
 
     def blocks_needed(self, num_tokens: int) -> int:

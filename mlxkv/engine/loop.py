@@ -1,7 +1,7 @@
 """Continuous batching: many requests on one pool, a step at a time.
 
-A step is three lines: schedule (scheduler.py) → run (run.py) →
-postprocess (postprocess.py). Requests join and leave between steps;
+A step is schedule (scheduler.py) → run (run.py) → postprocess
+(postprocess.py), pipelined (see `step`). Requests join and leave between steps;
 each answers through its own sink, so any number can stream at once.
 The loop is not thread-safe: one thread (the engine thread) steps it, and
 `add` refuses a second thread while the first has work.
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from mlxkv.cache.manager import KVCacheManager
+from mlxkv.cache.coordinator import KVCacheCoordinator
 from mlxkv.cache.sequence import Sequence
 from mlxkv.engine.model_runner import ModelRunner
 from mlxkv.engine.postprocess import postprocess, register_prefill
@@ -41,12 +41,13 @@ class BatchLoop:
     """Owns the requests in flight: the scheduler's queues, the sequences
     running now, and how many requests it has served."""
 
-    def __init__(self, manager: KVCacheManager, runner: ModelRunner, eos, prefill_chunk: int,
+    def __init__(self, cache: KVCacheCoordinator, runner: ModelRunner, eos, prefill_chunk: int,
                  max_running: int = 64, wired: WiredLimit | None = None):
+        self.cache = cache
         self.runner = runner
         self.wired = wired or WiredLimit(device=_NoDevice())
         self.eos = eos
-        self.scheduler = Scheduler(manager, prefill_chunk, max_running,
+        self.scheduler = Scheduler(cache, prefill_chunk, max_running,
                                    on_start=self._on_start, on_release=self._on_release)
         self.running: dict[int, Sequence] = {}  # by request id: what a pool view reads
         self.requests_served = 0
@@ -94,7 +95,7 @@ class BatchLoop:
                 self._last_sampled = {}
             plan = self.scheduler.schedule()
             flight = self._queue(plan)
-            finished += register_prefill(plan, self.scheduler.manager)
+            finished += register_prefill(plan, self.cache)
             finished += self._read_in_flight()
             self._in_flight = flight
         except Exception as e:  # a bug or a failed step ends the requests in it, not the loop
@@ -113,7 +114,7 @@ class BatchLoop:
             inputs = mx.concatenate(
                 [t if t is not None else mx.array([r.seq.last_token]) for t, r in zip(last, plan.decode)]
             )[:, None]
-        sampled = run_step(plan, self.runner, inputs)
+        sampled = run_step(plan, self.runner, self.cache, inputs)
         if sampled is None:
             return None
         # The pool's writes too: a lone sequence attends to its mirror, so
@@ -142,12 +143,8 @@ class BatchLoop:
 
     def fail_all(self, message: str) -> list[Request]:
         self._in_flight, self._last_sampled = None, {}
-        failed = list(self.scheduler.running) + list(self.scheduler.waiting)
-        for request in list(self.scheduler.running):
-            self.scheduler.finish(request)
-        self.scheduler.waiting.clear()
+        failed = self.scheduler.fail_all()
         for request in failed:
-            request.state = RequestState.FINISHED
             request.sink(RequestFailed(message))
         return failed
 

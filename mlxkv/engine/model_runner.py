@@ -1,13 +1,15 @@
 """Runs the unmodified mlx-lm model over the paged pool for one step.
 
-Attention layers get paged caches over the pool. Recurrent layers of a
-hybrid model get mlx-lm's own `ArraysCache`, holding the rows' states
-stacked along the batch; the step's new states go back to each sequence,
-and a step that ends on a block boundary keeps them as a snapshot, the
-checkpoint the sequence may leave there (cache/checkpoints.py).
+Attention layers get paged caches over the pool, from the block tables
+the cache coordinator keeps. Recurrent layers of a hybrid model get
+mlx-lm's own `ArraysCache`, holding the rows' states stacked along the
+batch (the recurrent manager's); the step's new states are returned with
+the logits, and the coordinator records them.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import mlx.core as mx
 
@@ -15,27 +17,34 @@ from mlxkv.attention.dispatch import route_model_attention
 from mlxkv.attention.mirror import KVMirror
 from mlxkv.attention.paged_cache import GroupTables, PagedBatch, PagedKVCache
 from mlxkv.attention.shared_prefix import SharedPrefix, shared_blocks
+from mlxkv.cache.coordinator import KVCacheCoordinator
 from mlxkv.cache.kv_pool import KVPool
-from mlxkv.cache.layer_groups import GroupLayout
 from mlxkv.cache.sequence import Sequence
 from mlxkv.models.compat import ArraysCache
 
-# Snapshots a sequence keeps: the boundary a finished reply may leave its
-# checkpoint at, and the one before it (a pipelined step may pass the last
-# boundary with a token the request then drops).
-SNAPSHOTS_KEPT = 2
+
+@dataclass
+class StepOutput:
+    logits: mx.array  # [B, vocab] at each row's last position
+    states: list | None  # per recurrent slot, per state array: the rows' new states stacked; None: no such slots
+
+    @property
+    def state_arrays(self) -> list[mx.array]:
+        """The new states: what to evaluate after a prefill chunk."""
+        return [a for slot in self.states or () for a in slot if a is not None]
 
 
 class ModelRunner:
-    def __init__(self, model, kv_pool: KVPool, attention: str = "reference", layout: GroupLayout | None = None):
+    def __init__(self, model, kv_pool: KVPool, cache: KVCacheCoordinator, attention: str = "reference"):
         self.model = model
         self.kv_pool = kv_pool
+        self.cache = cache
         self.attention = attention
-        self.layout = layout or GroupLayout.plain(len(model.layers))
-        self.num_layers = self.layout.num_slots
+        self.group_layout = cache.group_layout
+        self.num_slots = self.group_layout.num_slots  # cache slots of the model (its make_cache() length)
         # (group, page layer) of each attention cache slot.
-        self._places = {slot: (g.index, j) for g in self.layout.groups for j, slot in enumerate(g.slots)}
-        # Contiguous K/V copies of lone running sequences (see kv_mirror.py).
+        self._places = {slot: (g.index, j) for g in self.group_layout.groups for j, slot in enumerate(g.slots)}
+        # Contiguous K/V copies of lone running sequences (see mirror.py).
         self._mirrors: dict[int, KVMirror] = {}
         # The shared prefix of the last batched decode step (see cascade.py).
         self._prefix: SharedPrefix | None = None
@@ -51,10 +60,10 @@ class ModelRunner:
             return None
         key = seqs[0].request_id
         if key not in self._mirrors:
-            self._mirrors[key] = KVMirror(self.num_layers)
+            self._mirrors[key] = KVMirror(self.num_slots)
         return self._mirrors[key]
 
-    def _prefix_for(self, seqs: list[Sequence], num_new: int) -> SharedPrefix | None:
+    def _prefix_for(self, seqs: list[Sequence], tables: list, num_new: int) -> SharedPrefix | None:
         """The shared prefix for cascade attention, or None.
 
         A batched decode step (B >= 2, one token each) updates the copy or
@@ -64,27 +73,27 @@ class ModelRunner:
         """
         if len(seqs) < 2 or num_new != 1:
             return None
-        cascade = self.attention == "reference" and self._routed and self.layout.is_plain
-        blocks = shared_blocks(seqs, self.kv_pool.layout.block_size) if cascade else []
+        cascade = self.attention == "reference" and self._routed and self.group_layout.is_plain
+        limit = min(s.num_computed for s in seqs)
+        blocks = shared_blocks([t[0] for t in tables], limit, self.kv_pool.layout.block_size) if cascade else []
         if not blocks:
             self._prefix = None
             return None
         if self._prefix is None:
-            self._prefix = SharedPrefix(self.num_layers)
+            self._prefix = SharedPrefix(self.num_slots)
         self._prefix.update(blocks, self.kv_pool, {s.request_id for s in seqs})
         return self._prefix
 
     @staticmethod
-    def _group_tables(seqs: list[Sequence], g: int, window: int | None, offsets: list[int], num_new: int,
+    def _group_tables(tables: list[list], window: int | None, offsets: list[int], num_new: int,
                       block_size: int) -> GroupTables:
         """A group's tables from each row's first held block (a sliding window holds no earlier ones)."""
-        tables, starts = [], []
-        for seq in seqs:
-            table = seq.tables[g]
+        ids, starts = [], []
+        for table in tables:
             first = next(i for i, block in enumerate(table) if block is not None)
-            tables.append([block.block_id for block in table[first:]])
+            ids.append([block.block_id for block in table[first:]])
             starts.append(first * block_size)
-        return GroupTables.build(tables, starts, offsets, num_new, block_size, window)
+        return GroupTables.build(ids, starts, offsets, num_new, block_size, window)
 
     @property
     def prefix_nbytes(self) -> int:
@@ -97,65 +106,38 @@ class ModelRunner:
         if self._prefix is not None and self._prefix.release(seq.request_id):
             self._prefix = None
 
-    def forward(self, seqs: list[Sequence], tokens: mx.array, mirror: bool = True) -> mx.array:
-        """Logits `[B, vocab]` at the last position of `tokens [B, L]`.
+    def forward(self, seqs: list[Sequence], tokens: mx.array, mirror: bool = True) -> StepOutput:
+        """The logits at the last position of `tokens [B, L]`, and the recurrent slots' new states.
 
         `mirror=False` keeps a lone sequence off its contiguous mirror (a
         batch's prefill chunks: the values are the same, without the copy).
-
-        The caller has allocated slots for the L new tokens of each
-        sequence; this advances each sequence's `num_computed` by L.
+        The caller has allocated slots for the L new tokens of each sequence.
         """
         num_new = tokens.shape[1]
         offsets = [s.num_computed for s in seqs]
         bs = self.kv_pool.layout.block_size
-        groups = tuple(self._group_tables(seqs, g.index, g.window, offsets, num_new, bs) for g in self.layout.groups)
+        tables = [self.cache.tables(s) for s in seqs]
+        groups = tuple(self._group_tables([t[g.index] for t in tables], g.window, offsets, num_new, bs)
+                       for g in self.group_layout.groups)
         batch = PagedBatch.of_groups(groups, offsets, num_new, bs, self.attention,
-                                     self._mirror_for(seqs, mirror), self._prefix_for(seqs, num_new))
-        caches: list = [None] * self.num_layers
+                                     self._mirror_for(seqs, mirror), self._prefix_for(seqs, tables, num_new))
+        caches: list = [None] * self.num_slots
         for slot, (g, j) in self._places.items():
             caches[slot] = PagedKVCache(self.kv_pool, j, batch, g, slot)
         recurrent = self._recurrent_caches(seqs)
-        for slot, cache in zip(self.layout.recurrent, recurrent):
+        for slot, cache in zip(self.group_layout.recurrent, recurrent):
             caches[slot] = cache
         logits = self.model(tokens, cache=caches)
-        for s in seqs:
-            s.num_computed += num_new
-        if recurrent:
-            self._keep_states(seqs, recurrent)
-        return logits[:, -1, :]
+        states = [list(c.cache) for c in recurrent] if recurrent else None
+        return StepOutput(logits[:, -1, :], states)
 
     def _recurrent_caches(self, seqs: list[Sequence]) -> list:
         """An ArraysCache per recurrent slot, its arrays the rows' states stacked."""
+        if self.cache.recurrent is None:
+            return []
         caches = []
-        for j, size in enumerate(self.layout.state_sizes):
+        for size, arrays in zip(self.group_layout.state_sizes, self.cache.recurrent.batch_states([s.request_id for s in seqs])):
             cache = ArraysCache(size)
-            rows = [s.states[j] if s.states is not None else (None,) * size for s in seqs]
-            cache.cache = [_stacked([row[e] for row in rows]) for e in range(size)]
+            cache.cache = arrays
             caches.append(cache)
         return caches
-
-    def _keep_states(self, seqs: list[Sequence], caches: list) -> None:
-        bs = self.kv_pool.layout.block_size
-        for i, seq in enumerate(seqs):
-            one = len(seqs) == 1
-            seq.states = tuple(tuple(a if one or a is None else a[i : i + 1] for a in c.cache) for c in caches)
-            if seq.num_computed % bs == 0:
-                seq.snapshots[seq.num_computed] = seq.states
-                while len(seq.snapshots) > SNAPSHOTS_KEPT:
-                    del seq.snapshots[min(seq.snapshots)]
-
-    @staticmethod
-    def state_arrays(seqs: list[Sequence]) -> list[mx.array]:
-        """The recurrent state arrays of these sequences: what to evaluate after a prefill chunk."""
-        return [a for s in seqs if s.states for slot in s.states for a in slot if a is not None]
-
-
-def _stacked(arrays: list) -> mx.array | None:
-    """Rows stacked along the batch; a row not started yet is zeros, as a fresh state is."""
-    if len(arrays) == 1:
-        return arrays[0]
-    first = next((a for a in arrays if a is not None), None)
-    if first is None:
-        return None
-    return mx.concatenate([a if a is not None else mx.zeros_like(first) for a in arrays])

@@ -5,7 +5,7 @@ per token (the last one with finish_reason and stats), or one
 `RequestFailed` for a request dropped on a cancel while it waited (before
 its first token, or after a preemption: then with its stats).
 
-Steps are pipelined (batching.py): a step's tokens are handed out after the
+Steps are pipelined (loop.py): a step's tokens are handed out after the
 next step is queued, so a request that ended on its previous token may
 have one more row here, which is dropped.
 """
@@ -21,14 +21,14 @@ from mlxkv.engine.request import Request, RequestState
 from mlxkv.engine.scheduler import Scheduler, StepPlan
 
 
-def register_prefill(plan: StepPlan, manager) -> list[Request]:
+def register_prefill(plan: StepPlan, cache) -> list[Request]:
     """Register the blocks the plan's prefill filled; end the requests it dropped.
 
     Runs as soon as the step is queued, so the next step's admissions hit
     those blocks. Returns the dropped (cancelled) requests.
     """
     for request, _ in plan.prefill:
-        manager.cache_blocks(request.seq)
+        cache.register_computed(request.seq)
     for request in plan.cancelled:
         if request.output:  # preempted, then cancelled while it waited for blocks
             _finish_stats(request, time.perf_counter())
@@ -40,15 +40,14 @@ def register_prefill(plan: StepPlan, manager) -> list[Request]:
 
 def postprocess(plan: StepPlan, sampled: list[int], scheduler: Scheduler, eos) -> list[Request]:
     """Hand out the tokens of the plan's decode rows; returns the requests that finished."""
-    manager = scheduler.manager
+    cache = scheduler.cache
     finished = []
     now = time.perf_counter()
     for request, token in zip(plan.decode, sampled):
         if request.state != RequestState.RUNNING:
             continue  # it ended on its previous token; this row was speculative
-        request.seq.output.append(token)
-        request.output.append(token)
-        manager.cache_blocks(request.seq, store_now=False)
+        request.append_token(token)
+        cache.register_computed(request.seq, store_now=False)
         if request.first_token_at is None:
             _first_token(request, now)
         finish = _finish_reason(request, token, eos)

@@ -4,6 +4,12 @@ A request outlives its `Sequence`. Admission makes a sequence of the
 tokens known so far (prompt, then any output before a preemption);
 preemption releases it, leaving its full blocks cached in the pool (or
 spilled to a tier), so the next admission starts on prefix hits.
+
+Its state moves only through `start`, `preempt` and `finish`:
+
+    WAITING --start--> RUNNING --finish--> FINISHED
+       ^                  |
+       +----preempt-------+          (a waiting request may finish too: a cancel)
 """
 
 from __future__ import annotations
@@ -14,9 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from mlxkv.cache.hashing import BlockHash
-from mlxkv.engine.records import RequestStats
 from mlxkv.cache.sequence import Sequence
-
+from mlxkv.engine.records import RequestStats
 
 
 class RequestState(enum.Enum):
@@ -24,6 +29,13 @@ class RequestState(enum.Enum):
     RUNNING = "running"  # holds blocks in the scheduler's running list
     FINISHED = "finished"
 
+
+_MOVES = {
+    (RequestState.WAITING, RequestState.RUNNING),
+    (RequestState.RUNNING, RequestState.WAITING),
+    (RequestState.WAITING, RequestState.FINISHED),
+    (RequestState.RUNNING, RequestState.FINISHED),
+}
 
 Sink = Callable[[object], None]  # takes GenerationChunk / RequestFailed records
 
@@ -45,7 +57,7 @@ class Request:
     arrival: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
     # Decode tokens queued on the device so far; more than len(output)
-    # while a pipelined step is in flight (batching.py).
+    # while a pipelined step is in flight (loop.py).
     issued: int = 0
     _waiting_since: float | None = None
 
@@ -60,30 +72,35 @@ class Request:
     def cancelled(self) -> bool:
         return self.should_stop is not None and self.should_stop()
 
-    @property
-    def preemptions(self) -> int:
-        return 0 if self.stats is None else self.stats.preemptions
+    def _move(self, to: RequestState) -> None:
+        if (self.state, to) not in _MOVES:
+            raise RuntimeError(f"request {self.request_id}: no move from {self.state.value} to {to.value}")
+        self.state = to
 
-    def new_sequence(self) -> Sequence:
-        """A sequence of every token known so far; its last one is computed in decode."""
-        self.seq = Sequence(self.request_id, self.tokens, self.hash_root)
-        return self.seq
-
-    def started(self, now: float, stats: RequestStats) -> None:
-        """Admitted: the wait since arrival (or since a preemption) ends."""
+    def start(self, now: float, seq: Sequence, stats: RequestStats) -> None:
+        """Admitted on `seq`: the wait since arrival (or since a preemption) ends."""
+        self._move(RequestState.RUNNING)
         waited = now - self._waiting_since
         if self.stats is None:
             self.stats = stats
             stats.queued_s = waited
         else:
             self.stats.preempted_s += waited
-        self.state = RequestState.RUNNING
+        self.seq = seq
 
-    def preempted(self, now: float) -> None:
+    def preempt(self, now: float) -> None:
+        self._move(RequestState.WAITING)
         self.stats.preemptions += 1
         self.seq = None
-        self.state = RequestState.WAITING
         self._waiting_since = now
+
+    def finish(self) -> None:
+        self._move(RequestState.FINISHED)
+
+    def append_token(self, token: int) -> None:
+        """A token the request keeps: its output and its running sequence's."""
+        self.output.append(token)
+        self.seq.output.append(token)
 
     @property
     def remaining_prefill(self) -> int:

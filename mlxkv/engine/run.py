@@ -4,18 +4,21 @@ Each prefill chunk is its own forward of one sequence, the same shapes a
 solo run computes, so a batched request's KV equals its solo run's. All
 requests ready to decode then go through one forward of B rows, one new
 token each, with per-row RoPE offsets, block tables and context lengths
-(paged_cache.PagedBatch); the kernel path serves batch x heads.
+(paged_cache.PagedBatch); the kernel path serves batch x heads. The runner
+returns what each forward computed; the cache coordinator records it.
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
 
+from mlxkv.cache.coordinator import KVCacheCoordinator
 from mlxkv.engine.model_runner import ModelRunner
 from mlxkv.engine.scheduler import StepPlan
 
 
-def run_step(plan: StepPlan, runner: ModelRunner, decode_inputs: mx.array | None) -> mx.array | None:
+def run_step(plan: StepPlan, runner: ModelRunner, cache: KVCacheCoordinator,
+             decode_inputs: mx.array | None) -> mx.array | None:
     """Queue the plan's work; returns the lazy token sampled for each decode request, in order.
 
     `decode_inputs [B, 1]` are the decode requests' last tokens, which may
@@ -24,13 +27,15 @@ def run_step(plan: StepPlan, runner: ModelRunner, decode_inputs: mx.array | None
     for request, n in plan.prefill:
         seq = request.seq
         chunk = seq.prompt[seq.num_computed : seq.num_computed + n]
-        runner.forward([seq], mx.array([chunk]), mirror=False)
-        mx.eval(runner.kv_pool.arrays, runner.state_arrays([seq]))
+        out = runner.forward([seq], mx.array([chunk]), mirror=False)
+        cache.computed([seq], n, out.states)
+        mx.eval(runner.kv_pool.arrays, out.state_arrays)
     if not plan.decode:
         return None
     seqs = [r.seq for r in plan.decode]
     # A lone sequence keeps its contiguous mirror: solo decode speed.
-    logits = runner.forward(seqs, decode_inputs, mirror=len(seqs) == 1)
-    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    out = runner.forward(seqs, decode_inputs, mirror=len(seqs) == 1)
+    cache.computed(seqs, 1, out.states)
+    logprobs = out.logits - mx.logsumexp(out.logits, axis=-1, keepdims=True)
     sampled = [r.sampler(logprobs[i : i + 1]).reshape(-1) for i, r in enumerate(plan.decode)]
     return mx.concatenate(sampled) if len(sampled) > 1 else sampled[0]

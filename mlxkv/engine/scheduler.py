@@ -1,12 +1,13 @@
 """The scheduler: which requests hold blocks this step, and what each computes.
 
-One step of the batch loop is schedule → run → postprocess (batching.py).
+One step of the batch loop is schedule → run → postprocess (loop.py).
 The scheduler only moves requests between `waiting` and `running` and
 takes or releases blocks; it never touches MLX.
 
 - Admission: first come, first served. The head of `waiting` joins while
   its prompt's blocks fit, leaving one free block per running request for
-  its next decode token. A request whose next uncached block is being
+  its next decode token. Its prefix lookup is made once and kept while
+  the cache's generation stands, however many steps it waits. A request whose next uncached block is being
   prefilled by a running request waits for it, so a prefix shared by a
   batch is computed once and then hit, not computed once per sequence.
 - Chunked prefill: at most `prefill_chunk` tokens per step, each request in
@@ -25,11 +26,11 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from mlxkv.cache.manager import KVCacheManager
-from mlxkv.errors import PoolExhaustedError
+from mlxkv.cache.coordinator import KVCacheCoordinator, PrefixHit
+from mlxkv.cache.sequence import Sequence
 from mlxkv.engine.records import RequestStats
 from mlxkv.engine.request import Request, RequestState
-from mlxkv.cache.sequence import Sequence
+from mlxkv.errors import PoolExhaustedError
 
 
 @dataclass
@@ -46,19 +47,21 @@ class StepPlan:
 class Scheduler:
     def __init__(
         self,
-        manager: KVCacheManager,
+        cache: KVCacheCoordinator,
         prefill_chunk: int,
         max_running: int = 64,
         on_start: Callable[[Sequence], None] = lambda seq: None,
         on_release: Callable[[Sequence], None] = lambda seq: None,
     ):
-        self.manager = manager
-        self.pool = manager.pool
+        self.cache = cache
+        self.pool = cache.pool
         self.prefill_chunk = prefill_chunk
         self.max_running = max_running
         self.on_start, self.on_release = on_start, on_release
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last is the newest
+        self._hits: dict[Request, PrefixHit] = {}  # waiting requests' lookups, while valid
+        self.lookups = 0  # prefix lookups made for admissions (what the lookup cache saves)
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -83,44 +86,60 @@ class Scheduler:
         """
         dropped = [r for r in self.waiting if r.cancelled]
         for r in dropped:
-            self.waiting.remove(r)
-            r.state = RequestState.FINISHED
+            self._leave_queue(r)
+            r.finish()
         for r in [r for r in self.running if r.cancelled and not r.output and r.remaining_prefill > 0]:
             self.finish(r)
             dropped.append(r)
         return dropped
 
     def _admit(self) -> None:
-        while self.waiting and len(self.running) < self.max_running and self._fits(self.waiting[0]):
-            self._start(self.waiting.popleft())
+        while self.waiting and len(self.running) < self.max_running:
+            request = self.waiting[0]
+            hit = self._lookup(request)
+            if not self._fits(request, hit):
+                return
+            self._leave_queue(request)
+            self._start(request, hit)
 
-    def _fits(self, request: Request) -> bool:
-        seq = request.seq or request.new_sequence()
-        if self._prefix_pending(seq, self.manager.pool_hit(seq).num_blocks):
+    def _lookup(self, request: Request) -> PrefixHit:
+        """The request's prefix hit: looked up again only once the cache has changed."""
+        hit = self._hits.get(request)
+        if hit is None or hit.generation != self.cache.generation:
+            self.lookups += 1
+            hit = self.cache.lookup(request.tokens, request.hash_root, hashes=hit.hashes if hit else None)
+            self._hits[request] = hit
+        return hit
+
+    def _fits(self, request: Request, hit: PrefixHit) -> bool:
+        if self._prefix_pending(hit):
             return False
-        need = self.manager.admission_blocks(seq, self.prefill_chunk)
+        need = self.cache.admission_blocks(hit, len(request.prompt) + len(request.output), self.prefill_chunk)
         return need + len(self.running) <= self.pool.num_free
 
-    def _prefix_pending(self, seq: Sequence, num_hits: int) -> bool:
-        usable = (len(seq.prompt) - 1) // self.manager.block_size
-        if seq.hash_root is None or num_hits >= usable:
+    def _prefix_pending(self, hit: PrefixHit) -> bool:
+        """Whether the next block the hit lacks is being prefilled by a running request."""
+        if hit.num_blocks >= hit.usable:
             return False
-        wanted = seq.block_hashes[num_hits]
+        wanted = hit.hashes[hit.num_blocks]
         return any(
             wanted in r.seq.block_hashes[r.seq.num_cached_blocks :]
             for r in self.running
             if r.remaining_prefill > 0
         )
 
-    def _start(self, request: Request) -> None:
-        seq = request.seq
-        self.manager.admit(seq)
+    def _leave_queue(self, request: Request) -> None:
+        self.waiting.remove(request)
+        self._hits.pop(request, None)
+
+    def _start(self, request: Request, hit: PrefixHit) -> None:
+        seq = self.cache.admit(request.request_id, request.tokens, request.hash_root, hit)
         rest = len(seq.prompt) - seq.num_computed
         first = min(rest, self.prefill_chunk)
-        self.manager.allocate_slots(seq, first, ahead=rest - first)
+        self.cache.allocate_slots(seq, first, ahead=rest - first)
         prompt = len(request.prompt)
         stats = RequestStats(prompt, dict(seq.cached_tokens), prompt - seq.num_reused)
-        request.started(time.perf_counter(), stats)
+        request.start(time.perf_counter(), seq, stats)
         self.running.append(request)
         self.on_start(seq)
 
@@ -143,7 +162,7 @@ class Scheduler:
         until they fit; False if the request itself was preempted."""
         while request.state == RequestState.RUNNING:
             try:
-                self.manager.allocate_slots(request.seq, num_new)
+                self.cache.allocate_slots(request.seq, num_new)
                 return True
             except PoolExhaustedError:
                 self.preempt(self.running[-1])
@@ -151,7 +170,7 @@ class Scheduler:
 
     def decode_fits(self) -> bool:
         """Whether every request ready to decode can get its next slot without a preemption."""
-        needed = sum(self.manager.slots_needed(r.seq, 1) for r in self.running if r.remaining_prefill <= 0)
+        needed = sum(self.cache.slots_needed(r.seq, 1) for r in self.running if r.remaining_prefill <= 0)
         return needed <= self.pool.num_free
 
     def _prefill_chunks(self) -> list[tuple[Request, int]]:
@@ -160,7 +179,7 @@ class Scheduler:
             n = min(self.prefill_chunk, request.remaining_prefill)
             if n <= 0 or request.state != RequestState.RUNNING:
                 continue
-            stop = self.manager.prefill_stop(request.seq)  # a hybrid model's next checkpoint
+            stop = self.cache.prefill_stop(request.seq)  # a hybrid model's next checkpoint
             if stop is not None and stop < request.seq.num_computed + n:
                 n = stop - request.seq.num_computed
             if chunks and n > budget:
@@ -180,24 +199,32 @@ class Scheduler:
     def preempt(self, request: Request) -> None:
         """Give the request's blocks back (full ones stay cached) and queue it first."""
         self._release(request)
-        request.preempted(time.perf_counter())
+        request.preempt(time.perf_counter())
         self.waiting.appendleft(request)
 
     def drop(self, request: Request) -> None:
         """End a request at once, waiting or running (whoever wanted it went away)."""
         if request in self.waiting:
-            self.waiting.remove(request)
-            request.state = RequestState.FINISHED
+            self._leave_queue(request)
+            request.finish()
         elif request.state == RequestState.RUNNING:
             self.finish(request)
 
     def finish(self, request: Request) -> None:
         self._release(request)
-        request.state = RequestState.FINISHED
+        request.finish()
+
+    def fail_all(self) -> list[Request]:
+        """End every request, running or waiting (a step failed); returns them."""
+        failed = list(self.running) + list(self.waiting)
+        for request in list(self.running):
+            self.finish(request)
+        for request in list(self.waiting):
+            self.drop(request)
+        return failed
 
     def _release(self, request: Request) -> None:
         seq = request.seq
         self.running.remove(request)
-        self.manager.cache_blocks(seq)
-        self.manager.free(seq)
+        self.cache.release(seq)
         self.on_release(seq)

@@ -88,7 +88,7 @@ class ServerMetrics:
         lines += _metric("mlxkv_open_requests", "gauge", "requests queued or running", [f" {open_requests}"])
         if pool is not None:
             lines += _metric("mlxkv_pool_blocks", "gauge", "KV pool blocks by state",
-                             [f'{{state="{k}"}} {pool[k]}' for k in ("in_use", "cached_free", "free", "num_blocks",
+                             [f'{{state="{k}"}} {pool[k]}' for k in ("in_use", "cached_free", "free", "size_blocks",
                                                                      "budget_blocks") if k in pool])
             lines += _metric("mlxkv_pool_evictions_total", "counter", "cached blocks evicted from the pool",
                              [f" {pool.get('evictions', 0)}"])

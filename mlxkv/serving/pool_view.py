@@ -58,7 +58,7 @@ class PoolWatcher:
 
     @classmethod
     def of(cls, engine) -> PoolWatcher:
-        return cls(engine.block_pool, engine.loop, engine.connector, engine.layout.block_size)
+        return cls(engine.block_pool, engine.loop, engine.connector, engine.kv_layout.block_size)
 
     def begin(self) -> None:
         blocks = self.pool.blocks
@@ -98,7 +98,9 @@ class PoolWatcher:
             total += seq.cached_tokens.get(source, 0) // block_size
             ends.append((total, ord(mark)))
         new = ord(MARK_NEW)
-        for i, block in enumerate(seq.blocks):
+        for i, block in enumerate(self.loop.cache.tables(seq)[0]):
+            if block is None:
+                continue  # a sliding window let go of it, or a hit never needed it
             if self._marks[block.block_id] == ord(MARK_SPILL):
                 continue  # it was evicted first; the spill is the news
             self._marks[block.block_id] = next((m for end, m in ends if i < end), new)

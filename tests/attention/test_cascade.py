@@ -60,23 +60,18 @@ def test_an_empty_tail_is_the_prefix_alone():
 
 # -- which blocks are shared, and their copy -----------------------------------
 
-def _seq(rid, blocks, num_computed):
-    return Sequence(rid, [0] * num_computed, None, tables=[list(blocks)], num_computed=num_computed)
-
-
 def _hashed(n, start=0):
     return [Block(start + i, ref_count=2, block_hash=bytes([start + i])) for i in range(n)]
 
 
 def test_shared_blocks_stop_at_the_first_difference_and_the_write_position():
     common, a, b = _hashed(3), _hashed(2, 10), _hashed(2, 20)
-    seqs = [_seq(0, common + a, 40), _seq(1, common + b, 26)]
-    assert shared_blocks(seqs, BLOCK) == common
-    # Row 1 writes into the third block: only two lie wholly before it.
-    assert shared_blocks([_seq(0, common + a, 40), _seq(1, common, 20)], BLOCK) == common[:2]
+    assert shared_blocks([common + a, common + b], 26, BLOCK) == common
+    # A row writes into the third block: only two lie wholly before it.
+    assert shared_blocks([common + a, common], 20, BLOCK) == common[:2]
     unhashed = [Block(30), Block(31)]
-    assert shared_blocks([_seq(0, unhashed, 16), _seq(1, unhashed, 16)], BLOCK) == []
-    assert shared_blocks([_seq(0, a, 16), _seq(1, b, 16)], BLOCK) == []
+    assert shared_blocks([unhashed, unhashed], 16, BLOCK) == []
+    assert shared_blocks([a, b], 16, BLOCK) == []
 
 
 LAYOUT = KVLayout(num_layers=2, n_kv_heads=2, head_dim=8, v_head_dim=8, block_size=BLOCK, dtype=mx.float16)

@@ -1,11 +1,11 @@
-"""Layer groups from a model's caches, and the sliding-window rule's arithmetic."""
+"""Layer groups from a model's caches (the rules' arithmetic: tests/cache/groups/)."""
 
 from __future__ import annotations
 
 import pytest
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 
-from mlxkv.cache.layer_groups import FULL, SLIDING, GroupLayout, KVGroup, group_layout
+from mlxkv.cache.layer_groups import GroupLayout, group_layout
 from mlxkv.errors import MlxkvError
 
 
@@ -22,7 +22,7 @@ def test_a_plain_model_is_one_full_group_of_every_layer():
 def test_gemma3_groups_by_rule_in_pages_of_the_smallest_kind():
     layout = group_layout(gemma3_like(26))  # Gemma 3 1B: 4 full layers, 22 sliding
     assert layout.page_layers == 4
-    assert [g.kind for g in layout.groups] == [FULL] + [SLIDING] * 6
+    assert [g.window for g in layout.groups] == [None] + [512] * 6
     assert layout.groups[0].slots == (5, 11, 17, 23)
     sliding = [s for g in layout.sliding_groups for s in g.slots]
     assert sorted(sliding) == [i for i in range(26) if i % 6 != 5]
@@ -34,8 +34,7 @@ def test_gemma3_groups_by_rule_in_pages_of_the_smallest_kind():
 
 def test_windows_of_two_sizes_are_two_kinds():
     layout = group_layout([RotatingKVCache(64), KVCache(), RotatingKVCache(128), RotatingKVCache(64)])
-    assert [(g.kind, g.window, g.slots) for g in layout.groups] == [
-        (FULL, None, (1,)), (SLIDING, 64, (0,)), (SLIDING, 64, (3,)), (SLIDING, 128, (2,))]
+    assert [(g.window, g.slots) for g in layout.groups] == [(None, (1,)), (64, (0,)), (64, (3,)), (128, (2,))]
 
 
 def test_a_cache_mlxkv_cannot_page_is_named():
@@ -55,21 +54,3 @@ def test_recurrent_slots_take_no_pages():
 def test_a_model_of_recurrent_layers_alone_is_refused():
     with pytest.raises(MlxkvError, match="only recurrent state"):
         group_layout([ArraysCache(2), ArraysCache(2)])
-
-
-@pytest.mark.parametrize(("window", "position", "first_block", "first_visible"), [
-    (32, 0, 0, 0), (32, 31, 0, 0), (32, 32, 0, 1), (32, 47, 1, 16), (32, 48, 1, 17),
-    (8, 20, 0, 13), (8, 24, 1, 17),   # a window shorter than a block
-    (16, 16, 0, 1), (16, 31, 1, 16),  # a window of exactly one block
-])
-def test_a_sliding_window_needs_the_blocks_of_its_last_window_positions(window, position, first_block, first_visible):
-    group = KVGroup(1, SLIDING, window, (0,))
-    assert group.first_needed_block(position, 16) == first_block
-    assert group.first_visible(position) == first_visible
-    # The query at `position` sees exactly `window` positions, itself included.
-    assert position - group.first_visible(position) + 1 == min(window, position + 1)
-
-
-def test_a_full_group_needs_every_block():
-    group = KVGroup(0, FULL, None, (0,))
-    assert group.first_needed_block(10_000, 16) == 0 and group.first_visible(10_000) == 0

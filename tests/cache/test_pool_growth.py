@@ -16,7 +16,7 @@ from mlxkv.models.tiny import TinyModelSpec
 def test_a_pool_starts_small_and_grows_in_chunks_up_to_its_budget():
     grown = []
     pool = BlockPool(100, initial=4, on_grow=grown.append)
-    assert (pool.size, pool.num_blocks, pool.num_free) == (4, 100, 100)
+    assert (pool.size, pool.budget, pool.num_free) == (4, 100, 100)
     pool.allocate(3)
     assert grown == []
     pool.allocate(5)  # 1 left, 5 wanted: a chunk
@@ -27,13 +27,13 @@ def test_a_pool_starts_small_and_grows_in_chunks_up_to_its_budget():
         pool.allocate(13)
 
 
-def test_growth_comes_before_evicting_a_cached_block():
+def test_growth_comes_before_evicting_a_recently_used_block():
     evicted = []
     pool = BlockPool(40, initial=4, on_evict=evicted.extend)
     blocks = pool.allocate(4)
-    pool.cache_blocks(blocks, [bytes([i]) * 32 for i in range(4)])
+    pool.register(blocks, [bytes([i]) * 32 for i in range(4)])
     pool.free(blocks)
-    pool.allocate(4)  # all four free blocks are cached: grow instead
+    pool.allocate(4)  # all four free blocks are cached, and were just used: grow instead
     assert evicted == [] and len(pool.cached) == 4 and pool.size > 4
     pool.allocate(pool.num_free - 4)  # up to the budget, and the cached ones still there
     assert evicted == [] and pool.size == 40
@@ -59,12 +59,12 @@ def llama(tmp_path_factory):
 def test_greedy_output_is_identical_across_growth_steps(llama):
     _, loaded, reference = llama
     engine = Engine(loaded, CacheConfig(block_size=16, num_blocks=512, memory_tier_bytes=0))
-    assert engine.stats()["pool"]["num_blocks"] == GROW_MIN_BLOCKS
+    assert engine.stats()["pool"]["size_blocks"] == GROW_MIN_BLOCKS
     sizes = []
     for n in (20, 300, 700):  # each prompt makes the pool grow again
         prompt = prompt_of(n, salt=n)
         assert engine.generate(prompt, max_tokens=24).tokens == reference(prompt, 24)
-        sizes.append(engine.stats()["pool"]["num_blocks"])
+        sizes.append(engine.stats()["pool"]["size_blocks"])
     assert sizes[0] < sizes[1] < sizes[2] <= 512
     stats = engine.stats()
     assert stats["pool"]["budget_blocks"] == 512 and stats["pool_bytes"] == sizes[2] * stats["kv_bytes_per_block"]
@@ -80,7 +80,7 @@ def test_a_batch_grows_the_pool_and_each_row_equals_its_solo_run(llama):
     prompts = [prompt_of(90 + 13 * i, salt=i) for i in range(6)]
     for prompt, result in zip(prompts, engine.generate_batch(prompts, max_tokens=16)):
         assert result.tokens == reference(prompt, 16)
-    assert GROW_MIN_BLOCKS < engine.stats()["pool"]["num_blocks"] <= 200
+    assert GROW_MIN_BLOCKS < engine.stats()["pool"]["size_blocks"] <= 200
 
 
 def test_the_pool_view_follows_a_growing_pool(llama):
@@ -120,3 +120,28 @@ def test_on_metal_the_default_budget_respects_the_recommended_working_set():
     assert tight == (8 << 30) // 4 // layout.bytes_per_block < roomy
     # An explicit size is taken as asked.
     assert size_pool(CacheConfig(num_blocks=99), layout, max_context=None, device=Metal(1 << 20)) == 99
+
+
+def test_an_idle_engine_gives_memory_back_and_answers_the_same(llama):
+    _, loaded, reference = llama
+    engine = Engine(loaded, CacheConfig(block_size=16, num_blocks=512, memory_tier_bytes=64 << 20,
+                                        idle_shrink_s=60))
+    prompts = [prompt_of(300 + 40 * i, salt=90 + i) for i in range(4)]  # one at a time: a small working set
+    for prompt in prompts:
+        engine.generate(prompt, max_tokens=4)
+    busy = engine.stats()["pool"]["size_blocks"]
+    peak = engine.block_pool.peak_in_use
+    engine.idle(30)  # a short pause changes nothing
+    assert engine.stats()["pool"]["size_blocks"] == busy
+    engine.idle(60)
+    after = engine.stats()
+    assert after["pool"]["size_blocks"] == peak < busy
+    assert after["pool_bytes"] == peak * after["kv_bytes_per_block"]
+    assert after["connector"]["memory"]["spills"] > 0  # what left the pool went to the memory tier
+    engine.idle(600)  # once per busy spell: nothing more to give
+    assert engine.stats()["pool"]["size_blocks"] == peak
+    # Every prompt still answers the same, from the pool or the memory tier.
+    for prompt in prompts:
+        again = engine.generate(prompt + [7], max_tokens=6)
+        assert again.tokens == reference(prompt + [7], 6)
+        assert sum(again.stats.cached_tokens.values()) == len(prompt) // 16 * 16

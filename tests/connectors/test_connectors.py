@@ -13,7 +13,7 @@ from mlx_lm.generate import stream_generate
 
 from mlxkv.config import CacheConfig
 from mlxkv.cache.block_kv import BlockKV, KVRun
-from mlxkv.connectors.base import LoadedBlock, NoopKVCacheConnector
+from mlxkv.cache.connector import LoadedBlock, NoopKVCacheConnector
 from mlxkv.connectors.memory import InMemoryKVCacheConnector
 from mlxkv.engine.engine import Engine
 from mlxkv.errors import MlxkvError
@@ -39,8 +39,13 @@ def small_engine(path, **fields):
 def test_default_connector_is_noop_and_reads_nothing(llama_dir, monkeypatch):
     engine = small_engine(llama_dir, memory_tier_bytes=0)
     assert isinstance(engine.connector, NoopKVCacheConnector)
-    reads = []
-    monkeypatch.setattr(engine.kv_pool, "read_blocks", lambda ids: reads.append(ids))
+    reads, read_blocks = [], engine.kv_pool.read_blocks
+
+    def recorded(*args, **kwargs):  # the real read, with whatever arguments the caller passes
+        reads.append(args)
+        return read_blocks(*args, **kwargs)
+
+    monkeypatch.setattr(engine.kv_pool, "read_blocks", recorded)
     for start in (1, 2, 1):
         engine.generate(tokens(20, start), max_tokens=4)
     assert engine.block_pool.evictions > 0 and reads == []
@@ -255,7 +260,7 @@ def test_a_failing_spill_costs_the_cached_copy_not_the_request(llama_dir, caplog
     assert failed and failed[0].exc_info[0] is OSError  # logged with its traceback
     assert engine.generate(a, max_tokens=6).tokens == first.tokens
     usage = engine.stats()["pool"]
-    assert usage["in_use"] == 0 and usage["free"] + usage["cached_free"] == usage["num_blocks"]
+    assert usage["in_use"] == 0 and usage["free"] + usage["cached_free"] == usage["size_blocks"]
 
 
 class Offers(NoopKVCacheConnector):
@@ -269,7 +274,7 @@ class Offers(NoopKVCacheConnector):
 
 
 def test_decode_blocks_reach_the_connector_in_batches_with_their_kv(llama_dir):
-    from mlxkv.cache.manager import STORE_BATCH_BLOCKS
+    from mlxkv.cache.coordinator import STORE_BATCH_BLOCKS
 
     offers = Offers()
     engine = Engine.load(llama_dir, CacheConfig(block_size=BLOCK, num_blocks=64, connector=offers))
@@ -284,7 +289,7 @@ def test_decode_blocks_reach_the_connector_in_batches_with_their_kv(llama_dir):
         [decode_blocks % STORE_BATCH_BLOCKS] if decode_blocks % STORE_BATCH_BLOCKS else []
     )
     # Each block was offered once, with the K/V the pool holds for it.
-    blocks = engine.block_pool.get_computed_blocks(chain)
+    blocks = [engine.block_pool.cached[h] for h in chain]
     assert len(blocks) == len(chain) == len(set(chain))
     held = engine.kv_pool.read_blocks([b.block_id for b in blocks])
     offered = [kv for _, kvs in offers.offers for kv in kvs]

@@ -73,7 +73,7 @@ def test_restart_reuses_the_prefix_from_disk(llama_dir, tmp_path):
 
 
 def test_a_reply_comes_back_from_disk_after_a_restart(llama_dir, tmp_path, cold):
-    """Decode offers its blocks in batches (cache_manager.py); all of them must land."""
+    """Decode offers its blocks in batches (cache/coordinator.py); all of them must land."""
     prompt = tokens(9, 7)
     with disk_engine(llama_dir, tmp_path / "kv", memory_tier_bytes=0) as engine:
         reply = engine.generate(prompt, max_tokens=100).tokens
@@ -160,12 +160,11 @@ def test_sigkill_mid_spill_then_restart(llama_dir, tmp_path, cold):
 
 def test_disk_filling_up_during_spills(llama_dir, tmpfs, cold):
     mount = tmpfs("160k")  # room for a few block files only
-    memory = InMemoryKVCacheConnector(1 << 20, BLOCK)
     probe = Engine.load(llama_dir, CacheConfig(block_size=BLOCK, num_blocks=16, memory_tier_bytes=0))
     disk = DiskKVCacheConnector(mount / "kv", probe.fingerprint, block_size=BLOCK,
-                                num_layers=probe.layout.num_layers, dtype="float32", min_free_bytes=0)
+                                num_layers=probe.kv_layout.num_layers, dtype="float32", min_free_bytes=0)
     engine = Engine.load(llama_dir, CacheConfig(block_size=BLOCK, num_blocks=16,
-                                                connector=TieredKVCacheConnector(memory, disk)))
+                                                connector=TieredKVCacheConnector(disk, 1 << 20, BLOCK)))
     for start in range(12):
         prompt = tokens(30, start)
         assert engine.generate(prompt, max_tokens=6).tokens == cold(prompt)

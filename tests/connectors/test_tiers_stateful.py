@@ -98,7 +98,7 @@ class TierMachine(RuleBasedStateMachine):
     def pool_is_whole_between_requests(self):
         usage = self.engine.stats()["pool"]
         assert usage["in_use"] == 0
-        assert usage["free"] + usage["cached_free"] == usage["num_blocks"]
+        assert usage["free"] + usage["cached_free"] == usage["size_blocks"]
         for block_hash, block in self.engine.block_pool.cached.items():
             assert block.block_hash == block_hash
 

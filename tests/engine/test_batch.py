@@ -60,7 +60,7 @@ def engine_for(loaded, num_blocks=64, prefill_chunk=PREFILL_STEP, max_running=MA
 
 def assert_pool_idle(engine: Engine) -> None:
     assert all(b.ref_count == 0 for b in engine.block_pool.blocks)
-    assert engine.block_pool.num_free == engine.block_pool.num_blocks
+    assert engine.block_pool.num_free == engine.block_pool.budget
     assert engine.loop.running == {}
 
 

@@ -40,7 +40,7 @@ def test_blocks_are_released_after_each_request(engine):
     engine.generate(tokens(30), max_tokens=4)
     usage = engine.stats()["pool"]
     assert usage["in_use"] == 0
-    assert usage["free"] + usage["cached_free"] == usage["num_blocks"]
+    assert usage["free"] + usage["cached_free"] == usage["size_blocks"]
 
 
 def test_stopping_early_releases_blocks(engine):
@@ -106,7 +106,7 @@ def test_attention_is_routed_through_paged_attention(engine, monkeypatch):
 
     monkeypatch.setattr(mlxkv.attention.dispatch, "paged_attention", spy)
     engine.generate(tokens(9), max_tokens=2)
-    assert len(calls) >= engine.layout.num_layers
+    assert len(calls) >= engine.kv_layout.num_layers
 
 
 def test_decode_writes_do_not_copy_the_pool(model_dirs):
@@ -138,7 +138,7 @@ def test_every_decode_step_evaluates_its_pool_writes(model_dirs, monkeypatch):
 
 def test_stats_describe_the_pool(engine):
     s = engine.stats()
-    assert s["block_size"] == 8 and s["pool"]["num_blocks"] == 32
+    assert s["block_size"] == 8 and s["pool"]["size_blocks"] == 32
     assert s["pool_bytes"] == 32 * s["kv_bytes_per_block"]
 
 

@@ -42,7 +42,7 @@ def engine_for(loaded, num_blocks=128, prefill_chunk=512, **cache) -> Engine:
 
 def test_the_recurrent_layers_are_their_own_slots(family):
     _, loaded, _ = family
-    layout = engine_for(loaded).manager.layout
+    layout = engine_for(loaded).cache.group_layout
     assert layout.has_recurrent and layout.groups and not layout.is_plain
     assert not set(layout.recurrent) & {s for g in layout.groups for s in g.slots}
 
@@ -89,7 +89,7 @@ def test_a_batch_equals_solo_runs(family):
 
 def test_preemption_resumes_from_a_checkpoint_with_the_same_output(family):
     _, loaded, reference = family
-    peak = engine_for(loaded).manager.peak_blocks(80 + 40, 512)
+    peak = engine_for(loaded).cache.peak_blocks(80 + 40, 512)
     engine = engine_for(loaded, num_blocks=peak + 3)
     prompts = [prompt_of(80, salt=s) for s in range(4)]
     results = engine.generate_batch(prompts, max_tokens=40)
@@ -214,29 +214,63 @@ def test_a_bad_checkpoint_file_falls_back_to_the_longest_good_hit(family, tmp_pa
 
 
 def test_short_turns_write_a_checkpoint_only_once_the_kv_since_the_last_outweighs_it(family, tmp_path):
-    """The SSD write policy (checkpoints.py): turns whose KV is small against a
-    checkpoint leave theirs in memory; a restart resumes at the last one on
-    disk and recomputes the rest, with the same output."""
+    """The SSD write policy (groups/recurrent.py): turns whose KV is small against a
+    checkpoint leave theirs in memory; after a crash a restart resumes at the last
+    one on disk and recomputes the rest, with the same output. A clean close writes
+    the newest one, so a restart then resumes at the last turn."""
     path, loaded, reference = family
     disk = tmp_path / "kv"
     with engine_for(loaded, checkpoint_interval=4096) as probe:
         probe.generate(prompt_of(40), max_tokens=1)
         state_bytes = probe.checkpoints.stats()["bytes_held"]
-        per_token = probe.layout.bytes_per_block // BLOCK
+        per_token = probe.kv_layout.bytes_per_block // BLOCK
     # Each turn adds 32 tokens and leaves its checkpoint on a block boundary
     # (32, 64, ...); at this ratio a checkpoint is written once 3 turns of KV
     # have gone by since the last one written: after turns 2 and 5.
     ratio = 3 * 32 * per_token / state_bytes
     chat, written = [], []
-    with engine_for(loaded, disk_tier=str(disk), checkpoint_interval=4096, checkpoint_write_ratio=ratio) as engine:
-        for turn in range(7):
-            chat += prompt_of(32 if turn == 0 else 24, salt=turn)
-            result = engine.generate(chat, max_tokens=8)
-            chat += result.tokens
-            engine.connector.flush(30)
-            written.append(len(checkpoint_files(disk)))
+    engine = engine_for(loaded, disk_tier=str(disk), checkpoint_interval=4096, checkpoint_write_ratio=ratio)
+    for turn in range(7):
+        chat += prompt_of(32 if turn == 0 else 24, salt=turn)
+        result = engine.generate(chat, max_tokens=8)
+        chat += result.tokens
+        engine.connector.flush(30)
+        written.append(len(checkpoint_files(disk)))
     assert written == [0, 0, 1, 1, 1, 2, 2]
     follow = chat + prompt_of(5, salt=99)
+    # As after a crash (no close): the last one written (turn 5's), not turn 6's.
+    crashed = run_in_new_process(path, disk, follow, write_ratio=ratio)
+    assert crashed["cached"]["disk"] == 6 * 32
+    assert crashed["tokens"] == reference(follow, 16)
+    before = len(checkpoint_files(disk))
+    engine.close()  # clean: turn 6's checkpoint goes to disk, one file more
+    assert len(checkpoint_files(disk)) == before + 1
     restarted = run_in_new_process(path, disk, follow, write_ratio=ratio)
-    assert restarted["cached"]["disk"] == 6 * 32  # the last one written (turn 5's), not turn 6's
+    assert restarted["cached"]["disk"] == 7 * 32
     assert restarted["tokens"] == reference(follow, 16)
+
+
+@pytest.mark.parametrize("leave", ["close", "idle"])
+def test_a_short_chat_survives_a_restart_though_the_ratio_writes_nothing(family, tmp_path, leave):
+    """Short turns write no checkpoint by the ratio (here as if the state were
+    huge, as a real model's is against a short turn's KV), but a clean close (or
+    a pause) writes each chat's newest: the next process resumes at its last turn."""
+    path, loaded, reference = family
+    disk, ratio = tmp_path / "kv", 1e9
+    engine = engine_for(loaded, disk_tier=str(disk), checkpoint_interval=2048, checkpoint_write_ratio=ratio)
+    chat = prompt_of(40, salt=11)
+    chat += engine.generate(chat, max_tokens=10).tokens + prompt_of(12, salt=12)
+    chat += engine.generate(chat, max_tokens=10).tokens
+    engine.connector.flush(30)
+    assert checkpoint_files(disk) == {}  # nothing written by the ratio
+    if leave == "close":
+        engine.close()
+    else:
+        engine.idle(engine.cache_config.idle_checkpoint_s)
+        engine.connector.flush(30)
+    assert len(checkpoint_files(disk)) == 1
+    follow = chat + prompt_of(6, salt=13)
+    restarted = run_in_new_process(path, disk, follow, write_ratio=ratio)
+    assert restarted["cached"]["disk"] == (len(chat) - 1) // BLOCK * BLOCK  # the whole chat, to its last full block
+    assert restarted["tokens"] == reference(follow, 16)
+    engine.close()

@@ -110,7 +110,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.loop.step()
         assert not self.loop.has_work
         assert all(b.ref_count == 0 for b in self.engine.block_pool.blocks)
-        assert self.engine.block_pool.num_free == self.engine.block_pool.num_blocks
+        assert self.engine.block_pool.num_free == self.engine.block_pool.budget
         assert self.engine.loop.running == {}
         for r in self.requests:
             if r["error"] is not None:

@@ -76,8 +76,9 @@ def held_per_step(engine: Engine, prompt: list[int], max_tokens: int) -> list[tu
     while engine.loop.has_work:
         engine.loop.step()
         seq = request.seq
-        if seq is not None and any(seq.tables):
-            seen.append((seq.num_computed, [sum(b is not None for b in t) for t in seq.tables]))
+        held = [len(m.held(request.request_id)) for m in engine.cache.attention]
+        if seq is not None and any(held):
+            seen.append((seq.num_computed, held))
     return seen
 
 
@@ -90,7 +91,7 @@ def test_a_running_sequence_holds_only_its_window_in_a_sliding_group(family):
     # independent of the context, which grows to 190 tokens (12 blocks).
     bound = -(-WINDOW // BLOCK) + 2
     for computed, held in seen:
-        for group in engine.manager.layout.groups:
+        for group in engine.cache.group_layout.groups:
             if group.window is None:  # the whole prompt's blocks from admission on
                 assert held[group.index] == -(-max(computed, 150) // BLOCK)
             else:
@@ -109,7 +110,7 @@ def test_a_batch_equals_solo_runs(family):
 def test_preemption_and_evictions_through_the_memory_tier_keep_output_equal(family):
     _, loaded, reference = family
     # Room for one request and a little: the others are preempted, cached blocks evicted to the tier.
-    peak = engine_for(loaded).manager.peak_blocks(80 + 30, 512)
+    peak = engine_for(loaded).cache.peak_blocks(80 + 30, 512)
     engine = engine_for(loaded, num_blocks=peak + 4, memory_tier_bytes=64 << 20)
     prompts = [prompt_of(80, salt=s) for s in range(4)]
     results = engine.generate_batch(prompts, max_tokens=30)
@@ -145,4 +146,4 @@ def test_a_new_process_restores_the_prefix_from_the_ssd_tier(family, tmp_path):
     assert first["tokens"] == second["tokens"] == reference(prompt, 12)
     # Every group's blocks went to disk, each file saying whose they are.
     groups = {safetensors.safe_open(str(f), "np").metadata()["group"] for f in (tmp_path / "kv").rglob("*.safetensors")}
-    assert groups == {str(g.index) for g in engine_for(loaded).manager.layout.groups}
+    assert groups == {str(g.index) for g in engine_for(loaded).cache.group_layout.groups}

@@ -56,7 +56,7 @@ def test_every_layer_of_every_supported_family_attends_through_the_paged_path(fa
     # (the pipeline queues one more, computed and dropped, at the end).
     forwards = {1 + MAX_TOKENS - 1, 1 + MAX_TOKENS}
     # Every attention slot (a hybrid's recurrent slots keep mlx-lm's ArraysCache).
-    layout = engine.manager.layout
+    layout = engine.cache.group_layout
     attention_slots = {slot for group in layout.groups for slot in group.slots}
     assert attention_slots | set(layout.recurrent) == set(range(layout.num_slots))
     assert set(calls) == attention_slots, f"{family}: layers off the paged path"

@@ -52,7 +52,7 @@ def test_model_loads_and_runs_on_the_engine_thread(engine):
     ready = next(e for e in engine.events if e.kind == "ready")
     # The pool starts small (it grows on demand) toward its budget of 64 blocks.
     assert ready.snapshot.usage["budget_blocks"] == 64 and ready.info["block_size"] == 8
-    assert ready.snapshot.num_blocks == ready.snapshot.usage["num_blocks"] <= 64
+    assert ready.snapshot.num_blocks == ready.snapshot.usage["size_blocks"] <= 64
 
 
 def test_records_equal_the_engine_on_the_calling_thread(engine, llama_dir):

@@ -51,7 +51,7 @@ def fixed_snapshot(num_blocks: int = 96) -> PoolSnapshot:
     return PoolSnapshot(
         states=states,
         marks=marks,
-        usage={"num_blocks": num_blocks, "budget_blocks": 4 * num_blocks, "free": num_blocks - 22,
+        usage={"size_blocks": num_blocks, "budget_blocks": 4 * num_blocks, "free": num_blocks - 22,
                "cached_free": 8, "in_use": 14,
                "shared": 2, "cached": 22, "evictions": 1},
         tiers={"memory": {"lookups": 3, "hit_blocks": 3, "hit_tokens": 48, "stores": 4, "evictions": 0,

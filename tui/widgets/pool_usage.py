@@ -12,8 +12,7 @@ class PoolUsage(PanelText):
 
     def show(self, usage: dict, block_size: int) -> None:
         # The pool grows on demand: its size now, and the budget it may grow to.
-        budget = usage.get("budget_blocks", usage["num_blocks"])
-        self.border_title = f"Block pool: {usage['num_blocks']:,}/{budget:,} blocks of {block_size}"
+        self.border_title = f"Block pool: {usage['size_blocks']:,}/{usage['budget_blocks']:,} blocks of {block_size}"
         self.show_text(
             f"{'free':<10}{usage['free']:>8,}   {'cached':<8}{usage['cached_free']:>8,}\n"
             f"{'in use':<10}{usage['in_use']:>8,}   {'shared':<8}{usage['shared']:>8,}\n"

@@ -26,7 +26,7 @@ import numpy as np
 from mlxkv.cache.block_kv import BlockKV, KVRun
 from mlxkv.cache.hashing import BlockHash
 from mlxkv.cache.tiers import DISK
-from mlxkv.connectors.base import LoadedBlock, LoadedCheckpoint, ReadKV
+from mlxkv.cache.connector import LoadedBlock, LoadedCheckpoint, ReadKV
 from mlxkv.connectors.disk import cache_dir, run_file, state_file
 from mlxkv.connectors.disk.index import DiskIndex
 from mlxkv.connectors.disk.reader import READ_THREADS, RunReader
@@ -74,7 +74,7 @@ def _consecutive(indices: list[int], limit: int, groups: list[int]) -> list[list
 class DiskKVCacheConnector:
     """A KV cache connector that keeps blocks as files on local SSD.
 
-    Writes are queued (`store`, `cache_blocks`, `evict_block`) and done by a
+    Writes are queued (`store`, `cache_blocks`, `evict_blocks`) and done by a
     writer thread; `flush()` waits for them, `close()` drains and stops it.
     """
 
@@ -239,16 +239,20 @@ class DiskKVCacheConnector:
         self.index.count(hydrations=1)
         return LoadedCheckpoint(key, states, self.tier_name)
 
-    def cache_checkpoint(self, key: BlockHash, states) -> None:
-        self._store_checkpoint(key, states, spill=False)
+    def cache_checkpoint(self, checkpoint) -> None:
+        self._store_checkpoint(checkpoint, spill=False)
 
-    def evict_checkpoint(self, key: BlockHash, states) -> None:
-        self._store_checkpoint(key, states, spill=True)
+    def evict_checkpoint(self, checkpoint) -> None:
+        self._store_checkpoint(checkpoint, spill=True)
 
-    def _store_checkpoint(self, key: BlockHash, states, spill: bool) -> None:
-        if not self._wants(key) or not self.index.fresh([key]):
+    def checkpoint_refs(self):
+        """Checkpoints whose files were found (at start, or another process's) since the last call."""
+        return [] if self.disabled else self.index.take_refs()
+
+    def _store_checkpoint(self, checkpoint, spill: bool) -> None:
+        if not self._wants(checkpoint.key) or not self.index.fresh([checkpoint.key]):
             return
-        job = state_file.state_job(key, states, spill)
+        job = state_file.state_job(checkpoint, spill)
         if self.index.reserve(job.block_hashes, job.nbytes, self.max_pending_bytes):
             self.writer.submit(job)
 

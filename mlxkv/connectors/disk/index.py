@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from mlxkv.cache.hashing import BlockHash
-from mlxkv.connectors.base import TierStats
+from mlxkv.cache.connector import TierStats
 
 
 @dataclass(slots=True)
@@ -35,6 +35,7 @@ class DiskIndex:
         self.dropped_writes = 0  # the queue was full (or the tier closed)
         self.low_space_skips = 0  # free space under the floor (also write_errors)
         self.last_error: str | None = None
+        self._found_refs: list = []  # checkpoints found in files, not yet told (checkpoint_refs)
 
     # -- files and blocks -------------------------------------------------------
 
@@ -46,6 +47,16 @@ class DiskIndex:
                 self._where[block_hash] = (name, pos)
             self.stats.bytes_held += size
             self.stats.blocks_held = len(self._where)
+
+    def learn(self, ref) -> None:
+        """A checkpoint's file was found (a scan, another process's write)."""
+        with self.lock:
+            self._found_refs.append(ref)
+
+    def take_refs(self) -> list:
+        with self.lock:
+            refs, self._found_refs = self._found_refs, []
+            return refs
 
     def forget(self, name: BlockHash) -> int:
         """Unindex a file; returns how many blocks it was the place of."""

@@ -31,7 +31,7 @@ import numpy as np
 
 from mlxkv.cache.block_kv import KVRun
 from mlxkv.cache.hashing import BlockHash
-from mlxkv.connectors.base import LoadedBlock
+from mlxkv.cache.connector import LoadedBlock
 from mlxkv.connectors.disk import cache_dir, run_file
 from mlxkv.connectors.disk.file_io import choose_io
 from mlxkv.connectors.disk.index import DiskIndex

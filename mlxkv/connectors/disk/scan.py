@@ -19,7 +19,7 @@ from concurrent.futures import Executor
 from pathlib import Path
 
 from mlxkv.cache.hashing import BlockHash
-from mlxkv.connectors.disk import cache_dir, run_file
+from mlxkv.connectors.disk import cache_dir, run_file, state_file
 from mlxkv.connectors.disk.index import DiskIndex
 from mlxkv.connectors.disk.run_file import MAX_RUN_BLOCKS, CorruptBlockError
 
@@ -106,24 +106,32 @@ class DirectoryScanner:
                 size = os.stat(self.path(name)).st_size
             except OSError:
                 continue
-            self.index.add(name, size, self.file_hashes(name) or (name,))
+            self._add(name, size, self.file_entry(name))
             if self.index.contains(block_hashes[i]):
                 return True
         return False
 
-    def file_hashes(self, name: BlockHash) -> tuple[BlockHash, ...] | None:
-        """The block hashes a file's header lists (checked when read), or None if it lists none."""
+    def file_entry(self, name: BlockHash) -> tuple[tuple[BlockHash, ...] | None, state_file.CheckpointRef | None]:
+        """The block hashes a file's header lists (checked when read; None if it lists none),
+        and for a checkpoint's file, where the checkpoint sits."""
         try:
-            return run_file.listed_hashes(run_file.read_metadata(self.path(name)), name)
+            meta = run_file.read_metadata(self.path(name))
+            return run_file.listed_hashes(meta, name), state_file.checkpoint_ref(meta, name)
         except (OSError, CorruptBlockError):
-            return None
+            return None, None
+
+    def _add(self, name: BlockHash, size: int, entry) -> None:
+        hashes, ref = entry
+        self.index.add(name, size, hashes or (name,))
+        if ref is not None:
+            self.index.learn(ref)
 
     def _index_found(self, found: list[Found]) -> None:
         """Index files, oldest first, from their headers (read on the reader threads)."""
         found.sort(key=lambda f: f[0])
         names = [name for _, name, _ in found]
-        for (_, name, size), hashes in zip(found, self.readers.map(self.file_hashes, names)):
-            self.index.add(name, size, hashes or (name,))
+        for (_, name, size), entry in zip(found, self.readers.map(self.file_entry, names)):
+            self._add(name, size, entry)
 
     def _scan_shard(self, path: str, prefix: str, known=lambda name: False) -> list[Found]:
         """The block files in a shard, but those `known` (no stat for them)."""

@@ -2,7 +2,9 @@
 
 A safetensors file beside the block runs, named after the checkpoint's key
 and listing that key as its one "block hash", so the tier's index, scan,
-LRU budget and `mlxkv cache info|clear` treat it as any file. Tensor
+LRU budget and `mlxkv cache info|clear` treat it as any file. Its header
+also names the block it follows and its boundary (`checkpoint_ref`), so a
+restarted process's checkpoint index knows where it sits. Tensor
 `s{slot}.{i}` is array i of recurrent slot `slot`; bfloat16 is stored as
 its uint16 bits with the real dtype in the metadata. The format name
 differs from a block run's, so neither is ever read as the other; a
@@ -19,7 +21,7 @@ import mlx.core as mx
 import numpy as np
 import safetensors.numpy
 
-from mlxkv.cache.checkpoints import States
+from mlxkv.cache.checkpoints import Checkpoint, CheckpointRef, States
 from mlxkv.connectors.disk.run_file import (
     CHECKSUM_ALGO, CHECKSUMS, FORMAT_VERSION, CorruptBlockError, FileSpec, listed_hashes, parse,
 )
@@ -36,6 +38,7 @@ class StateJob:
     tensors: dict[str, np.ndarray]
     dtypes: dict[str, str]
     spill: bool
+    ref: CheckpointRef
 
     @property
     def nbytes(self) -> int:
@@ -47,6 +50,8 @@ class StateJob:
             "format_version": FORMAT_VERSION,
             "fingerprint": spec.fingerprint.hex(),
             "block_hashes": self.block_hashes[0].hex(),
+            "checkpoint_of": self.ref.block_hash.hex(),
+            "boundary": str(self.ref.boundary),
             "dtypes": json.dumps(self.dtypes, sort_keys=True),
             "checksum_algo": CHECKSUM_ALGO,
             "checksum": _checksum(self.tensors, CHECKSUM_ALGO),
@@ -54,10 +59,10 @@ class StateJob:
         return safetensors.numpy.save(self.tensors, metadata=meta)
 
 
-def state_job(key: bytes, states: States, spill: bool) -> StateJob:
+def state_job(checkpoint: Checkpoint, spill: bool) -> StateJob:
     """The write of a checkpoint; converts to numpy on the caller's (the engine's) thread."""
     tensors, dtypes = {}, {}
-    for slot, arrays in enumerate(states):
+    for slot, arrays in enumerate(checkpoint.states):
         for i, a in enumerate(arrays):
             if a is None:
                 continue
@@ -66,7 +71,18 @@ def state_job(key: bytes, states: States, spill: bool) -> StateJob:
                 raise ValueError(f"a checkpoint of {dtype} state cannot be stored")
             tensors[name] = np.array(a.view(mx.uint16) if dtype == "bfloat16" else a, copy=True)
             dtypes[name] = dtype
-    return StateJob((key,), tensors, dtypes, spill)
+    return StateJob((checkpoint.key,), tensors, dtypes, spill, checkpoint.ref)
+
+
+def checkpoint_ref(meta: dict, name: bytes) -> CheckpointRef | None:
+    """The block and boundary a state file's header names, when they are its key's (else None)."""
+    if meta.get("format") != STATE_FORMAT:
+        return None
+    try:
+        ref = CheckpointRef(bytes.fromhex(meta.get("checkpoint_of", "")), int(meta.get("boundary", "")))
+    except ValueError:
+        return None
+    return ref if len(ref.block_hash) == 32 and ref.boundary > 0 and ref.key == name else None
 
 
 def decode_state(spec: FileSpec, data: np.ndarray, name: bytes) -> States:

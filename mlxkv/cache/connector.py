@@ -1,6 +1,7 @@
-"""The KV cache connector seam.
+"""The KV cache connector seam: the protocol the tiers implement (connectors/).
 
-The engine calls a connector at exactly three points:
+The seam is the cache's: the coordinator (coordinator.py) calls a connector
+at exactly three points, and nowhere else does:
 
 1. prefix lookup (`get_computed_blocks`, then `load_blocks` to hydrate):
    after the pool's own hits, the connector says how many of the next blocks
@@ -15,9 +16,12 @@ a `read` callable, so a connector that does not want them costs nothing.
 
 A hybrid model's recurrent-state checkpoints (cache/checkpoints.py) meet
 the connector at the same three points: `has_checkpoint` and
-`load_checkpoint` at lookup, `cache_checkpoint` when one is made (the SSD
-tier writes it through, so it survives a restart), `evict_checkpoint` when
-the pool's checkpoint store lets one go.
+`load_checkpoint` at lookup, `cache_checkpoint` when one is written through
+(the SSD tier keeps it, so it survives a restart), `evict_checkpoint` when
+the pool's checkpoint store lets one go. `checkpoint_refs` tells the
+coordinator's checkpoint index of the ones a tier found on its own (an SSD
+tier's files from an earlier run), so a lookup never probes a tier per
+block boundary.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from dataclasses import asdict, dataclass
 from typing import Protocol, runtime_checkable
 
 from mlxkv.cache.block_kv import BlockKV
-from mlxkv.cache.checkpoints import States
+from mlxkv.cache.checkpoints import Checkpoint, CheckpointRef, States
 from mlxkv.cache.hashing import BlockHash
 
 
@@ -93,11 +97,14 @@ class KVCacheConnector(Protocol):
     def load_checkpoint(self, key: BlockHash) -> LoadedCheckpoint | None:
         """The checkpoint's states, intact, or None (gone, or failed its checksum)."""
 
-    def cache_checkpoint(self, key: BlockHash, states: States) -> None:
-        """A checkpoint was just made and kept in the pool's store."""
+    def cache_checkpoint(self, checkpoint: Checkpoint) -> None:
+        """Keep this checkpoint where it survives a restart (the write policy chose it)."""
 
-    def evict_checkpoint(self, key: BlockHash, states: States) -> None:
+    def evict_checkpoint(self, checkpoint: Checkpoint) -> None:
         """The pool's store is letting this checkpoint go."""
+
+    def checkpoint_refs(self) -> list[CheckpointRef]:
+        """Checkpoints this connector found on its own since the last call (e.g. files of an earlier run)."""
 
     def stats(self) -> dict[str, dict[str, int]]:
         """Counters per tier name."""
@@ -127,11 +134,14 @@ class NoopKVCacheConnector:
     def load_checkpoint(self, key):
         return None
 
-    def cache_checkpoint(self, key, states):
+    def cache_checkpoint(self, checkpoint):
         pass
 
-    def evict_checkpoint(self, key, states):
+    def evict_checkpoint(self, checkpoint):
         pass
+
+    def checkpoint_refs(self):
+        return []
 
     def stats(self):
         return {}

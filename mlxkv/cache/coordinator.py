@@ -1,0 +1,340 @@
+"""The cache coordinator: where a prompt meets the pool, over one manager per layer group.
+
+Each layer group has a manager with its rule (groups/): full attention,
+a sliding window, the recurrent state. The coordinator does what they
+share:
+
+- the lookup: the fixed point of every manager's longest hit (each may
+  only shorten it, so it ends at the largest hit every group accepts), the
+  pool first, then the connector's tiers; one lookup per admission attempt,
+  valid while `generation` stands;
+- admission: holding the hit's pool blocks and hydrating its tier blocks,
+  all or nothing;
+- slots for the tokens computed next, registration of blocks as they
+  fill, and release;
+- the connector seam (cache/connector.py): its calls are made here and in
+  the recurrent manager, nowhere else.
+
+It owns the block pool, so it installs the pool's hooks.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from mlxkv.cache.block_pool import Block, BlockPool
+from mlxkv.cache.connector import KVCacheConnector, NoopKVCacheConnector
+from mlxkv.cache.groups.base import AttentionManager, GroupNeeds, Presence
+from mlxkv.cache.groups.full import FullAttentionManager
+from mlxkv.cache.groups.recurrent import CheckpointNeed, RecurrentManager
+from mlxkv.cache.groups.sliding import SlidingWindowManager
+from mlxkv.cache.hashing import BlockHash, extend_block_hashes
+from mlxkv.cache.kv_pool import KVPool
+from mlxkv.cache.layer_groups import GroupLayout
+from mlxkv.cache.sequence import Sequence
+from mlxkv.cache.tiers import POOL, TIERS
+
+log = logging.getLogger(__name__)
+
+# Decode fills a block every block_size tokens. Offered one at a time, each
+# costs a pool read and the SSD tier a file with its own fsync. Offered in
+# batches of this many (and whatever is left when the sequence lets go of
+# its blocks), a restored conversation reads runs, as a restored prompt does.
+STORE_BATCH_BLOCKS = 16
+# Hydrates that find a tier's copy gone or bad look again this often, then
+# settle for what the pool holds.
+HYDRATE_ATTEMPTS = 3
+
+
+@dataclass
+class PrefixHit:
+    """A prompt's longest prefix hit and what each group needs for it."""
+
+    num_blocks: int
+    hashes: list[BlockHash]  # every full block of the prompt's
+    usable: int  # blocks a hit may cover: never the one holding the last token
+    groups: list[GroupNeeds]  # per attention group
+    checkpoint: CheckpointNeed | None
+    generation: tuple  # the coordinator's when it was looked up
+
+    @property
+    def tier_blocks(self) -> int:
+        return sum(len(g.tiers) for g in self.groups)
+
+    @property
+    def pool_blocks(self) -> list[Block]:
+        return [block for g in self.groups for _, block in g.pool]
+
+
+class KVCacheCoordinator:
+    def __init__(self, layout: GroupLayout, block_size: int, budget: int, *, kv_pool: KVPool | None = None,
+                 connector: KVCacheConnector | None = None, initial: int | None = None,
+                 checkpoint_budget: int = 0, checkpoint_interval: int = 2048, checkpoint_write_ratio: float = 0.0):
+        # Without a KV pool (pure bookkeeping, as in the pool's property
+        # tests) there are no bytes to move, so only the no-op connector fits.
+        if connector is not None and kv_pool is None:
+            raise ValueError("a connector needs the KV pool to move bytes")
+        self.group_layout = layout
+        self.block_size = block_size
+        self.kv_pool = kv_pool
+        self.connector = connector or NoopKVCacheConnector()
+        self.pool = BlockPool(budget, initial=initial, on_evict=self._on_evict,
+                              on_grow=kv_pool.grow if kv_pool else None, on_shrink=kv_pool.shrink if kv_pool else None)
+        self.attention: list[AttentionManager] = [
+            (FullAttentionManager if g.window is None else SlidingWindowManager)(g, self.pool, block_size)
+            for g in layout.groups
+        ]
+        self.recurrent = None
+        if layout.has_recurrent:
+            per_token = kv_pool.layout.bytes_per_token if kv_pool else 0
+            self.recurrent = RecurrentManager(layout.state_sizes, checkpoint_budget, self.connector, block_size,
+                                              checkpoint_interval, checkpoint_write_ratio, per_token)
+        # The fixed point's order: the cheapest bound first.
+        self._managers = sorted(self.attention, key=lambda m: m.slots_ahead(), reverse=True)
+        self._managers += [self.recurrent] if self.recurrent else []
+
+    def _reader(self, blocks: list[Block]):
+        ids, groups = [b.block_id for b in blocks], [b.group for b in blocks]
+        return lambda: self.kv_pool.read_blocks(ids, groups)
+
+    def _on_evict(self, blocks: list[Block]) -> None:
+        # Read in reverse: a freed sequence's blocks are evicted last first,
+        # so reversed they are in prefix order, one run a hydrate copies in
+        # stretches; handed over in eviction order, for the tiers' LRU.
+        read = self._reader(blocks[::-1])
+        try:
+            self.connector.evict_blocks([b.block_hash for b in blocks], lambda: read()[::-1])
+        except Exception:  # a failed spill loses cached copies, never a request
+            log.exception("the connector could not spill %d blocks", len(blocks))
+
+    # -- lookup and admission -------------------------------------------------
+
+    @property
+    def generation(self) -> tuple:
+        """Changes whenever a lookup could answer differently (a block or checkpoint came or went)."""
+        return self.pool.generation, self.recurrent.generation if self.recurrent else None
+
+    def lookup(self, tokens: list[int], root: BlockHash | None, *, hashes: list[BlockHash] | None = None,
+               use_tiers: bool = True) -> PrefixHit:
+        """The longest hit for a prompt; `hashes` (an earlier lookup's) saves hashing again."""
+        hashes = [] if root is None else extend_block_hashes(hashes or [], root, tokens, self.block_size)
+        usable = (len(tokens) - 1) // self.block_size if root is not None else 0
+        presence = Presence(self.pool, self.connector if use_tiers else None)
+        b = usable
+        while True:
+            c = b
+            for manager in self._managers:
+                c = manager.longest_hit(hashes, c, presence)
+            if c == b:
+                break
+            b = c
+        checkpoint = self.recurrent.needs(hashes, b) if self.recurrent else None
+        return PrefixHit(b, hashes, usable, [m.needs(hashes, b) for m in self.attention], checkpoint,
+                         self.generation)
+
+    def admission_blocks(self, hit: PrefixHit, num_tokens: int, chunk: int) -> int:
+        """Free blocks admitting a prompt of `num_tokens` on `hit` takes while it prefills in chunks of `chunk`."""
+        unreferenced = sum(1 for block in hit.pool_blocks if block.ref_count == 0)
+        return self.peak_blocks(num_tokens, chunk) - len(hit.pool_blocks) + unreferenced
+
+    def peak_blocks(self, num_tokens: int, chunk: int) -> int:
+        """The most blocks one sequence holds on its way to `num_tokens` tokens."""
+        return sum(m.peak_blocks(num_tokens, chunk) for m in self.attention)
+
+    def admit(self, request_id: int, tokens: list[int], root: BlockHash | None, hit: PrefixHit) -> Sequence:
+        """A sequence holding the hit's blocks, hydrated from the tiers; if a tier's copy is gone, look again."""
+        for _ in range(HYDRATE_ATTEMPTS):
+            if not self._room_for(hit):
+                break  # computing those blocks would not fit either: the scheduler waits or preempts
+            seq = self._take(request_id, tokens, root, hit)
+            if seq is not None:
+                return seq
+            hit = self.lookup(tokens, root, hashes=hit.hashes)
+        return self._take(request_id, tokens, root, self.lookup(tokens, root, hashes=hit.hashes, use_tiers=False))
+
+    def _room_for(self, hit: PrefixHit) -> bool:
+        """Whether the pool can take the hit's tier blocks beside its own."""
+        unreferenced = sum(1 for block in hit.pool_blocks if block.ref_count == 0)
+        return hit.tier_blocks <= self.pool.num_free - unreferenced
+
+    def _take(self, request_id: int, tokens: list[int], root, hit: PrefixHit) -> Sequence | None:
+        """Hold the hit's blocks; None (holding nothing) if a tier could not supply its share."""
+        loaded = self.recurrent.load(hit.checkpoint) if hit.checkpoint is not None else None
+        if hit.checkpoint is not None and loaded is None:
+            return None
+        touched = hit.pool_blocks
+        self.pool.touch(touched)
+        sources = [POOL] * hit.num_blocks
+        held, hydrated = [], []
+        for manager, needs in zip(self.attention, hit.groups):
+            blocks = self._hydrate(manager, needs.tiers, sources)
+            if blocks is None:
+                self.pool.free(touched + hydrated)
+                return None
+            hydrated += [block for _, block in blocks]
+            held.append(needs.pool + blocks)
+        seq = Sequence(request_id, tokens, root, hit.hashes)
+        seq.num_cached_blocks = hit.num_blocks
+        seq.num_computed = hit.num_blocks * self.block_size
+        for manager, blocks in zip(self.attention, held):
+            manager.start(request_id, hit.num_blocks, blocks)
+        if self.recurrent is not None:
+            self.recurrent.start(request_id, loaded[0] if loaded else None, seq.num_computed)
+        state_tier = loaded[1] if loaded else POOL
+        for source in sources:
+            source = max(source, state_tier, key=TIERS.index)  # as slow as the checkpoint, too
+            seq.cached_tokens[source] += self.block_size
+        return seq
+
+    def _hydrate(self, manager: AttentionManager, wanted: list[tuple[int, BlockHash]],
+                 sources: list[str]) -> list[tuple[int, Block]] | None:
+        """A group's tier blocks, loaded into fresh pool blocks; None if any is missing."""
+        if not wanted:
+            return []
+        keys = [key for _, key in wanted]
+        loaded = self.connector.load_blocks(keys)
+        good = 0
+        while (good < min(len(loaded), len(keys)) and loaded[good].block_hash == keys[good]
+               and loaded[good].kv.group == manager.index):
+            good += 1
+        # Which free block takes which key is ours to choose: in id order, a
+        # run of tier blocks lands on runs of ids, one slice copy per layer.
+        blocks = sorted(self.pool.allocate(good), key=lambda blk: blk.block_id) if good else []
+        if good:
+            self.kv_pool.write_blocks([blk.block_id for blk in blocks], [block.kv for block in loaded[:good]])
+            self.pool.register(blocks, keys[:good], manager.index)
+        if good < len(keys):
+            self.pool.free(blocks)  # they stay cached under their keys; the hit is looked up again
+            return None
+        for (i, _), found in zip(wanted, loaded):
+            sources[i] = max(sources[i], found.tier, key=TIERS.index)  # as slow as its slowest group
+        return [(i, block) for (i, _), block in zip(wanted, blocks)]
+
+    # -- computing ------------------------------------------------------------
+
+    def allocate_slots(self, seq: Sequence, num_new: int, ahead: int = 0) -> None:
+        """Make sure every group has blocks for the next `num_new` tokens of `seq`.
+
+        `ahead`: tokens after those that groups taking a prompt's slots at
+        once (full attention) take slots for now too, so its prefill never
+        waits for them; sliding groups take theirs a chunk at a time, after
+        letting go of the blocks their window has passed.
+        All or nothing: PoolExhaustedError leaves every table as it was.
+        """
+        self._release_passed(seq)
+        short = [m.short(seq.request_id, seq.num_computed, num_new, ahead) for m in self.attention]
+        if not any(short):
+            return
+        fresh = self.pool.allocate(sum(short))
+        for manager, n in zip(self.attention, short):
+            manager.extend(seq.request_id, fresh[:n])
+            fresh = fresh[n:]
+
+    def slots_needed(self, seq: Sequence, num_new: int) -> int:
+        """Blocks `allocate_slots(seq, num_new)` would take from the pool (at most)."""
+        return sum(m.short(seq.request_id, seq.num_computed, num_new, 0) for m in self.attention)
+
+    def _release_passed(self, seq: Sequence) -> None:
+        """Groups let go of the registered blocks the next token no longer needs."""
+        registered = seq.num_cached_blocks if seq.hash_root is not None else seq.num_computed
+        for manager in self.attention:
+            passed = manager.passed(seq.request_id, seq.num_computed, registered)
+            if not passed:
+                continue
+            if manager.has_unstored(seq.request_id, passed):
+                self._store_group(manager, seq.request_id)  # read before the pool may reuse them
+            self.pool.free(manager.drop(seq.request_id, passed))
+
+    def prefill_stop(self, seq: Sequence) -> int | None:
+        """Where the prefill chunk now starting must end so a checkpoint can be taken there, or None."""
+        if self.recurrent is None or seq.hash_root is None:
+            return None
+        return self.recurrent.prefill_stop(seq)
+
+    def computed(self, seqs: list[Sequence], num_new: int, new_states: list | None = None) -> None:
+        """Record a forward: `num_new` more tokens of each sequence are in the pool (and its new states)."""
+        for seq in seqs:
+            seq.num_computed += num_new
+        if new_states is not None:
+            self.recurrent.record(seqs, new_states)
+
+    def register_computed(self, seq: Sequence, *, store_now: bool = True) -> None:
+        """Register the blocks now full of computed, known tokens (and a prefill's checkpoints).
+
+        The connector gets them at once, or with `store_now=False` (decode)
+        once STORE_BATCH_BLOCKS are waiting or the sequence leaves. Until
+        then the sequence holds them, so the pool cannot evict them.
+        """
+        if seq.hash_root is None:
+            return
+        # Runs after every decode step: only a block that just filled up
+        # pays for the token list, so a long context costs no copy per token.
+        known = min(seq.num_computed, seq.num_tokens)
+        full = known // self.block_size
+        if full > seq.num_cached_blocks:
+            self._hash_upto(seq, known)
+            start = seq.num_cached_blocks
+            waiting = max(m.register(seq.request_id, seq.block_hashes, start, full) for m in self.attention)
+            seq.num_cached_blocks = full
+            if store_now or waiting >= STORE_BATCH_BLOCKS:
+                self._store(seq)
+        if self.recurrent is not None:
+            self.recurrent.register(seq, min(known, len(seq.prompt)), every=True)
+
+    def _hash_upto(self, seq: Sequence, num_tokens: int) -> None:
+        if len(seq.block_hashes) < num_tokens // self.block_size:
+            extend_block_hashes(seq.block_hashes, seq.hash_root, seq.tokens[:num_tokens], self.block_size)
+
+    def _store(self, seq: Sequence) -> None:
+        for manager in self.attention:
+            self._store_group(manager, seq.request_id)
+
+    def _store_group(self, manager: AttentionManager, request_id: int) -> None:
+        blocks = manager.take_unstored(request_id)
+        if not blocks:
+            return
+        try:
+            self.connector.cache_blocks([b.block_hash for b in blocks], self._reader(blocks))
+        except Exception:  # a lost copy, as with a spill; the release must still free
+            log.exception("the connector could not store %d blocks", len(blocks))
+
+    # -- leaving --------------------------------------------------------------
+
+    def release(self, seq: Sequence) -> None:
+        """The sequence leaves: register what it computed, leave a hybrid's checkpoint
+        at the last boundary it knows (where its next turn, or its resumption
+        after a preemption, starts), and free its blocks last first, so they are
+        evicted first."""
+        self.register_computed(seq)
+        if self.recurrent is not None:
+            if seq.hash_root is not None:
+                known = min(seq.num_computed, seq.num_tokens)
+                self._hash_upto(seq, known)
+                self.recurrent.register(seq, known, every=False)
+            self.recurrent.leave(seq)
+        self._store(seq)
+        tables = [m.release(seq.request_id) for m in self.attention]
+        longest = max(len(table) for table in tables)
+        self.pool.free([table[i] for i in reversed(range(longest)) for table in tables
+                        if i < len(table) and table[i] is not None])
+
+    # -- reads ----------------------------------------------------------------
+
+    def tables(self, seq: Sequence) -> list[list[Block | None]]:
+        """The sequence's block table in each attention group."""
+        return [m.table(seq.request_id) for m in self.attention]
+
+    def held(self, seq: Sequence) -> list[Block]:
+        """Every block the sequence holds a reference to, in every group."""
+        return [block for m in self.attention for block in m.held(seq.request_id)]
+
+    # -- idle -----------------------------------------------------------------
+
+    def write_pending_checkpoints(self) -> int:
+        """A hybrid's newest checkpoint of each chain not on disk yet goes there (close, idle)."""
+        return self.recurrent.write_pending() if self.recurrent is not None else 0
+
+    def shrink(self) -> int:
+        """Give memory back while idle: the pool keeps about what the last busy spell used."""
+        return self.pool.shrink(keep_cached=self.pool.peak_in_use)
