@@ -156,7 +156,7 @@ def write_gguf(model_dir: str, path: Path, arch: str, choose, meta_extra: dict |
         if arch == "llama" and heads:
             stored = _permute(stored, heads)
         writer.add_tensor(gguf_name(name, gemma), np.ascontiguousarray(stored),
-                          raw_shape=None if kind == T.F32 else w.shape, raw_dtype=None if kind == T.F32 else kind)
+                          raw_dtype=None if kind == T.F32 else kind)
     _write_metadata(writer, arch, config, model_dir, meta_extra or {})
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
