@@ -99,7 +99,7 @@ def byte_level_bpe(meta: dict, tokens: list[str]):
 
 
 def sentencepiece_bpe(meta: dict, tokens: list[str], types: list[int]):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer, decoders, models, normalizers
 
     scores = np.asarray(meta.get("tokenizer.ggml.scores", np.zeros(len(tokens))), dtype=np.float64)
     unk = _token(meta, tokens, "tokenizer.ggml.unknown_token_id")
@@ -107,8 +107,10 @@ def sentencepiece_bpe(meta: dict, tokens: list[str], types: list[int]):
                        unk_token=unk, fuse_unk=True, byte_fallback=True)
     tokenizer = Tokenizer(model)
     prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
-    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement=SPACE, prepend_scheme="first" if prefix else "never",
-                                                       split=False)
+    # A space before the text, even one that starts with a space, and after each special
+    # token, as SentencePiece's dummy prefix and llama.cpp's tokenizer put it.
+    spaces = [normalizers.Replace(" ", SPACE)]
+    tokenizer.normalizer = normalizers.Sequence(([normalizers.Prepend(SPACE)] if prefix else []) + spaces)
     steps = [decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
     tokenizer.decoder = decoders.Sequence(steps + ([decoders.Strip(" ", 1, 0)] if prefix else []))
     return tokenizer
