@@ -137,7 +137,7 @@ def gguf_name(hf: str, gemma: bool) -> str:
 
 
 def write_gguf(model_dir: str, path: Path, arch: str, choose, meta_extra: dict | None = None,
-               weights: dict | None = None) -> dict[str, np.ndarray]:
+               weights: dict | None = None, extra_tensors: dict | None = None) -> dict[str, np.ndarray]:
     """Write model_dir's model (or `weights`) as llama.cpp would for `arch`, each weight
     in the type `choose(hf_name, array)` returns; returns the weights as the file holds them,
     dequantized by the `gguf` package, in the Hugging Face layout."""
@@ -157,6 +157,8 @@ def write_gguf(model_dir: str, path: Path, arch: str, choose, meta_extra: dict |
             stored = _permute(stored, heads)
         writer.add_tensor(gguf_name(name, gemma), np.ascontiguousarray(stored),
                           raw_dtype=None if kind == T.F32 else kind)
+    for name, tensor in (extra_tensors or {}).items():  # e.g. rope_freqs.weight, as GGUF names them
+        writer.add_tensor(name, np.ascontiguousarray(tensor, dtype=np.float32))
     _write_metadata(writer, arch, config, model_dir, meta_extra or {})
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

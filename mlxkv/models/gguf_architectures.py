@@ -131,7 +131,7 @@ def _llama3(h: Hyper, config: dict, tensors: dict) -> dict:
 def llama3_rope_scaling(factors: np.ndarray, config: dict) -> dict:
     """mlx-lm's llama3 rope_scaling whose per-frequency factors are `factors`
     (Meta's published parameters: low 1, high 4, an 8192 original context)."""
-    scaling = {"rope_type": "llama3", "factor": float(factors.max()), "low_freq_factor": 1.0,
+    scaling = {"rope_type": "llama3", "factor": round(float(factors.max()), 3), "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
     if not np.allclose(llama3_factors(scaling, config["head_dim"], config["rope_theta"]), factors, rtol=1e-3):
         raise MlxkvError("its rope_freqs tensor is not Llama 3's rope scaling")

@@ -12,12 +12,14 @@ import mlx_lm
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T
+from gguf import GGUFValueType as V
 from mlx.utils import tree_flatten
 from mlx_lm.generate import stream_generate
 
 from gguf_export import write_gguf
 from mlxkv.config import CacheConfig
 from mlxkv.engine.engine import Engine
+from mlxkv.errors import MlxkvError
 from mlxkv.models import compat
 from mlxkv.models.fetch import local_model
 from mlxkv.models.tiny import TinyModelSpec, write_tiny_model
@@ -72,15 +74,17 @@ def logits(path: str) -> np.ndarray:
     return np.array(model(mx.array([PROMPT]))[0].astype(mx.float32))
 
 
-def imported_and_reference(tmp_path, model_dir, arch, choose, extra=None, seed=0):
+def imported_and_reference(tmp_path, model_dir, arch, choose, extra=None, seed=0, extra_tensors=None):
     original = with_random_norms(model_dir, seed)
-    held = write_gguf(model_dir, tmp_path / f"{arch}.gguf", arch, choose, extra, weights=original)
+    held = write_gguf(model_dir, tmp_path / f"{arch}.gguf", arch, choose, extra, weights=original,
+                      extra_tensors=extra_tensors)
     imported = local_model(str(tmp_path / f"{arch}.gguf"))
     return imported, reference_dir(model_dir, held, tmp_path / "reference"), original
 
 
-def round_trip(tmp_path, model_dir, arch, choose, extra=None, seed=0):
-    imported, reference, original = imported_and_reference(tmp_path, model_dir, arch, choose, extra, seed)
+def round_trip(tmp_path, model_dir, arch, choose, extra=None, seed=0, extra_tensors=None):
+    imported, reference, original = imported_and_reference(tmp_path, model_dir, arch, choose, extra, seed,
+                                                           extra_tensors)
     model, tokenizer = mlx_lm.load(reference)
     expected = [r.token for r in stream_generate(model, tokenizer, PROMPT, max_tokens=12)]
     with Engine.load(imported, CacheConfig(**CACHE)) as engine:
@@ -106,7 +110,7 @@ def wide_dirs(tmp_path_factory):
     return {name: str(write_tiny_model(root / name, spec)) for name, spec in specs.items()}
 
 
-GEMMA3_META = {"attention.sliding_window": (32, 4)}  # 4: GGUF's uint32
+GEMMA3_META = {"attention.sliding_window": (32, V.UINT32)}
 
 
 @pytest.mark.parametrize("arch,choose", [("llama", q4_k_m), ("qwen3", q5_k_m), ("gemma3", q4_k_s)])
@@ -157,7 +161,7 @@ def test_qwen3_moe_round_trips(llama_dir, tmp_path):
     moe = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64, "decoder_sparse_step": 1,
            "mlp_only_layers": [], "norm_topk_prob": True, "head_dim": 16, "tie_word_embeddings": False}
     model_dir = write_family_model(tmp_path / "moe", "qwen3_moe", moe, llama_dir)
-    extra = {"expert_count": (4, 4), "expert_used_count": (2, 4), "expert_feed_forward_length": (64, 4)}
+    extra = {"expert_count": (4, V.UINT32), "expert_used_count": (2, V.UINT32), "expert_feed_forward_length": (64, V.UINT32)}
     round_trip(tmp_path, model_dir, "qwen3moe", lambda name, w: T.Q8_0 if "switch" in name else T.F32, extra)
 
 
@@ -165,8 +169,36 @@ def test_gemma2_round_trips_with_its_softcaps(llama_dir, tmp_path):
     gemma2 = {"head_dim": 16, "query_pre_attn_scalar": 16, "attn_logit_softcapping": 20.0,
               "final_logit_softcapping": 10.0, "tie_word_embeddings": True}
     model_dir = write_family_model(tmp_path / "gemma2", "gemma2", gemma2, llama_dir)
-    extra = {"attn_logit_softcapping": (20.0, 6), "final_logit_softcapping": (10.0, 6)}  # 6: GGUF's float32
+    extra = {"attn_logit_softcapping": (20.0, V.FLOAT32), "final_logit_softcapping": (10.0, V.FLOAT32)}
     imported, _, _ = round_trip(tmp_path, model_dir, "gemma2", lambda name, w: T.Q8_0, extra)
     config = json.loads(open(f"{imported}/config.json").read())
     assert (config["attn_logit_softcapping"], config["final_logit_softcapping"]) == (20.0, 10.0)
     assert config["query_pre_attn_scalar"] == 16 and config["model_type"] == "gemma2"
+
+
+LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 8192}
+
+
+def test_llama3_rope_scaling_comes_back_from_rope_freqs(llama_dir, tmp_path):
+    """Llama 3.1+ files carry their rope scaling as per-frequency factors; mlx-lm's
+    Llama3RoPE, built from the published parameters, gives the factors to write."""
+    from mlx_lm.models.rope_utils import Llama3RoPE
+
+    model_dir = tmp_path / "llama3"
+    shutil.copytree(llama_dir, model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    config.update(rope_theta=500000.0, rope_scaling=LLAMA3_SCALING, max_position_embeddings=131072)
+    (model_dir / "config.json").write_text(json.dumps(config))
+    dims, base = config["head_dim"], config["rope_theta"]
+    rope = Llama3RoPE(dims, 131072, base=base, scaling_config=LLAMA3_SCALING)
+    factors = np.array(rope._freqs) / base ** (np.arange(0, dims, 2) / dims)
+    assert np.isclose(factors.max(), 8.0) and np.isclose(factors.min(), 1.0)
+    imported, _, _ = round_trip(tmp_path, str(model_dir), "llama", lambda name, w: T.Q8_0,
+                                extra_tensors={"rope_freqs.weight": factors})
+    assert json.loads(open(f"{imported}/config.json").read())["rope_scaling"] == LLAMA3_SCALING
+    factors[-1] = 3.0  # no set of Llama 3's parameters makes these
+    write_gguf(str(model_dir), tmp_path / "odd.gguf", "llama", lambda name, w: T.Q8_0,
+               extra_tensors={"rope_freqs.weight": factors})
+    with pytest.raises(MlxkvError, match="cannot import odd.gguf: its rope_freqs tensor is not Llama 3's rope scaling"):
+        local_model(str(tmp_path / "odd.gguf"))
