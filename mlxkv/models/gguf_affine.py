@@ -76,7 +76,13 @@ def _convert(rows: np.ndarray, kind: int) -> tuple[mx.array, mx.array, mx.array]
 def pack(q: np.ndarray, bits: int) -> np.ndarray:
     """[rows, n] values of `bits` bits as MLX packs them: one little-endian bit stream, as uint32."""
     n_rows, n = q.shape
-    shifts = np.arange(8, dtype=np.uint64) * np.uint64(bits)
-    words = np.bitwise_or.reduce(q.reshape(n_rows, n // 8, 8).astype(np.uint64) << shifts, axis=-1)
+    if bits == 8:
+        return np.ascontiguousarray(q, dtype=np.uint8).view(np.uint32)
+    if bits == 4:  # the common case, without the 64-bit detour: two values a byte, low nibble first
+        return np.ascontiguousarray(q[:, 0::2] | (q[:, 1::2] << 4)).view(np.uint32)
+    groups = q.reshape(n_rows, n // 8, 8).astype(np.uint64)  # 8 values are `bits` whole bytes
+    words = groups[:, :, 0].copy()
+    for i in range(1, 8):
+        words |= groups[:, :, i] << np.uint64(i * bits)
     return np.ascontiguousarray(words.view(np.uint8).reshape(n_rows, n // 8, 8)[:, :, :bits]) \
         .reshape(n_rows, -1).view(np.uint32)
