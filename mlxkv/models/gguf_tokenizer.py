@@ -41,6 +41,9 @@ SPLITS = {
                r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*|"
                r"\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"),  # Mistral Nemo
 }
+# Other names llama.cpp gives the same expressions.
+SPLITS.update({"llama3": SPLITS["llama-bpe"], "smaug-bpe": SPLITS["llama-bpe"], "dbrx": SPLITS["llama-bpe"],
+               "deepseek-r1-qwen": SPLITS["qwen2"]})
 GPT2_PRES = ("default", "gpt-2", "gpt2", None)
 
 

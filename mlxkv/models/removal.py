@@ -72,7 +72,8 @@ def plan(name: str, disk_tier: Path) -> Removal:
     else:
         removal.paths = runnable = list(entry.imports)
         removal.kept = f"the GGUF file {entry.path} stays: it is {_owner(entry)}"
-    removal.fingerprints = fingerprints_of(runnable, disk_tier)
+    removal.paths = [p for p in removal.paths if p.exists()]  # e.g. `tiny` before its first use
+    removal.fingerprints = fingerprints_of([p for p in runnable if p.exists()], disk_tier)
     return removal
 
 
