@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import mlx.core as mx
 import mlx_lm
@@ -202,3 +203,20 @@ def test_llama3_rope_scaling_comes_back_from_rope_freqs(llama_dir, tmp_path):
                extra_tensors={"rope_freqs.weight": factors})
     with pytest.raises(MlxkvError, match="cannot import odd.gguf: its rope_freqs tensor is not Llama 3's rope scaling"):
         local_model(str(tmp_path / "odd.gguf"))
+
+
+def test_damaged_files_are_one_line_errors_and_leave_nothing_behind(llama_dir, tmp_path):
+    whole = tmp_path / "whole.gguf"
+    write_gguf(llama_dir, whole, "llama", lambda name, w: T.Q8_0)
+    data = whole.read_bytes()
+    cases = {"truncated.gguf": (data[: len(data) - 1000], "is truncated: tensor"),
+             "header.gguf": (data[:200], "damaged GGUF header"),
+             "version.gguf": (data[:4] + (9).to_bytes(4, "little") + data[8:], "GGUF version 9 is not supported"),
+             "empty.gguf": (b"", "not a GGUF file")}
+    for name, (content, words) in cases.items():
+        (tmp_path / name).write_bytes(content)
+        with pytest.raises(MlxkvError, match=words) as error:
+            local_model(str(tmp_path / name))
+        assert str(error.value).startswith(f"cannot import {name}: ") and "\n" not in str(error.value)
+    imports = {p.name for p in (Path(local_model(str(whole))).parent).iterdir()}
+    assert not [n for n in imports if n.endswith(".tmp") or n.startswith(("gguf-truncated", "gguf-header"))]
