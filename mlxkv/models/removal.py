@@ -127,7 +127,12 @@ def _engine_fingerprints(directory: Path, by_block_size: dict[int, set[str]]) ->
         return []
     found = []
     for block_size, fingerprints in by_block_size.items():
-        with Engine(loaded, CacheConfig(block_size=block_size, num_blocks=4, memory_tier_bytes=0)) as engine:
+        try:
+            engine = Engine(loaded, CacheConfig(block_size=block_size, num_blocks=4, memory_tier_bytes=0))
+        except MlxkvError:  # a block size this model cannot run at: none of its blocks have it
+            log.debug("%s does not run at block size %d", directory, block_size, exc_info=True)
+            continue
+        with engine:
             if engine.fingerprint.hex() in fingerprints:
                 found.append(engine.fingerprint.hex())
     return found
