@@ -134,6 +134,7 @@ def _add_doctor(sub) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     from mlxkv import __version__
+    from mlxkv.models.commands import add_models_parser
 
     parser = argparse.ArgumentParser(prog="mlxkv", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="store_true", help="print versions, BLAS and Metal, then exit")
@@ -144,6 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_tiny_model(sub)
     _add_bench(sub)
     _add_cache(sub)
+    add_models_parser(sub)
     _add_doctor(sub)
     parser.set_defaults(version_string=__version__)
     return parser
@@ -293,11 +295,17 @@ def cmd_serve(args) -> int:
 
 
 def cmd_chat(args) -> int:
-    from mlxkv.models.fetch import DEFAULT_CHAT_MODEL
+    from mlxkv.models.fetch import DEFAULT_CHAT_MODEL, check_model
+
+    model = args.model or DEFAULT_CHAT_MODEL
+    if not (sys.stdin.isatty() and sys.stdout.isatty()):  # the app would wait for keys forever: say so, a bad model first
+        check_model(model)
+        raise MlxkvError("mlxkv chat needs a terminal (stdin or stdout is not one); "
+                         "for scripts: mlxkv generate or mlxkv serve")
     from mlxkv.tui.app import run
 
     config = _persistent_cache_config(args)
-    return run(args.model or DEFAULT_CHAT_MODEL, config, max_tokens=args.max_tokens, temperature=args.temp)
+    return run(model, config, max_tokens=args.max_tokens, temperature=args.temp)
 
 
 def cmd_tiny_model(args) -> int:

@@ -64,6 +64,7 @@ class ChatApp(App[None]):
         self.model_name = model_name
         self.generation = generation or {"max_tokens": 1024}
         self.engine = None
+        self.load_error: str | None = None  # set once the model failed to load: every way out exits 2
         self.chat_screen = ChatScreen(store, cursor_blink=cursor_blink)
         self.chat_screen.title = f"mlxkv chat · {model_name}"
 
@@ -92,11 +93,19 @@ class ChatApp(App[None]):
             for warning in event.warnings:  # e.g. the SSD tier left off, and why
                 self.notify(warning, title="Cache", severity="warning", timeout=NOTE_TIMEOUT_S, markup=False)
         elif event.kind == "failed":
+            self.load_error = event.text
             if isinstance(self.screen, LoadingScreen):
                 self.pop_screen()
             self.push_screen(ErrorScreen(f"Could not load {self.model_name}", event.text))
         elif event.kind == "snapshot":
             self.chat_screen.show_snapshot(event.snapshot)
+
+    def exit(self, result=None, return_code: int = 0, message=None) -> None:
+        """After a failed load, any way out (q, Esc, Ctrl+Q, the palette's Quit) is
+        exit status 2 with the reason, as `mlxkv` says every error."""
+        if self.load_error is not None:
+            return_code, message = 2, message or f"mlxkv: error: {self.load_error}"
+        super().exit(result, return_code, message)
 
     def on_unmount(self) -> None:
         self.chat_screen.keep_partial_replies()

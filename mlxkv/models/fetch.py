@@ -49,35 +49,62 @@ def demo_gguf() -> str | None:
     return None
 
 
-def local_model(name: str, report: Report = lambda what, fraction: None) -> str | None:
-    """The directory `name` names here (`demo`, `tiny`, a GGUF file or a
-    directory), or None for a Hugging Face id; MlxkvError for anything else."""
+def resolve(name: str) -> tuple[str, str | None]:
+    """What `name` is, without downloading or importing anything: ("tiny", None),
+    ("gguf", file), ("dir", directory) or ("hf", id); MlxkvError for a name that
+    is none of them. Takes every name `mlxkv models list` shows."""
+    from mlxkv.models import model_sources
+
     if name == "demo":
-        name = demo_gguf() or "tiny"
-        if name == "tiny":
+        demo = demo_gguf()
+        if demo is None:
             log.info("the demo model is the random tiny one; for a real one: %s", DEMO_INSTALL)
+        return ("gguf", demo) if demo else ("tiny", None)
     if name == "tiny":
+        return "tiny", None
+    if model_sources.is_source_name(name):
+        path = model_sources.locate(name)
+        return ("dir" if path.is_dir() else "gguf"), str(path)
+    if name.lower().endswith(".gguf"):
+        if not os.path.isfile(name):
+            raise MlxkvError(f"GGUF file not found: {name!r}")
+        return "gguf", name
+    if os.path.isdir(name):
+        return "dir", name
+    if not HF_REPO.match(name):
+        raise MlxkvError(f"model not found: {name!r} is not a directory or a Hugging Face id (try --model demo)")
+    return "hf", name
+
+
+def check_model(name: str) -> None:
+    """MlxkvError unless `name` resolves, and a GGUF file it names is one (a quick look, no import)."""
+    from mlxkv.models.gguf_file import NotGGUF, is_gguf_file
+
+    kind, path = resolve(name)
+    if kind == "gguf" and not is_gguf_file(path):
+        raise NotGGUF(f"{os.path.basename(path)} is not a GGUF file")
+
+
+def local_model(name: str, report: Report = lambda what, fraction: None) -> str | None:
+    """The directory `name` names here (`demo`, `tiny`, a GGUF file, a directory, an
+    Ollama or LM Studio model), or None for a Hugging Face id; MlxkvError for anything else."""
+    kind, path = resolve(name)
+    if kind == "tiny":
         from mlxkv.models.tiny import tiny_model_path  # imports mlx; keep DEFAULT_CHAT_MODEL light
 
         report("preparing the tiny model (random weights, no download)", None)
         return str(tiny_model_path())
-    if name.lower().endswith(".gguf"):
-        if not os.path.isfile(name):
-            raise MlxkvError(f"GGUF file not found: {name!r}")
+    if kind == "gguf":
         from mlxkv.models.gguf import imported_model
 
-        report(f"preparing {os.path.basename(name)} (imported once)", None)
-        return str(imported_model(name))
-    if os.path.isdir(name):
-        return name
-    if not HF_REPO.match(name):
-        raise MlxkvError(f"model not found: {name!r} is not a directory or a Hugging Face id (try --model demo)")
-    return None
+        report(f"preparing {os.path.basename(path)} (imported once)", None)
+        return str(imported_model(path))
+    return path if kind == "dir" else None
 
 
 def fetch_model(name: str, report: Report) -> str:
     """A local directory holding `name`, downloading it if it is a Hugging Face id."""
-    return local_model(name, report) or _cached(name) or _download(name, report)
+    return local_model(name, report) or cached(name) or download(name, report)
 
 
 def _snapshot_download(name: str, **kwargs) -> str:
@@ -88,7 +115,7 @@ def _snapshot_download(name: str, **kwargs) -> str:
     return snapshot_download(name, allow_patterns=compat.model_file_patterns(), **kwargs)
 
 
-def _cached(name: str) -> str | None:
+def cached(name: str) -> str | None:
     try:
         return _snapshot_download(name, local_files_only=True)
     except Exception:  # not cached, or cached incompletely
@@ -96,7 +123,7 @@ def _cached(name: str) -> str | None:
         return None
 
 
-def _download(name: str, report: Report) -> str:
+def download(name: str, report: Report) -> str:
     report(f"downloading {name}", 0.0)
     try:
         return _snapshot_download(name, tqdm_class=progress_bar_class(name, report))

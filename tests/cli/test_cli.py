@@ -23,6 +23,19 @@ def mlxkv(*args, input=None, env=None):
     )
 
 
+def mlxkv_in_a_terminal(*args, env=None):
+    """mlxkv with a pseudo-terminal for stdin and stdout (stderr captured), as `chat` needs."""
+    import pty
+
+    leader, follower = pty.openpty()
+    try:
+        return subprocess.run([sys.executable, "-m", "mlxkv.cli", *args], stdin=follower, stdout=follower,
+                              stderr=subprocess.PIPE, text=True, timeout=300, env=env)
+    finally:
+        os.close(leader)
+        os.close(follower)
+
+
 def test_generate_json_reuses_earlier_prompt(llama_dir):
     first = "the ships sail on the sea and the wind is strong"
     second = first + " and then they come home again"
@@ -150,7 +163,7 @@ def test_unusable_disk_tier_is_one_warning_line_and_left_out(llama_dir, tmp_path
 def test_chat_with_an_unusable_data_dir_is_one_line_and_exit_2(tmp_path):
     a_file = tmp_path / "data"
     a_file.write_text("")
-    out = mlxkv("chat", "--model", "demo", env={**os.environ, "MLXKV_DATA_DIR": str(a_file)})
+    out = mlxkv_in_a_terminal("chat", "--model", "demo", env={**os.environ, "MLXKV_DATA_DIR": str(a_file)})
     assert out.returncode == 2
     assert out.stderr.strip().splitlines() == [
         f"mlxkv: error: cannot open the chat database {a_file / 'chats.sqlite3'}: Not a directory"]
@@ -160,7 +173,7 @@ def test_chat_on_a_database_that_cannot_be_written_is_one_line_and_exit_2(tmpfs)
     data = tmpfs("1m")
     ChatStore(data / "chats.sqlite3").close()  # no chat yet: the first one cannot be saved
     remount_read_only(data)
-    out = mlxkv("chat", "--model", "demo", input="", env={**os.environ, "MLXKV_DATA_DIR": str(data)})
+    out = mlxkv_in_a_terminal("chat", "--model", "demo", env={**os.environ, "MLXKV_DATA_DIR": str(data)})
     assert out.returncode == 2
     assert out.stderr.strip().splitlines() == [
         f"mlxkv: error: cannot save to the chat database {data / 'chats.sqlite3'}: "

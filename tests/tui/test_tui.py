@@ -268,6 +268,21 @@ async def test_a_model_that_fails_to_load_shows_an_error_screen(tmp_path):
 
 
 @pilot_test
+async def test_every_way_out_of_the_error_screen_exits_2(tmp_path):
+    ways = {"q": ["q"], "Esc": ["escape"], "Ctrl+Q": ["ctrl+q"], "the palette's Quit": ["ctrl+p", *"quit"]}
+    for way, keys in ways.items():
+        app, _ = make_app(tmp_path, str(tmp_path / "missing"), model_name="missing")
+        async with app.run_test(size=SIZE) as pilot:
+            await wait_until(pilot, lambda: "model not found" in error_shown(app), what="the error screen")
+            await pilot.press(*keys)
+            if way == "the palette's Quit":
+                await pilot.pause(0.5)  # the palette's search runs in a worker
+                await pilot.press("enter")
+            await wait_until(pilot, lambda: app.return_code is not None, what=f"{way} to quit")
+        assert app.return_code == 2, way
+
+
+@pilot_test
 async def test_a_model_without_a_chat_template_shows_an_error_screen(tmp_path, llama_dir):
     base = tmp_path / "base-model"  # a base model: every message would be refused
     shutil.copytree(llama_dir, base)

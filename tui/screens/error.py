@@ -32,4 +32,4 @@ class ErrorScreen(Screen[None]):
         yield Footer()
 
     def action_quit(self) -> None:
-        self.app.exit(return_code=2, message=f"mlxkv: error: {self.message}")
+        self.app.exit(return_code=2, message=f"mlxkv: error: {self.message}")  # the app keeps it 2 on every way out

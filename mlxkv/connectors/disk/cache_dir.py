@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import re
 import secrets
+import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -149,6 +150,15 @@ def cache_clear(directory: str | os.PathLike) -> int:
     except OSError as e:
         raise MlxkvError(f"cannot clear {root} ({removed} block files removed): {e.strerror or e}") from None
     return removed
+
+
+def remove_fingerprint(directory: str | os.PathLike, fingerprint_hex: str) -> None:
+    """Delete one model fingerprint's directory and all in it (`mlxkv models rm`)."""
+    root = Path(directory).expanduser()
+    fp_dir = root / fingerprint_hex
+    if not _HEX64.fullmatch(fingerprint_hex) or not fp_dir.is_dir() or not _looks_like_cache(root):
+        raise MlxkvError(f"{fp_dir} is not a fingerprint directory of an mlxkv disk cache; not removing it")
+    shutil.rmtree(fp_dir)
 
 
 def block_files(fp_dir: Path) -> Iterator[tuple[Path, int]]:
