@@ -90,10 +90,11 @@ class SchedulerMachine(RuleBasedStateMachine):
     def references_are_the_running_block_tables(self):
         if not hasattr(self, "engine"):
             return
-        held = Counter(b.block_id for seq in self.engine.loop.running.values() for b in seq.blocks)
+        cache = self.engine.cache
+        held = Counter(b.block_id for seq in self.engine.loop.running.values() for b in cache.held(seq))
         pool = self.engine.block_pool
         assert {b.block_id: b.ref_count for b in pool.blocks if b.ref_count} == dict(held)
-        assert sorted(b.block_id for b in pool.free_queue) == [b.block_id for b in pool.blocks if b.ref_count == 0]
+        assert sorted(b.block_id for b in pool.free_blocks()) == [b.block_id for b in pool.blocks if b.ref_count == 0]
 
     @invariant()
     def streamed_tokens_are_a_prefix_of_the_solo_run(self):
