@@ -284,7 +284,7 @@ def _persistent_cache_config(args):
 
 
 def cmd_serve(args) -> int:
-    from mlxkv.serving.server import Server, ServerOptions, api_key_from
+    from mlxkv.server.server import Server, ServerOptions, api_key_from
 
     options = ServerOptions(args.host, args.port, api_key_from(args.api_key), args.max_open,
                             args.max_body_mb << 20, args.max_tokens, args.temp)

@@ -47,3 +47,12 @@ def test_the_kernel_sources_are_package_data_of_mlxkv():
     done = _python("from importlib import resources; "
                    "print(sorted(p.name for p in resources.files('mlxkv.metal').iterdir() if p.suffix == '.metal'))")
     assert done.stdout.strip() == "['common.metal', 'paged_decode.metal', 'paged_reduce.metal']"
+
+
+def test_the_engine_host_knows_nothing_of_http():
+    """mlxkv/host serves the chat app and the server alike: it imports neither."""
+    sources = {p.name: p.read_text() for p in (ROOT / "mlxkv" / "host").glob("*.py")}
+    assert {"engine_thread.py", "request_handle.py", "pool_view.py"} <= set(sources)
+    assert [name for name, text in sources.items()
+            if any(word in text for word in ("mlxkv.server", "starlette", "uvicorn", "mlxkv.tui"))] == []
+    assert not (ROOT / "mlxkv" / "serving").exists()

@@ -14,9 +14,9 @@ from pydantic import Field
 from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 
-from mlxkv.serving.api_errors import ApiError
-from mlxkv.serving.http_support import SSE_HEADERS, Lenient, new_id, now, off_loop, parse_body, sse, until_disconnect
-from mlxkv.serving.reply_stream import Reply, WholeReply
+from mlxkv.server.api_errors import ApiError
+from mlxkv.server.http_support import SSE_HEADERS, Lenient, new_id, now, off_loop, parse_body, sse, until_disconnect
+from mlxkv.server.reply_stream import Reply, WholeReply
 
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 

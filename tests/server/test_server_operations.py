@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from mlxkv.errors import MlxkvError, MlxkvWarning
-from mlxkv.serving.server import Server, ServerOptions, bind, warn_if_exposed
+from mlxkv.server.server import Server, ServerOptions, bind, warn_if_exposed
 from server_support import anthropic_client, raw, openai_client, running_server
 
 USER = [{"role": "user", "content": "Describe a long walk along the coast in the rain."}]

@@ -19,9 +19,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
-from mlxkv.serving import anthropic_api, openai_api
-from mlxkv.serving.api_errors import ApiError, is_anthropic_path
-from mlxkv.serving.http_support import DEFAULT_MAX_BODY_BYTES, now
+from mlxkv.server import anthropic_api, openai_api
+from mlxkv.server.api_errors import ApiError, is_anthropic_path
+from mlxkv.server.http_support import DEFAULT_MAX_BODY_BYTES, now
 
 log = logging.getLogger(__name__)
 

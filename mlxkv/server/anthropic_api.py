@@ -16,9 +16,9 @@ from pydantic import Field
 from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 
-from mlxkv.serving.api_errors import ApiError
-from mlxkv.serving.http_support import SSE_HEADERS, Lenient, new_id, off_loop, parse_body, sse, until_disconnect
-from mlxkv.serving.reply_stream import Reply
+from mlxkv.server.api_errors import ApiError
+from mlxkv.server.http_support import SSE_HEADERS, Lenient, new_id, off_loop, parse_body, sse, until_disconnect
+from mlxkv.server.reply_stream import Reply
 
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "stop_sequence": "stop_sequence"}
 

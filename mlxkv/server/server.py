@@ -21,11 +21,11 @@ import uvicorn
 
 from mlxkv.config import CacheConfig
 from mlxkv.errors import MlxkvError, MlxkvWarning
-from mlxkv.serving.backend import DEFAULT_MAX_OPEN, DEFAULT_MAX_TOKENS, ServingBackend
-from mlxkv.serving.engine_thread import EngineThread, load_engine
-from mlxkv.serving.http_app import AppConfig, build_app
-from mlxkv.serving.http_support import DEFAULT_MAX_BODY_BYTES
-from mlxkv.serving.reply_ids import DEFAULT_KEPT
+from mlxkv.server.backend import DEFAULT_MAX_OPEN, DEFAULT_MAX_TOKENS, ServingBackend
+from mlxkv.host.engine_thread import EngineThread, load_engine
+from mlxkv.server.http_app import AppConfig, build_app
+from mlxkv.server.http_support import DEFAULT_MAX_BODY_BYTES
+from mlxkv.server.reply_ids import DEFAULT_KEPT
 
 log = logging.getLogger(__name__)
 

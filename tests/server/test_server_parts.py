@@ -8,10 +8,10 @@ import os
 import pytest
 
 from mlxkv.engine.records import RequestStats
-from mlxkv.serving.metrics import ServerMetrics
-from mlxkv.serving.reply_ids import ReplyIds
-from mlxkv.serving.stop_strings import StopStrings
-from mlxkv.serving.tool_calls import ToolCallSplitter
+from mlxkv.server.metrics import ServerMetrics
+from mlxkv.server.reply_ids import ReplyIds
+from mlxkv.server.stop_strings import StopStrings
+from mlxkv.server.tool_calls import ToolCallSplitter
 
 
 def test_reply_ids_attach_to_assistant_messages_only_and_stay_bounded():
@@ -120,8 +120,8 @@ def test_a_record_for_a_closed_server_loop_never_raises_on_the_engine_thread(lla
     import asyncio
 
     from mlxkv.engine.records import GenerationChunk
-    from mlxkv.serving.backend import ServingBackend
-    from mlxkv.serving.request_handle import RequestHandle
+    from mlxkv.server.backend import ServingBackend
+    from mlxkv.host.request_handle import RequestHandle
     from server_support import ScriptedThread
 
     backend = ServingBackend(ScriptedThread(llama_dir, []), "scripted")

@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 
-from mlxkv.serving.api_errors import ApiError, validation_message
+from mlxkv.server.api_errors import ApiError, validation_message
 
 DEFAULT_MAX_BODY_BYTES = 32 << 20  # a 128k-token prompt is well under 1 MiB of JSON
 

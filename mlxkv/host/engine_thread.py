@@ -34,7 +34,7 @@ from mlxkv.config import CacheConfig
 from mlxkv.engine.records import GenerationChunk, RequestFailed, is_last  # noqa: F401  (re-exported)
 from mlxkv.engine.sampling import whole
 from mlxkv.errors import MlxkvError, MlxkvWarning, error_line, warning_text
-from mlxkv.serving.request_handle import RequestHandle
+from mlxkv.host.request_handle import RequestHandle
 
 log = logging.getLogger(__name__)
 
@@ -210,7 +210,7 @@ class EngineThread:
         self.on_event(EngineEvent("closed"))
 
     def _start_engine(self) -> bool:
-        from mlxkv.serving.pool_view import PoolWatcher
+        from mlxkv.host.pool_view import PoolWatcher
 
         def report(text: str, fraction: float | None = None) -> None:
             self.on_event(EngineEvent("progress", text, fraction))

@@ -7,7 +7,7 @@ import pytest
 
 from mlxkv.config import CacheConfig
 from mlxkv.engine.engine import Engine
-from mlxkv.serving.server import Server, ServerOptions
+from mlxkv.server.server import Server, ServerOptions
 from server_support import CACHE, ScriptedThread, anthropic_client, raw
 
 SYSTEM = "You are a patient teacher."

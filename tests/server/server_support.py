@@ -17,8 +17,8 @@ import openai
 from mlxkv.config import CacheConfig
 from mlxkv.engine.limits import RequestLimits
 from mlxkv.engine.records import GenerationChunk, RequestStats
-from mlxkv.serving.request_handle import RequestHandle
-from mlxkv.serving.server import Server, ServerOptions
+from mlxkv.host.request_handle import RequestHandle
+from mlxkv.server.server import Server, ServerOptions
 
 CACHE = dict(block_size=8, num_blocks=512, memory_tier_bytes=0)
 

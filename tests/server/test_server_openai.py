@@ -10,7 +10,7 @@ import pytest
 from mlxkv.config import CacheConfig
 from mlxkv.engine.engine import Engine
 from server_support import CACHE, ScriptedThread, raw, openai_client
-from mlxkv.serving.server import Server, ServerOptions
+from mlxkv.server.server import Server, ServerOptions
 
 
 @pytest.fixture(scope="module")

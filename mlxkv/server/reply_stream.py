@@ -12,9 +12,9 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from mlxkv.engine.records import RequestFailed, RequestStats, is_last
-from mlxkv.serving.api_errors import ApiError
-from mlxkv.serving.stop_strings import StopStrings
-from mlxkv.serving.tool_calls import ToolCall, ToolCallSplitter, tool_calling
+from mlxkv.server.api_errors import ApiError
+from mlxkv.server.stop_strings import StopStrings
+from mlxkv.server.tool_calls import ToolCall, ToolCallSplitter, tool_calling
 
 
 @dataclass

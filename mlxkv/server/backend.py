@@ -19,11 +19,11 @@ from mlxkv.chat import prompting
 from mlxkv.engine.limits import RequestLimits
 from mlxkv.engine.records import is_last
 from mlxkv.errors import MlxkvError
-from mlxkv.serving.api_errors import ApiError
-from mlxkv.serving.engine_thread import EngineThread
-from mlxkv.serving.metrics import ServerMetrics
-from mlxkv.serving.reply_ids import DEFAULT_KEPT, ReplyIds
-from mlxkv.serving.request_handle import RequestHandle
+from mlxkv.server.api_errors import ApiError
+from mlxkv.host.engine_thread import EngineThread
+from mlxkv.server.metrics import ServerMetrics
+from mlxkv.server.reply_ids import DEFAULT_KEPT, ReplyIds
+from mlxkv.host.request_handle import RequestHandle
 
 log = logging.getLogger(__name__)
 
