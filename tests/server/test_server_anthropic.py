@@ -104,8 +104,9 @@ def test_bad_requests_get_anthropic_errors(server):
         status, error, _ = raw(server, "POST", "/v1/messages", body)
         assert status == 400 and error["type"] == "error", body
         assert error["error"]["type"] == "invalid_request_error" and words in error["error"]["message"], error
-    with pytest.raises(anthropic.BadRequestError):
-        anthropic_client(server).messages.create(model="x", max_tokens=10 ** 7, messages=ok)
+    with pytest.raises(anthropic.BadRequestError, match=r"prompt is too long: 10017 tokens > 4095 maximum"):
+        anthropic_client(server).messages.create(model="x", max_tokens=5, messages=[
+            {"role": "user", "content": "word " * 5000}])
 
 
 def test_stop_sequences_end_with_stop_sequence(server, oracle):

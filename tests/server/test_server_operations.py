@@ -17,7 +17,7 @@ import pytest
 
 from mlxkv.errors import MlxkvError, MlxkvWarning
 from mlxkv.server.server import Server, ServerOptions, bind, warn_if_exposed
-from server_support import anthropic_client, raw, openai_client, running_server
+from server_support import SlowSteps, anthropic_client, raw, openai_client, running_server
 
 USER = [{"role": "user", "content": "Describe a long walk along the coast in the rain."}]
 
@@ -82,18 +82,19 @@ def test_api_key_required_when_set(llama_dir):
 
 
 def test_full_queue_gets_429_with_retry_after_and_a_dropped_stream_frees_its_blocks(llama_dir):
-    with running_server(llama_dir, ServerOptions(port=0, max_open=1)) as server:
+    with running_server(llama_dir, ServerOptions(port=0, max_open=1), load=SlowSteps(0.05)) as server:
         stream = open_stream(server, max_tokens=3000)
         status, error, head = raw(server, "POST", "/v1/chat/completions", {"messages": USER, "max_tokens": 2})
         assert status == 429 and head["Retry-After"] == "1" and error["error"]["type"] == "rate_limit_error"
         status, error, head = raw(server, "POST", "/v1/messages", {"messages": USER, "max_tokens": 2})
         assert status == 429 and error["error"]["type"] == "rate_limit_error" and "Retry-After" in head
-        assert raw(server, "GET", "/v1/cache/stats")[1]["pool"]["in_use"] > 0
+        # Stats are published by the engine thread after its steps (a quarter second apart at most).
+        assert wait_for(lambda: raw(server, "GET", "/v1/cache/stats")[1]["pool"]["in_use"] > 0, timeout=5)
         stream.sock.shutdown(socket.SHUT_RDWR)
         stream.close()
         # The request ends at its next step, long before its 3000 tokens, and its blocks go back.
         assert wait_for(lambda: server.engine.open_requests == 0, timeout=5)
-        assert raw(server, "GET", "/v1/cache/stats")[1]["pool"]["in_use"] == 0
+        assert wait_for(lambda: raw(server, "GET", "/v1/cache/stats")[1]["pool"]["in_use"] == 0, timeout=5)
         assert metric(server, "mlxkv_requests_cancelled_total") == 1
         reply = openai_client(server).chat.completions.create(model="x", messages=USER, max_tokens=2)
         assert reply.usage.completion_tokens == 2
