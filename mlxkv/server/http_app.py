@@ -20,8 +20,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
-from mlxkv.server import anthropic_api, openai_api
+from mlxkv.server import anthropic_api, openai_api, responses_api
 from mlxkv.server.api_errors import ApiError, is_anthropic_path
+from mlxkv.server.response_store import ResponseStore
 from mlxkv.server.http_support import DEFAULT_MAX_BODY_BYTES, ClientGone
 
 log = logging.getLogger(__name__)
@@ -182,6 +183,7 @@ def build_app(backend, config: AppConfig | None = None) -> Starlette:
         Route("/v1/cache/stats", endpoint(cache_stats)),
         Route("/v1/chat/completions", endpoint(openai_api.chat_completions), methods=["POST"]),
         Route("/v1/completions", endpoint(openai_api.completions), methods=["POST"]),
+        Route("/v1/responses", endpoint(responses_api.responses), methods=["POST"]),
         Route("/v1/messages", endpoint(anthropic_api.messages), methods=["POST"]),
         Route("/v1/messages/count_tokens", endpoint(anthropic_api.count_tokens), methods=["POST"]),
     ]
@@ -190,6 +192,7 @@ def build_app(backend, config: AppConfig | None = None) -> Starlette:
     app.state.max_body_bytes = config.max_body_bytes
     app.state.temperature = config.temperature
     app.state.keepalive = config.keepalive_s
+    app.state.responses = ResponseStore()
     app.add_middleware(ApiKey, key=config.api_key)
     app.add_middleware(AccessLog)
     return app
