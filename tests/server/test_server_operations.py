@@ -181,3 +181,34 @@ def test_reply_ids_outlive_a_restart_beside_the_ssd_tier(llama_dir, tmp_path):
         second = openai_client(server).chat.completions.create(model="x", messages=messages, max_tokens=2)
     whole_turn = first.usage.prompt_tokens + first.usage.completion_tokens - 1
     assert second.usage.prompt_tokens_details.cached_tokens == whole_turn // 8 * 8
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("quiet", [False, True])
+def test_serve_prints_its_real_url_logs_each_request_and_stops_streams_cleanly(llama_dir, quiet):
+    """--port 0: the start-up line names the port picked. SIGTERM with a
+    stream open: the stream ends with a final event, the log has one line
+    for it and no traceback, the command exits 0."""
+    process = subprocess.Popen([sys.executable, "-m", "mlxkv.cli", "serve", "--model", llama_dir, "--port", "0",
+                                "--no-disk-tier", *(["--quiet"] if quiet else [])],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = process.stdout.readline()
+        assert line.startswith("mlxkv serve: http://127.0.0.1:") and "model llama" in line and "context 4096" in line
+        port = int(line.split("http://127.0.0.1:")[1].split(" ")[0])
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        conn.request("POST", "/v1/messages", json.dumps({"messages": USER, "max_tokens": 4000, "stream": True}),
+                     {"content-type": "application/json"})
+        response = conn.getresponse()
+        assert response.readline().startswith(b"event: message_start")
+        process.send_signal(signal.SIGTERM)
+        rest = response.read().decode()
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+        out, err = process.communicate(timeout=60)
+    assert process.returncode == 0, err
+    assert "Traceback" not in err and "Exception in ASGI" not in err, err
+    # It ended either way: by its own end, or cut at the grace period's end with Anthropic's final event.
+    assert "event: message_stop" in rest or rest.rstrip().splitlines()[-2:][0] == "event: error"
+    assert ("POST /v1/messages 200" in err) != quiet
