@@ -38,7 +38,9 @@ Block.model_rebuild()
 
 
 class Message(Lenient):
-    role: Literal["user", "assistant"]
+    # Claude Code 2.1 sends a "system" message among the others (its
+    # attribution reminder); it is rendered where it stands.
+    role: Literal["user", "assistant", "system"]
     content: str | list[Block]
 
 

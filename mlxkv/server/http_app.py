@@ -55,6 +55,7 @@ def endpoint(fn: Callable[[Request], Awaitable[Response]]):
         try:
             response = await fn(request)
         except ApiError as e:
+            request.state.error = e.message  # for the access log
             response = error_response(request.url.path, e)
         except ClientGone:
             response = Response(status_code=CLIENT_GONE)
@@ -110,9 +111,10 @@ class AccessLog:
         try:
             await self.app(scope, receive, sending)
         finally:
-            reply = scope.get("state", {}).get("reply")
-            access_log.info("%s %s %d%s %.2fs", scope["method"], scope["path"], status[0],
-                            _reply_fields(reply), time.perf_counter() - begin)
+            state = scope.get("state", {})
+            error = f" ({state['error']})" if "error" in state else ""
+            access_log.info("%s %s %d%s %.2fs%s", scope["method"], scope["path"], status[0],
+                            _reply_fields(state.get("reply")), time.perf_counter() - begin, error)
 
 
 def _reply_fields(reply) -> str:

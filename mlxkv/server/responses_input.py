@@ -101,7 +101,7 @@ def template_tools(tools: list[dict] | None, tool_choice: Any) -> list[dict] | N
         else:
             skipped.append(kind)
     if skipped:
-        log.info("left out built-in tools this server cannot run: %s", ", ".join(sorted(map(str, set(skipped)))))
+        log.debug("left out built-in tools this server cannot run: %s", ", ".join(sorted(map(str, set(skipped)))))
     return out or None
 
 

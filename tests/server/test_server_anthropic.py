@@ -97,7 +97,7 @@ def test_bad_requests_get_anthropic_errors(server):
     ok = [{"role": "user", "content": "hi"}]
     for body, words in [({"messages": ok}, "max_tokens"),
                         ({"max_tokens": 0, "messages": ok}, "max_tokens"),
-                        ({"max_tokens": 5, "messages": [{"role": "system", "content": "x"}]}, "messages.0.role"),
+                        ({"max_tokens": 5, "messages": [{"role": "tool", "content": "x"}]}, "messages.0.role"),
                         ({"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "image"}]}]},
                          "'image' blocks are not supported"),
                         ({"max_tokens": 5, "messages": ok, "temperature": 3}, "temperature")]:
