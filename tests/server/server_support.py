@@ -26,6 +26,15 @@ from mlxkv.server.server import Server, ServerOptions
 CACHE = dict(block_size=8, num_blocks=512, memory_tier_bytes=0)
 
 
+def wait_for(predicate, timeout: float = 20.0) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return predicate()
+
+
 class SlowSteps:
     """A `load` for Server.load: the real engine, in chunks of `prefill_chunk`
     tokens, each step taking at least `step_s` more (sleeping, as a long

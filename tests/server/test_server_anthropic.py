@@ -5,18 +5,10 @@ from __future__ import annotations
 import anthropic
 import pytest
 
-from mlxkv.config import CacheConfig
-from mlxkv.engine.engine import Engine
 from mlxkv.server.server import Server, ServerOptions
-from server_support import CACHE, ScriptedThread, anthropic_client, raw
+from server_support import ScriptedThread, anthropic_client, raw
 
 SYSTEM = "You are a patient teacher."
-
-
-@pytest.fixture(scope="module")
-def oracle(llama_dir):
-    with Engine.load(llama_dir, CacheConfig(**CACHE)) as engine:
-        yield engine
 
 
 def question(topic: str) -> list[dict]:

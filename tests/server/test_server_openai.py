@@ -7,17 +7,8 @@ import threading
 import openai
 import pytest
 
-from mlxkv.config import CacheConfig
-from mlxkv.engine.engine import Engine
-from server_support import CACHE, ScriptedThread, raw, openai_client
+from server_support import ScriptedThread, raw, openai_client
 from mlxkv.server.server import Server, ServerOptions
-
-
-@pytest.fixture(scope="module")
-def oracle(llama_dir):
-    """Engine.chat in this process, on the same model and pool shape: the answers to match."""
-    with Engine.load(llama_dir, CacheConfig(**CACHE)) as engine:
-        yield engine
 
 
 def ask(topic: str) -> list[dict]:

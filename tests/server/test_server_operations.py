@@ -9,26 +9,16 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 import warnings
 
 import openai
 import pytest
 
 from mlxkv.errors import MlxkvError, MlxkvWarning
-from mlxkv.server.server import Server, ServerOptions, bind, warn_if_exposed
-from server_support import SlowSteps, anthropic_client, raw, openai_client, running_server
+from mlxkv.server.server import ServerOptions, bind, warn_if_exposed
+from server_support import SlowSteps, anthropic_client, raw, openai_client, running_server, wait_for
 
 USER = [{"role": "user", "content": "Describe a long walk along the coast in the rain."}]
-
-
-def wait_for(predicate, timeout: float = 20.0) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return predicate()
 
 
 def open_stream(server, max_tokens: int) -> http.client.HTTPConnection:

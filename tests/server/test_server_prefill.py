@@ -18,7 +18,7 @@ import time
 import pytest
 
 from mlxkv.server.server import ServerOptions
-from server_support import SlowSteps, anthropic_client, openai_client, raw, running_server
+from server_support import SlowSteps, anthropic_client, openai_client, raw, running_server, wait_for
 
 STEP_S = 0.05
 CHUNK = 64
@@ -26,15 +26,6 @@ CHUNK = 64
 
 def long_text(seed: int, words: int = 750) -> str:
     return " ".join(f"w{(seed * 7919 + i * 31) % 997}" for i in range(words))
-
-
-def wait_for(predicate, timeout: float = 30.0) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if predicate():
-            return True
-        time.sleep(0.01)
-    return predicate()
 
 
 @pytest.fixture(scope="module")

@@ -5,18 +5,10 @@ from __future__ import annotations
 import openai
 import pytest
 
-from mlxkv.config import CacheConfig
-from mlxkv.engine.engine import Engine
 from mlxkv.server.server import Server, ServerOptions
-from server_support import CACHE, ScriptedThread, openai_client, raw
+from server_support import ScriptedThread, openai_client, raw
 
 INSTRUCTIONS = "You are a careful coding agent."
-
-
-@pytest.fixture(scope="module")
-def oracle(llama_dir):
-    with Engine.load(llama_dir, CacheConfig(**CACHE)) as engine:
-        yield engine
 
 
 def items(task: str) -> list[dict]:
