@@ -90,6 +90,12 @@ def _add_serve(sub) -> None:
     p.add_argument("--temp", type=_number(float, 0), default=0.0, help="temperature when a request says none")
     p.add_argument("--max-open", type=_number(int, 1), default=256, help="requests queued or running before 429s")
     p.add_argument("--max-body-mb", type=_number(int, 1), default=32, help="largest request body")
+    p.add_argument("--reply-cap", type=_number(int, 1), default=None,
+                   help="cut every reply to at most this many tokens (agents ask for 32000)")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                   help="info: a start-up line and one line per request; debug: where each prompt "
+                        "stopped matching the cache")
+    p.add_argument("--quiet", action="store_true", help="warnings and errors only (same as --log-level warning)")
     p.set_defaults(func=cmd_serve)
 
 
@@ -180,10 +186,11 @@ def _persistent_cache_config(args):
 
 
 def cmd_serve(args) -> int:
-    from mlxkv.serving.server import Server, ServerOptions, api_key_from
+    from mlxkv.server.server import Server, ServerOptions, api_key_from, log_serving
 
+    log_serving("warning" if args.quiet else args.log_level)
     options = ServerOptions(args.host, args.port, api_key_from(args.api_key), args.max_open,
-                            args.max_body_mb << 20, args.max_tokens, args.temp)
+                            args.max_body_mb << 20, args.max_tokens, args.temp, reply_cap=args.reply_cap)
     Server.load(args.model, _persistent_cache_config(args), options).serve_forever()
     return 0
 

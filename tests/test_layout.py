@@ -67,7 +67,16 @@ def _imported_packages(package: str) -> dict[str, set[str]]:
 
 def test_the_cache_imports_nothing_above_it():
     """The connector protocol is the cache's seam: the tiers implement it, the cache never imports them."""
-    above = {"connectors", "attention", "engine", "chat", "models", "serving", "tui", "benchmarks", "cli"}
+    above = {"connectors", "attention", "engine", "chat", "models", "host", "server", "tui", "benchmarks", "cli"}
     imports = _imported_packages("cache")
     assert len(imports) > 10
     assert {module: names & above for module, names in imports.items() if names & above} == {}
+
+
+def test_the_engine_host_knows_nothing_of_http():
+    """mlxkv/host serves the chat app and the server alike: it imports neither."""
+    sources = {p.name: p.read_text() for p in (ROOT / "mlxkv" / "host").glob("*.py")}
+    assert {"engine_thread.py", "request_handle.py", "pool_view.py"} <= set(sources)
+    assert [name for name, text in sources.items()
+            if any(word in text for word in ("mlxkv.server", "starlette", "uvicorn", "mlxkv.tui"))] == []
+    assert not (ROOT / "mlxkv" / "serving").exists()

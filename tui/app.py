@@ -21,7 +21,7 @@ from textual.screen import Screen
 from mlxkv.config import CacheConfig
 from mlxkv.system import logs
 from mlxkv.system.paths import data_dir
-from mlxkv.serving.engine_thread import EngineEvent, EngineThread, load_engine
+from mlxkv.host.engine_thread import EngineEvent, EngineThread, load_engine
 from mlxkv.errors import MlxkvError
 from mlxkv.tui.messages import EngineNews
 from mlxkv.tui.screens.chat import NEW_CHAT_TITLE, ChatScreen

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from textual.message import Message
 
-from mlxkv.serving.engine_thread import EngineEvent
+from mlxkv.host.engine_thread import EngineEvent
 
 
 class EngineNews(Message, bubble=False):

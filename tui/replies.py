@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from mlxkv.serving.engine_thread import RequestHandle, is_last
+from mlxkv.host.engine_thread import RequestHandle, is_last
 from mlxkv.engine.records import GenerationChunk
 from mlxkv.tui.messages import ReplyDelta, ReplyEnded
 from mlxkv.tui.widgets.message_view import MessageView

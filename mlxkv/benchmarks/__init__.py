@@ -46,6 +46,7 @@ SUITES = {
     "hybrid": _at_defaults("hybrid", "run_hybrid_benchmark"),
     "memory": _at_defaults("memory", "run_memory_benchmark"),
     "serve": _at_defaults("serve", "run_serve_benchmark"),
+    "agents": _at_defaults("agents", "run_agents_benchmark"),
 }
 
 

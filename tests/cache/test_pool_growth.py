@@ -84,7 +84,7 @@ def test_a_batch_grows_the_pool_and_each_row_equals_its_solo_run(llama):
 
 
 def test_the_pool_view_follows_a_growing_pool(llama):
-    from mlxkv.serving.pool_view import PoolWatcher
+    from mlxkv.host.pool_view import PoolWatcher
 
     _, loaded, _ = llama
     engine = Engine(loaded, CacheConfig(block_size=16, num_blocks=512, memory_tier_bytes=0))

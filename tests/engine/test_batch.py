@@ -16,7 +16,7 @@ from mlx_lm.sample_utils import make_sampler
 
 from mlxkv.config import CacheConfig
 from mlxkv.engine.engine import MAX_RUNNING, PREFILL_STEP, Engine
-from mlxkv.serving.engine_thread import EngineThread, RequestFailed
+from mlxkv.host.engine_thread import EngineThread, RequestFailed
 from mlxkv.models.loader import load_model
 
 BLOCK = 8

@@ -11,7 +11,7 @@ import time
 
 from mlxkv.config import CacheConfig
 from mlxkv.models.tiny import TinyModelSpec, write_tiny_model
-from mlxkv.serving.engine_thread import EngineThread
+from mlxkv.host.engine_thread import EngineThread
 from mlxkv.tui import app as app_module
 from mlxkv.tui.app import ChatApp, load_chat_engine
 from mlxkv.tui.messages import ReplyDelta

@@ -357,7 +357,7 @@ async def test_a_reply_does_not_rebuild_the_footer(tmp_path):
 
 @pilot_test
 async def test_a_refused_request_is_a_notification_not_a_crash(tmp_path):
-    from mlxkv.serving.engine_thread import RequestFailed
+    from mlxkv.host.engine_thread import RequestFailed
 
     app, store, engines = make_app(tmp_path, auto=False)
     async with app.run_test(size=SIZE) as pilot:
@@ -384,7 +384,7 @@ async def test_a_refused_request_is_a_notification_not_a_crash(tmp_path):
 
 @pilot_test
 async def test_an_engine_error_with_brackets_is_shown_as_text(tmp_path):
-    from mlxkv.serving.engine_thread import RequestFailed
+    from mlxkv.host.engine_thread import RequestFailed
 
     app, store, engines = make_app(tmp_path, auto=False)
     async with app.run_test(size=SIZE, notifications=True) as pilot:  # toasts drawn, as in a terminal

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from mlxkv.serving.engine_thread import EngineEvent
+from mlxkv.host.engine_thread import EngineEvent
 from mlxkv.models.fetch import DEFAULT_CHAT_MODEL
 from mlxkv.tui.app import ChatApp
 from mlxkv.tui.store import ChatStore, Message

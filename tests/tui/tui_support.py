@@ -6,8 +6,8 @@ import asyncio
 import functools
 import time
 
-from mlxkv.serving.engine_thread import EngineEvent, RequestFailed, RequestHandle
-from mlxkv.serving.pool_view import PoolSnapshot
+from mlxkv.host.engine_thread import EngineEvent, RequestFailed, RequestHandle
+from mlxkv.host.pool_view import PoolSnapshot
 from mlxkv.engine.records import GenerationChunk, RequestStats
 
 

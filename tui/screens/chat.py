@@ -12,7 +12,7 @@ from textual.screen import Screen
 from textual.widgets import Footer, Header, OptionList
 
 from mlxkv.errors import MlxkvError
-from mlxkv.serving.pool_view import PoolSnapshot
+from mlxkv.host.pool_view import PoolSnapshot
 from mlxkv.tui.messages import ReplyDelta, ReplyEnded
 from mlxkv.tui.replies import ActiveReply
 from mlxkv.tui.reply_controller import NEW_CHAT_TITLE, ReplyController, auto_title

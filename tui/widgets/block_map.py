@@ -13,7 +13,7 @@ from rich.text import Text
 from textual.geometry import Size
 from textual.widget import Widget
 
-from mlxkv.serving.pool_view import PoolSnapshot
+from mlxkv.host.pool_view import PoolSnapshot
 
 MAX_ROWS = 8
 # (character in the snapshot, glyph, component class, legend label), strongest first.

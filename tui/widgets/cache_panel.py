@@ -5,7 +5,7 @@ from __future__ import annotations
 from textual.app import ComposeResult
 from textual.containers import VerticalScroll
 
-from mlxkv.serving.pool_view import PoolSnapshot
+from mlxkv.host.pool_view import PoolSnapshot
 from mlxkv.tui.cache_stats import reuse_ratio
 from mlxkv.tui.widgets.block_map import BlockMap
 from mlxkv.tui.widgets.pool_usage import PoolUsage

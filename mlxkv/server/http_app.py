@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -19,11 +20,18 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
-from mlxkv.serving import anthropic_api, openai_api
-from mlxkv.serving.api_errors import ApiError, is_anthropic_path
-from mlxkv.serving.http_support import DEFAULT_MAX_BODY_BYTES, now
+from mlxkv.server import anthropic_api, openai_api, responses_api
+from mlxkv.server.api_errors import ApiError, is_anthropic_path
+from mlxkv.server.response_store import ResponseStore
+from mlxkv.server.http_support import DEFAULT_MAX_BODY_BYTES, ClientGone
 
 log = logging.getLogger(__name__)
+access_log = logging.getLogger("mlxkv.server.access")
+
+# A stream waiting for its first token (a long prefill) sends a keep-alive this often.
+KEEPALIVE_S = 3.0
+# The status logged and counted for a client that hung up first (nginx's "client closed request").
+CLIENT_GONE = 499
 
 
 @dataclass
@@ -31,6 +39,7 @@ class AppConfig:
     api_key: str | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     temperature: float = 0.0  # when a request does not say
+    keepalive_s: float = KEEPALIVE_S
 
 
 def error_response(path: str, error: ApiError) -> JSONResponse:
@@ -46,7 +55,10 @@ def endpoint(fn: Callable[[Request], Awaitable[Response]]):
         try:
             response = await fn(request)
         except ApiError as e:
+            request.state.error = e.message  # for the access log
             response = error_response(request.url.path, e)
+        except ClientGone:
+            response = Response(status_code=CLIENT_GONE)
         except Exception as e:
             log.exception("%s %s failed", request.method, request.url.path)
             response = error_response(request.url.path, ApiError(500, f"internal error: {type(e).__name__}: {e}"))
@@ -78,6 +90,48 @@ class ApiKey:
         return hmac.compare_digest(given.encode(), self.key.encode())
 
 
+class AccessLog:
+    """ASGI middleware: one line per request once its response has ended
+    (a stream's too): method, path, status, prompt and cached tokens, TTFT,
+    tokens out, duration."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        begin, status = time.perf_counter(), [CLIENT_GONE]
+
+        async def sending(message) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        finally:
+            state = scope.get("state", {})
+            error = f" ({state['error']})" if "error" in state else ""
+            access_log.info("%s %s %d%s %.2fs%s", scope["method"], scope["path"], status[0],
+                            _reply_fields(state.get("reply")), time.perf_counter() - begin, error)
+
+
+def _reply_fields(reply) -> str:
+    if reply is None:
+        return ""
+    if reply.stats is None:
+        return f" prompt={reply.prompt_len} cancelled" if reply.cancelled else f" prompt={reply.prompt_len}"
+    s = reply.stats
+    return (f" prompt={s.prompt_tokens} cached={sum(s.cached_tokens.values())} ttft={s.ttft_s:.2f}s "
+            f"out={s.generation_tokens}")
+
+
+async def root(request: Request) -> Response:
+    """Clients probe the base URL (Claude Code sends HEAD / first)."""
+    return PlainTextResponse(f"mlxkv serve: {request.app.state.backend.info.name}\n")
+
+
 async def health(request: Request) -> Response:
     backend = request.app.state.backend
     ok = backend.thread.alive
@@ -85,19 +139,32 @@ async def health(request: Request) -> Response:
                         status_code=200 if ok else 503)
 
 
+def _model_card(backend) -> dict:
+    info = backend.info
+    return {"id": info.name, "object": "model", "created": backend.created, "owned_by": "mlxkv",
+            "context_length": info.max_context}
+
+
 async def models(request: Request) -> Response:
-    name = request.app.state.backend.info.name
-    return JSONResponse({"object": "list", "data": [{"id": name, "object": "model", "created": now(),
-                                                     "owned_by": "mlxkv"}]})
+    return JSONResponse({"object": "list", "data": [_model_card(request.app.state.backend)]})
+
+
+async def model(request: Request) -> Response:
+    backend = request.app.state.backend
+    wanted = request.path_params["model_id"]
+    if wanted != backend.info.name:
+        raise ApiError(404, f"no model {wanted!r} here; this server has {backend.info.name!r} "
+                            "(and answers requests for any model name with it)", param="model")
+    return JSONResponse(_model_card(backend))
 
 
 async def cache_stats(request: Request) -> Response:
-    return JSONResponse(await request.app.state.backend.stats())
+    return JSONResponse(request.app.state.backend.stats())
 
 
 async def metrics(request: Request) -> Response:
     backend = request.app.state.backend
-    text = backend.metrics.render(backend.thread.open_requests, await backend.pool_usage())
+    text = backend.metrics.render(backend.thread.open_requests, backend.pool_usage())
     return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
 
@@ -110,12 +177,15 @@ async def _http_error(request: Request, exc: HTTPException) -> Response:
 def build_app(backend, config: AppConfig | None = None) -> Starlette:
     config = config or AppConfig()
     routes = [
+        Route("/", endpoint(root), methods=["GET", "HEAD"]),
         Route("/health", endpoint(health)),
         Route("/metrics", endpoint(metrics)),
         Route("/v1/models", endpoint(models)),
+        Route("/v1/models/{model_id:path}", endpoint(model)),
         Route("/v1/cache/stats", endpoint(cache_stats)),
         Route("/v1/chat/completions", endpoint(openai_api.chat_completions), methods=["POST"]),
         Route("/v1/completions", endpoint(openai_api.completions), methods=["POST"]),
+        Route("/v1/responses", endpoint(responses_api.responses), methods=["POST"]),
         Route("/v1/messages", endpoint(anthropic_api.messages), methods=["POST"]),
         Route("/v1/messages/count_tokens", endpoint(anthropic_api.count_tokens), methods=["POST"]),
     ]
@@ -123,5 +193,8 @@ def build_app(backend, config: AppConfig | None = None) -> Starlette:
     app.state.backend = backend
     app.state.max_body_bytes = config.max_body_bytes
     app.state.temperature = config.temperature
+    app.state.keepalive = config.keepalive_s
+    app.state.responses = ResponseStore()
     app.add_middleware(ApiKey, key=config.api_key)
+    app.add_middleware(AccessLog)
     return app

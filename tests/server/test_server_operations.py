@@ -9,26 +9,16 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 import warnings
 
 import openai
 import pytest
 
 from mlxkv.errors import MlxkvError, MlxkvWarning
-from mlxkv.serving.server import Server, ServerOptions, bind, warn_if_exposed
-from server_support import anthropic_client, raw, openai_client, running_server
+from mlxkv.server.server import ServerOptions, bind, warn_if_exposed
+from server_support import SlowSteps, anthropic_client, raw, openai_client, running_server, wait_for
 
 USER = [{"role": "user", "content": "Describe a long walk along the coast in the rain."}]
-
-
-def wait_for(predicate, timeout: float = 20.0) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return predicate()
 
 
 def open_stream(server, max_tokens: int) -> http.client.HTTPConnection:
@@ -82,18 +72,19 @@ def test_api_key_required_when_set(llama_dir):
 
 
 def test_full_queue_gets_429_with_retry_after_and_a_dropped_stream_frees_its_blocks(llama_dir):
-    with running_server(llama_dir, ServerOptions(port=0, max_open=1)) as server:
+    with running_server(llama_dir, ServerOptions(port=0, max_open=1), load=SlowSteps(0.05)) as server:
         stream = open_stream(server, max_tokens=3000)
         status, error, head = raw(server, "POST", "/v1/chat/completions", {"messages": USER, "max_tokens": 2})
         assert status == 429 and head["Retry-After"] == "1" and error["error"]["type"] == "rate_limit_error"
         status, error, head = raw(server, "POST", "/v1/messages", {"messages": USER, "max_tokens": 2})
         assert status == 429 and error["error"]["type"] == "rate_limit_error" and "Retry-After" in head
-        assert raw(server, "GET", "/v1/cache/stats")[1]["pool"]["in_use"] > 0
+        # Stats are published by the engine thread after its steps (a quarter second apart at most).
+        assert wait_for(lambda: raw(server, "GET", "/v1/cache/stats")[1]["pool"]["in_use"] > 0, timeout=5)
         stream.sock.shutdown(socket.SHUT_RDWR)
         stream.close()
         # The request ends at its next step, long before its 3000 tokens, and its blocks go back.
         assert wait_for(lambda: server.engine.open_requests == 0, timeout=5)
-        assert raw(server, "GET", "/v1/cache/stats")[1]["pool"]["in_use"] == 0
+        assert wait_for(lambda: raw(server, "GET", "/v1/cache/stats")[1]["pool"]["in_use"] == 0, timeout=5)
         assert metric(server, "mlxkv_requests_cancelled_total") == 1
         reply = openai_client(server).chat.completions.create(model="x", messages=USER, max_tokens=2)
         assert reply.usage.completion_tokens == 2
@@ -180,3 +171,34 @@ def test_reply_ids_outlive_a_restart_beside_the_ssd_tier(llama_dir, tmp_path):
         second = openai_client(server).chat.completions.create(model="x", messages=messages, max_tokens=2)
     whole_turn = first.usage.prompt_tokens + first.usage.completion_tokens - 1
     assert second.usage.prompt_tokens_details.cached_tokens == whole_turn // 8 * 8
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("quiet", [False, True])
+def test_serve_prints_its_real_url_logs_each_request_and_stops_streams_cleanly(llama_dir, quiet):
+    """--port 0: the start-up line names the port picked. SIGTERM with a
+    stream open: the stream ends with a final event, the log has one line
+    for it and no traceback, the command exits 0."""
+    process = subprocess.Popen([sys.executable, "-m", "mlxkv.cli", "serve", "--model", llama_dir, "--port", "0",
+                                "--no-disk-tier", *(["--quiet"] if quiet else [])],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = process.stdout.readline()
+        assert line.startswith("mlxkv serve: http://127.0.0.1:") and "model llama" in line and "context 4096" in line
+        port = int(line.split("http://127.0.0.1:")[1].split(" ")[0])
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        conn.request("POST", "/v1/messages", json.dumps({"messages": USER, "max_tokens": 4000, "stream": True}),
+                     {"content-type": "application/json"})
+        response = conn.getresponse()
+        assert response.readline().startswith(b"event: message_start")
+        process.send_signal(signal.SIGTERM)
+        rest = response.read().decode()
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+        out, err = process.communicate(timeout=60)
+    assert process.returncode == 0, err
+    assert "Traceback" not in err and "Exception in ASGI" not in err, err
+    # It ended either way: by its own end, or cut at the grace period's end with Anthropic's final event.
+    assert "event: message_stop" in rest or rest.rstrip().splitlines()[-2:][0] == "event: error"
+    assert ("POST /v1/messages 200" in err) != quiet

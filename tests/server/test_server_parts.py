@@ -8,10 +8,10 @@ import os
 import pytest
 
 from mlxkv.engine.records import RequestStats
-from mlxkv.serving.metrics import ServerMetrics
-from mlxkv.serving.reply_ids import ReplyIds
-from mlxkv.serving.stop_strings import StopStrings
-from mlxkv.serving.tool_calls import ToolCallSplitter
+from mlxkv.server.metrics import ServerMetrics
+from mlxkv.server.reply_ids import ReplyIds
+from mlxkv.server.stop_strings import StopStrings
+from mlxkv.server.tool_calls import ToolCallSplitter
 
 
 def test_reply_ids_attach_to_assistant_messages_only_and_stay_bounded():
@@ -113,24 +113,22 @@ def test_metrics_render_prometheus_text():
     assert 'mlxkv_pool_blocks{state="budget_blocks"} 64' in text and "mlxkv_open_requests 1" in text
 
 
-def test_a_record_for_a_closed_server_loop_never_raises_on_the_engine_thread(llama_dir):
+def test_a_record_for_a_closed_server_loop_never_raises_on_the_engine_thread():
     """The engine thread queues records through handle.notify; once the
     server's event loop has closed (shutdown), waking it must not raise
     into the engine's step."""
     import asyncio
 
     from mlxkv.engine.records import GenerationChunk
-    from mlxkv.serving.backend import ServingBackend
-    from mlxkv.serving.request_handle import RequestHandle
-    from server_support import ScriptedThread
+    from mlxkv.host.request_handle import RequestHandle
+    from mlxkv.server.backend import RecordReader
 
-    backend = ServingBackend(ScriptedThread(llama_dir, []), "scripted")
     handle = RequestHandle(1)
-    records = backend.records(handle)
     loop = asyncio.new_event_loop()
 
     async def start_waiting():
-        waiting = asyncio.ensure_future(anext(records))
+        reader = RecordReader(handle)
+        waiting = asyncio.ensure_future(reader.next())
         await asyncio.sleep(0)
         return waiting
 

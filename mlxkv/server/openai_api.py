@@ -14,9 +14,9 @@ from pydantic import Field
 from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 
-from mlxkv.serving.api_errors import ApiError
-from mlxkv.serving.http_support import SSE_HEADERS, Lenient, new_id, now, off_loop, parse_body, sse, until_disconnect
-from mlxkv.serving.reply_stream import Reply, WholeReply
+from mlxkv.server.api_errors import ApiError
+from mlxkv.server.http_support import SSE_HEADERS, Lenient, new_id, now, off_loop, parse_body, sse, until_disconnect
+from mlxkv.server.reply_stream import Reply, WholeReply
 
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 
@@ -121,10 +121,10 @@ async def chat_completions(request: Request):
     if body.tool_choice == "none":
         tools = None
     tokens = await off_loop(backend.chat_tokens, template_messages(body.messages), tools)
-    reply = await _start(request, tokens, body.max_completion_tokens or body.max_tokens, body, tools)
+    reply = start(request, tokens, body.max_completion_tokens or body.max_tokens, body, tools, "messages")
     if body.stream:
-        return _stream(_chat_chunks(backend.info.name, reply, body))
-    whole = await until_disconnect(request, reply.handle, reply.collect())
+        return event_stream(_chat_chunks(backend.info.name, reply, body, request.app.state.keepalive))
+    whole = await until_disconnect(request, reply.collect())
     message: dict[str, Any] = {"role": "assistant", "content": whole.text}
     if whole.tool_calls:
         message["tool_calls"] = [c.as_openai() for c in whole.tool_calls]
@@ -140,22 +140,22 @@ async def completions(request: Request):
         tokens = await off_loop(backend.text_tokens, body.prompt)
     else:
         tokens = backend.token_ids(body.prompt)
-    reply = await _start(request, tokens, body.max_tokens, body, None)
+    reply = start(request, tokens, body.max_tokens, body, None, "prompt")
     if body.stream:
-        return _stream(_completion_chunks(backend.info.name, reply, body))
-    whole = await until_disconnect(request, reply.handle, reply.collect())
+        return event_stream(_completion_chunks(backend.info.name, reply, body, request.app.state.keepalive))
+    whole = await until_disconnect(request, reply.collect())
     choice = {"index": 0, "text": whole.text, "finish_reason": _finish(whole), "logprobs": None}
     return JSONResponse({"id": new_id("cmpl-"), "object": "text_completion", "created": now(),
                          "model": backend.info.name, "choices": [choice], "usage": usage(whole.stats)})
 
 
-async def _start(request: Request, tokens: list[int], max_tokens: int | None, body: _Sampling,
-                 tools: list | None) -> Reply:
+def start(request: Request, tokens: list[int], max_tokens: int | None, body: _Sampling,
+          tools: list | None, param: str) -> Reply:
+    """Queue the request (max_tokens cut to the room left) and start reading its reply."""
     backend = request.app.state.backend
-    max_tokens = backend.check(tokens, max_tokens)
+    max_tokens = backend.reply_limit(tokens, max_tokens, param=param)
     handle = backend.submit(tokens, max_tokens=max_tokens, **body.options(request.app.state.temperature))
-    reply = Reply(backend, handle, len(tokens), body.stops(), tools)
-    await reply.start()
+    reply = request.state.reply = Reply(backend, handle, tokens, body.stops(), tools)
     return reply
 
 
@@ -163,22 +163,27 @@ def _finish(whole: WholeReply | Any) -> str:
     return "stop" if whole.finish_reason == "stop_sequence" else whole.finish_reason
 
 
-def _stream(chunks) -> StreamingResponse:
-    return StreamingResponse(chunks, media_type="text/event-stream", headers=SSE_HEADERS)
+def event_stream(events) -> StreamingResponse:
+    return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
 
 
-async def _chat_chunks(model: str, reply: Reply, body: ChatRequest):
+# An SSE comment: clients skip it, and it keeps proxies and idle timers from closing the stream.
+KEEPALIVE_LINE = ": keep-alive\n\n"
+
+
+async def _chat_chunks(model: str, reply: Reply, body: ChatRequest, keepalive: float):
     head = {"id": new_id("chatcmpl-"), "object": "chat.completion.chunk", "created": now(), "model": model}
 
-    def chunk(delta: dict, finish: str | None = None) -> str:
-        return sse({**head, "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]})
+    def chunk(delta: dict, finish: str | None = None, **error) -> str:
+        return sse({**head, "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}],
+                    **error})
 
     yield chunk({"role": "assistant", "content": ""})
     calls = 0
-    async for event in _events_or_error(reply):
+    async for event in _events_or_error(reply, keepalive, lambda error: chunk({}, "length", **error)):
         if isinstance(event, str):
             yield event
-            return
+            continue
         if event.text:
             yield chunk({"content": event.text})
         for call in event.tool_calls:
@@ -191,12 +196,17 @@ async def _chat_chunks(model: str, reply: Reply, body: ChatRequest):
     yield sse("[DONE]")
 
 
-async def _completion_chunks(model: str, reply: Reply, body: CompletionRequest):
+async def _completion_chunks(model: str, reply: Reply, body: CompletionRequest, keepalive: float):
     head = {"id": new_id("cmpl-"), "object": "text_completion", "created": now(), "model": model}
-    async for event in _events_or_error(reply):
+
+    def failed(error: dict) -> str:
+        return sse({**head, "choices": [{"index": 0, "text": "", "finish_reason": "length", "logprobs": None}],
+                    **error})
+
+    async for event in _events_or_error(reply, keepalive, failed):
         if isinstance(event, str):
             yield event
-            return
+            continue
         finish = None if event.finish_reason is None else _finish(event)
         yield sse({**head, "choices": [{"index": 0, "text": event.text, "finish_reason": finish, "logprobs": None}]})
         if finish is not None and body.stream_options is not None and body.stream_options.include_usage:
@@ -204,10 +214,12 @@ async def _completion_chunks(model: str, reply: Reply, body: CompletionRequest):
     yield sse("[DONE]")
 
 
-async def _events_or_error(reply: Reply):
-    """The reply's events; a failure after the headers went out is an error chunk, as OpenAI sends one."""
+async def _events_or_error(reply: Reply, keepalive: float, failed):
+    """The reply's events, keep-alive lines while it waits, and on a failure
+    after the headers went out (or a stop cutting the reply) `failed(error)`:
+    a last chunk with a finish reason and the error, as OpenAI sends one, then [DONE]."""
     try:
-        async for event in reply.events():
-            yield event
+        async for event in reply.events(keepalive):
+            yield KEEPALIVE_LINE if event.waiting else event
     except ApiError as e:
-        yield sse(e.openai_body())
+        yield failed(e.openai_body())

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import time
 import urllib.error
 import urllib.request
 from concurrent.futures import Future
@@ -15,17 +16,50 @@ import anthropic
 import openai
 
 from mlxkv.config import CacheConfig
+from mlxkv.engine.engine import Engine
 from mlxkv.engine.limits import RequestLimits
 from mlxkv.engine.records import GenerationChunk, RequestStats
-from mlxkv.serving.request_handle import RequestHandle
-from mlxkv.serving.server import Server, ServerOptions
+from mlxkv.host.request_handle import RequestHandle
+from mlxkv.models.loader import load_model
+from mlxkv.server.server import Server, ServerOptions
 
 CACHE = dict(block_size=8, num_blocks=512, memory_tier_bytes=0)
 
 
+def wait_for(predicate, timeout: float = 20.0) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return predicate()
+
+
+class SlowSteps:
+    """A `load` for Server.load: the real engine, in chunks of `prefill_chunk`
+    tokens, each step taking at least `step_s` more (sleeping, as a long
+    prefill's matmuls do, without the GIL). `steps` counts the engine's steps."""
+
+    def __init__(self, step_s: float, prefill_chunk: int = 64):
+        self.step_s, self.prefill_chunk, self.steps = step_s, prefill_chunk, 0
+
+    def __call__(self, model: str, cache: CacheConfig, report) -> Engine:
+        engine = Engine(load_model(model), cache, prefill_chunk=self.prefill_chunk)
+        step = engine.loop.step
+
+        def slow_step():
+            time.sleep(self.step_s)
+            self.steps += 1
+            return step()
+
+        engine.loop.step = slow_step
+        return engine
+
+
 @contextlib.contextmanager
-def running_server(model: str, options: ServerOptions | None = None, **cache):
-    server = Server.load(model, CacheConfig(**{**CACHE, **cache}), options or ServerOptions(port=0)).start()
+def running_server(model: str, options: ServerOptions | None = None, load=None, **cache):
+    server = Server.load(model, CacheConfig(**{**CACHE, **cache}), options or ServerOptions(port=0),
+                         **({} if load is None else {"load": load})).start()
     try:
         yield server
     finally:
@@ -65,10 +99,11 @@ class ScriptedThread:
         self.script = script
         tokenizer = load(Path(model_dir))
         limits = RequestLimits(tokenizer.vocab_size, 4096, 1024, 16)
-        pool = SimpleNamespace(usage=lambda: {"in_use": 0, "num_blocks": 16, "budget_blocks": 1024})
+        pool = SimpleNamespace(budget=1024, usage=lambda: {"in_use": 0, "num_blocks": 16, "budget_blocks": 1024})
         self.engine = SimpleNamespace(tokenizer=tokenizer, limits=limits, block_pool=pool,
                                       loaded=SimpleNamespace(max_context=4096), stats=lambda: {"scripted": True},
-                                      cache_config=SimpleNamespace(disk_tier=None), fingerprint=bytes(32))
+                                      cache_config=SimpleNamespace(disk_tier=None, block_size=16, memory_tier_bytes=0), fingerprint=bytes(32))
+        self.published = {"scripted": True, "pool": pool.usage()}
         self.submitted: list[tuple[list[int], dict]] = []
         self.alive = True
         self.open_requests = 0

@@ -8,13 +8,22 @@ once, so the OpenAI and Anthropic handlers only format `ReplyEvent`s.
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from mlxkv.engine.records import RequestFailed, RequestStats, is_last
-from mlxkv.serving.api_errors import ApiError
-from mlxkv.serving.stop_strings import StopStrings
-from mlxkv.serving.tool_calls import ToolCall, ToolCallSplitter, tool_calling
+from mlxkv.server.api_errors import ApiError
+from mlxkv.server.backend import RecordReader
+from mlxkv.server.stop_strings import StopStrings
+from mlxkv.server.tool_calls import ToolCall, ToolCallSplitter, tool_calling
+
+log = logging.getLogger(__name__)
+
+# How often a waiting reply looks up from its queue: for keep-alives, and
+# to end at a shutdown's deadline.
+POLL_S = 0.25
 
 
 @dataclass
@@ -25,6 +34,8 @@ class ReplyEvent:
     finish_reason: str | None = None
     stop_sequence: str | None = None
     stats: RequestStats | None = None
+    # A keep-alive: nothing new for a while (a long prefill); streams send a ping.
+    waiting: bool = False
 
 
 @dataclass
@@ -37,47 +48,50 @@ class WholeReply:
 
 
 class Reply:
-    """One request's reply, read on the event loop. `start()` waits for the
-    first token (so a failure before it can still be an HTTP error), then
-    `events()` or `collect()` reads the rest."""
+    """One request's reply, read on the event loop: `events()` for a stream,
+    `collect()` for a whole reply. Reading starts when the request is queued,
+    so a stream's headers and opening events go out before its prefill."""
 
-    def __init__(self, backend, handle, prompt_len: int, stops: list[str] | None = None,
+    def __init__(self, backend, handle, prompt: list[int], stops: list[str] | None = None,
                  tools: list | None = None):
         self.backend = backend
         self.handle = handle
-        self.prompt_len = prompt_len
-        self._records = backend.records(handle)
-        self._first: list = []
+        self.prompt = prompt
+        self.prompt_len = len(prompt)
+        self._reader = RecordReader(handle)
         self._stops = StopStrings(stops or [])
         calling = tool_calling(backend.info.tokenizer) if tools else None
         self._splitter = ToolCallSplitter(*calling, tools) if calling else None
         self._ids: list[int] = []
         self._content: list[str] = []
+        self.stats: RequestStats | None = None  # once it ended: for the access log
+        self.cancelled = False  # its client left, or the server stopped, before it ended
 
-    async def start(self) -> None:
+    async def events(self, keepalive: float | None = None) -> AsyncIterator[ReplyEvent]:
+        """The reply's events; with `keepalive`, a waiting event after that many
+        seconds without one. Raises ApiError when it fails or the server stops."""
         try:
-            self._first = await anext(self._records)
-        except BaseException:
-            await self._records.aclose()
-            raise
-        last = self._first[-1]
-        if isinstance(last, RequestFailed):
-            await self._records.aclose()
-            raise ApiError(500, last.message)
-
-    async def events(self) -> AsyncIterator[ReplyEvent]:
-        try:
-            batch = self._first
+            quiet_since = time.monotonic()
             while True:
+                batch = await self._reader.next(POLL_S)
+                if batch is None:
+                    self._check_stopping()
+                    if keepalive is not None and time.monotonic() - quiet_since >= keepalive:
+                        quiet_since = time.monotonic()
+                        yield ReplyEvent(waiting=True)
+                    continue
+                quiet_since = time.monotonic()
                 for record in batch:
                     event = self._read(record)
                     if event is not None:
                         yield event
                 if is_last(batch[-1]):
                     return
-                batch = await anext(self._records)
+                self._check_stopping()
         finally:
-            await self._records.aclose()
+            if self._reader.close():  # the client left (a cancelled task), or a stop or failure cut it
+                self.cancelled = True
+                self.backend.metrics.request_cancelled()
 
     async def collect(self) -> WholeReply:
         text, calls, last = [], [], ReplyEvent()
@@ -86,6 +100,12 @@ class Reply:
             calls += event.tool_calls
             last = event
         return WholeReply("".join(text), calls, last.finish_reason or "stop", last.stop_sequence, last.stats)
+
+    def _check_stopping(self) -> None:
+        stop_at = self.backend.stop_at
+        if stop_at is not None and time.monotonic() >= stop_at:
+            log.warning("the server is stopping: cut a reply after %d tokens", len(self._ids))
+            raise ApiError(503, "the server is shutting down; this reply was cut short")
 
     def _read(self, record) -> ReplyEvent | None:
         if isinstance(record, RequestFailed):
@@ -117,7 +137,9 @@ class Reply:
             rest = self._stops.feed(rest) + self._stops.flush()
         self._content.append(rest)
         stats = stats or RequestStats.unknown(self.prompt_len, len(self._ids))
+        self.stats = stats
         self.backend.metrics.reply_done(stats)
+        self.backend.log_reuse(self.prompt, stats)
         self.backend.reply_ids.remember("".join(self._content), self._ids)
         made_calls = self._splitter is not None and bool(self._splitter.calls)
         if self._stops.matched is not None:

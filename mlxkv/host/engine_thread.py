@@ -34,12 +34,15 @@ from mlxkv.config import CacheConfig
 from mlxkv.engine.records import GenerationChunk, RequestFailed, is_last  # noqa: F401  (re-exported)
 from mlxkv.engine.sampling import whole
 from mlxkv.errors import MlxkvError, MlxkvWarning, error_line, warning_text
-from mlxkv.serving.request_handle import RequestHandle
+from mlxkv.host.request_handle import RequestHandle
 
 log = logging.getLogger(__name__)
 
 # Pool snapshots during a reply: at most this often (they cost O(blocks)).
 SNAPSHOT_INTERVAL_S = 0.25
+# engine.stats() is published this often while steps run, and at each idle,
+# so readers on other threads (a server's /metrics) never wait for a step.
+STATS_INTERVAL_S = 0.25
 
 
 @dataclass
@@ -128,6 +131,10 @@ class EngineThread:
         self._closed = False
         self._snapshot_due = False
         self._next_snapshot = 0.0
+        # engine.stats() as of the last step or idle: written by the engine
+        # thread only (a new dict each time), read by any thread.
+        self.published: dict | None = None
+        self._next_publish = 0.0
 
     # -- any thread -------------------------------------------------------
 
@@ -210,7 +217,7 @@ class EngineThread:
         self.on_event(EngineEvent("closed"))
 
     def _start_engine(self) -> bool:
-        from mlxkv.serving.pool_view import PoolWatcher
+        from mlxkv.host.pool_view import PoolWatcher
 
         def report(text: str, fraction: float | None = None) -> None:
             self.on_event(EngineEvent("progress", text, fraction))
@@ -228,6 +235,7 @@ class EngineThread:
             self._ready.set()
             self.on_event(EngineEvent("failed", self.error))
             return False
+        self._publish()
         self._ready.set()
         self.on_event(EngineEvent("ready", self.model, info=self.engine.stats(), snapshot=self.watcher.snapshot(),
                                   warnings=[warning_text(w.message) for w in caught]))
@@ -248,6 +256,7 @@ class EngineThread:
             if loop.has_work:
                 loop.step()
                 self._snapshot_if_due()
+            self._publish_if_due(idle=not loop.has_work)
 
     def _take(self, block: bool) -> list:
         """Whatever is queued now; when `block`, wait for at least one item."""
@@ -317,6 +326,18 @@ class EngineThread:
             self._snapshot()
             self._snapshot_due = False
             self._next_snapshot = now + self.snapshot_interval
+
+    def _publish_if_due(self, idle: bool) -> None:
+        now = time.monotonic()
+        if idle or now >= self._next_publish:
+            self._publish()
+            self._next_publish = now + STATS_INTERVAL_S
+
+    def _publish(self) -> None:
+        try:
+            self.published = self.engine.stats()
+        except Exception:  # stats must never stop the requests they describe
+            log.exception("could not read the engine's stats")
 
     def _snapshot(self) -> None:
         try:

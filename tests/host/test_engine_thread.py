@@ -11,9 +11,9 @@ import pytest
 
 from mlxkv.config import CacheConfig
 from mlxkv.engine.engine import Engine
-from mlxkv.serving.engine_thread import EngineThread, RequestFailed, RequestHandle, load_engine
+from mlxkv.host.engine_thread import EngineThread, RequestFailed, RequestHandle, load_engine
 from mlxkv.errors import MlxkvError
-from mlxkv.serving.pool_view import MARK_MEMORY, MARK_NEW, MARK_POOL_HIT, MARK_SPILL, PoolWatcher
+from mlxkv.host.pool_view import MARK_MEMORY, MARK_NEW, MARK_POOL_HIT, MARK_SPILL, PoolWatcher
 from mlxkv.engine.records import GenerationChunk
 
 CONFIG = dict(block_size=8, num_blocks=64, memory_tier_bytes=0)
@@ -192,7 +192,7 @@ EXITER = """
 import sys
 import mlxkv
 from mlxkv.config import CacheConfig
-from mlxkv.serving.engine_thread import EngineThread
+from mlxkv.host.engine_thread import EngineThread
 thread = EngineThread(sys.argv[1], CacheConfig(), on_event=lambda event: None).start()
 for _ in thread.submit(prompt=[5, 6, 7, 8], max_tokens=4).batches(0.01):
     pass

@@ -16,9 +16,10 @@ from pydantic import Field
 from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 
-from mlxkv.serving.api_errors import ApiError
-from mlxkv.serving.http_support import SSE_HEADERS, Lenient, new_id, off_loop, parse_body, sse, until_disconnect
-from mlxkv.serving.reply_stream import Reply
+from mlxkv.server.api_errors import ApiError
+from mlxkv.server.http_support import SSE_HEADERS, Lenient, new_id, off_loop, parse_body, sse, until_disconnect
+from mlxkv.server.prompt_heads import strip_head_blocks
+from mlxkv.server.reply_stream import Reply
 
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "stop_sequence": "stop_sequence"}
 
@@ -37,7 +38,9 @@ Block.model_rebuild()
 
 
 class Message(Lenient):
-    role: Literal["user", "assistant"]
+    # Claude Code 2.1 sends a "system" message among the others (its
+    # attribution reminder); it is rendered where it stands.
+    role: Literal["user", "assistant", "system"]
     content: str | list[Block]
 
 
@@ -68,8 +71,11 @@ def template_messages(body: CountRequest) -> list[dict]:
     """The conversation as chat templates take it: tool_use blocks become
     tool_calls, tool_result blocks become "tool" messages."""
     out: list[dict] = []
-    if body.system:
-        out.append({"role": "system", "content": _text(body.system, "system")})
+    system = body.system
+    if isinstance(system, list):  # a per-request block at the head goes (prompt_heads.py)
+        system = strip_head_blocks(_texts(system, "system"))
+    if system:
+        out.append({"role": "system", "content": _text(system, "system")})
     for i, m in enumerate(body.messages):
         if isinstance(m.content, str):
             out.append({"role": m.role, "content": m.content})
@@ -98,12 +104,14 @@ def template_messages(body: CountRequest) -> list[dict]:
 
 
 def _text(content, where: str) -> str:
-    if isinstance(content, str):
-        return content
-    for block in content:
-        if block.type != "text":
+    return content if isinstance(content, str) else "".join(_texts(content, where))
+
+
+def _texts(blocks: list[Block] | list[str], where: str) -> list[str]:
+    for block in blocks:
+        if not isinstance(block, str) and block.type != "text":
             raise ApiError(400, f"{where}: only text blocks are supported here, got {block.type!r}")
-    return "".join(block.text or "" for block in content)
+    return [block if isinstance(block, str) else block.text or "" for block in blocks]
 
 
 def template_tools(tools: list[Tool] | None, choice: dict | None) -> list[dict] | None:
@@ -131,30 +139,35 @@ async def messages(request: Request):
     body = await parse_body(request, MessagesRequest)
     tools = template_tools(body.tools, body.tool_choice)
     tokens = await off_loop(backend.chat_tokens, template_messages(body), tools)
-    max_tokens = backend.check(tokens, body.max_tokens)
+    max_tokens = backend.reply_limit(tokens, body.max_tokens, anthropic=True)
     temperature = request.app.state.temperature if body.temperature is None else body.temperature
     handle = backend.submit(tokens, max_tokens=max_tokens, temperature=temperature, top_p=body.top_p or 0.0,
                             top_k=body.top_k or 0)
-    reply = Reply(backend, handle, len(tokens), body.stop_sequences, tools)
-    await reply.start()
+    reply = request.state.reply = Reply(backend, handle, tokens, body.stop_sequences, tools)
     head = {"id": new_id("msg_"), "type": "message", "role": "assistant", "model": backend.info.name}
     if body.stream:
-        return StreamingResponse(_events(head, reply, len(tokens)), media_type="text/event-stream",
-                                 headers=SSE_HEADERS)
-    whole = await until_disconnect(request, handle, reply.collect())
+        return StreamingResponse(_events(head, reply, len(tokens), request.app.state.keepalive),
+                                 media_type="text/event-stream", headers=SSE_HEADERS)
+    whole = await until_disconnect(request, reply.collect())
     content = [{"type": "text", "text": whole.text}] if whole.text or not whole.tool_calls else []
     content += [{"type": "tool_use", "id": c.id, "name": c.name, "input": c.input()} for c in whole.tool_calls]
     return JSONResponse({**head, "content": content, "stop_reason": STOP_REASONS[whole.finish_reason],
                          "stop_sequence": whole.stop_sequence, "usage": usage(whole.stats)})
 
 
-async def _events(head: dict, reply: Reply, prompt_len: int):
+PING = sse({"type": "ping"}, "ping")
+
+
+async def _events(head: dict, reply: Reply, prompt_len: int, keepalive: float):
+    """message_start at once (before the prefill), pings while it runs, then the message."""
     start_usage = {"input_tokens": prompt_len, "output_tokens": 0}
     yield sse({"type": "message_start", "message": {**head, "content": [], "stop_reason": None,
                                                     "stop_sequence": None, "usage": start_usage}}, "message_start")
     blocks = _Blocks()
     try:
-        async for event in reply.events():
+        async for event in reply.events(keepalive):
+            if event.waiting:
+                yield PING
             if event.text:
                 for line in blocks.text(event.text):
                     yield line

@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 
-from mlxkv.serving.api_errors import ApiError, validation_message
+from mlxkv.server.api_errors import ApiError, validation_message
 
 DEFAULT_MAX_BODY_BYTES = 32 << 20  # a 128k-token prompt is well under 1 MiB of JSON
 
@@ -69,21 +69,30 @@ def now() -> int:
     return int(time.time())
 
 
-async def until_disconnect(request: Request, handle, work):
-    """Await `work` (a whole, non-streamed reply); cancel the request if the client leaves first.
+class ClientGone(Exception):
+    """The client hung up before its whole reply was ready."""
 
-    A streamed reply needs none of this: Starlette cancels the stream's
-    task on a disconnect, and the reply's records generator cancels the
-    request as it closes.
+
+async def until_disconnect(request: Request, work):
+    """Await `work` (a whole, non-streamed reply); if the client leaves first,
+    cancel it (its request leaves the engine at the next step) and raise ClientGone.
+
+    A streamed reply needs none of this: Starlette cancels the stream's task
+    on a disconnect, and the reply's reader cancels the request as it closes.
     """
 
     async def watch() -> None:
         while (await request.receive())["type"] != "http.disconnect":
             pass
-        handle.cancel()
 
-    watcher = asyncio.ensure_future(watch())
+    task, watcher = asyncio.ensure_future(work), asyncio.ensure_future(watch())
     try:
-        return await work
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         watcher.cancel()
+        if not task.done():  # the client left, or this handler itself was cancelled
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    if task.cancelled():
+        raise ClientGone()
+    return task.result()

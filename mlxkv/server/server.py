@@ -21,17 +21,20 @@ import uvicorn
 
 from mlxkv.config import CacheConfig
 from mlxkv.errors import MlxkvError, MlxkvWarning
-from mlxkv.serving.backend import DEFAULT_MAX_OPEN, DEFAULT_MAX_TOKENS, ServingBackend
-from mlxkv.serving.engine_thread import EngineThread, load_engine
-from mlxkv.serving.http_app import AppConfig, build_app
-from mlxkv.serving.http_support import DEFAULT_MAX_BODY_BYTES
-from mlxkv.serving.reply_ids import DEFAULT_KEPT
+from mlxkv.server.backend import DEFAULT_MAX_OPEN, DEFAULT_MAX_TOKENS, ServingBackend
+from mlxkv.host.engine_thread import EngineThread, load_engine
+from mlxkv.server.http_app import KEEPALIVE_S, AppConfig, build_app
+from mlxkv.server.http_support import DEFAULT_MAX_BODY_BYTES
+from mlxkv.server.reply_ids import DEFAULT_KEPT
 
 log = logging.getLogger(__name__)
 
 API_KEY_ENV = "MLXKV_API_KEY"
-# Open streams get this long to finish when the server stops.
-GRACEFUL_SHUTDOWN_S = 5
+# Open streams get this long to finish when the server stops; then each ends
+# with its API's final event. uvicorn's own limit comes STOP_MARGIN_S later,
+# so it never has to cancel a handler (a traceback per stream, no final event).
+GRACEFUL_SHUTDOWN_S = 5.0
+STOP_MARGIN_S = 3.0
 
 
 @dataclass
@@ -44,6 +47,9 @@ class ServerOptions:
     max_tokens: int = DEFAULT_MAX_TOKENS
     temperature: float = 0.0
     reply_ids_kept: int = DEFAULT_KEPT
+    reply_cap: int | None = None  # every reply at most this long (agents ask for 32000)
+    keepalive_s: float = KEEPALIVE_S
+    shutdown_grace_s: float = GRACEFUL_SHUTDOWN_S
 
     def __post_init__(self):
         if not 0 <= self.port <= 65535:
@@ -93,14 +99,14 @@ class Server:
         self.port = self.socket.getsockname()[1]
         try:
             self.backend = ServingBackend(thread, name, max_open=o.max_open, default_max_tokens=o.max_tokens,
-                                          reply_ids_kept=o.reply_ids_kept)
+                                          reply_ids_kept=o.reply_ids_kept, reply_cap=o.reply_cap)
         except BaseException:
             self._close_engine()
             raise
-        app = build_app(self.backend, AppConfig(o.api_key, o.max_body_bytes, o.temperature))
-        config = uvicorn.Config(app, log_config=None, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
-                                access_log=False)
-        self.uvicorn = _Uvicorn(config)
+        app = build_app(self.backend, AppConfig(o.api_key, o.max_body_bytes, o.temperature, o.keepalive_s))
+        config = uvicorn.Config(app, log_config=None, access_log=False,
+                                timeout_graceful_shutdown=o.shutdown_grace_s + STOP_MARGIN_S)
+        self.uvicorn = _Uvicorn(config, self._stopping)
         self._thread: threading.Thread | None = None
 
     @classmethod
@@ -117,9 +123,21 @@ class Server:
         host = self.options.host
         return f"http://{'[' + host + ']' if ':' in host else host}:{self.port}"
 
+    def startup_line(self) -> str:
+        info = self.backend.info
+        context = "" if info.max_context is None else f", context {info.max_context} tokens"
+        return f"mlxkv serve: {self.url} (model {info.name}{context}; cache: {info.tiers})"
+
+    def _stopping(self) -> None:
+        """On the event loop, as uvicorn begins to stop: open replies end at the grace period's end."""
+        open_requests = self.engine.open_requests
+        if open_requests:
+            log.info("stopping: %d open requests get %.0f s to finish", open_requests, self.options.shutdown_grace_s)
+        self.backend.stop_at = time.monotonic() + self.options.shutdown_grace_s
+
     def serve_forever(self) -> None:
         """Serve on this thread until interrupted (Ctrl-C), then close."""
-        log.info("serving %s at %s", self.backend.info.name, self.url)
+        self.uvicorn.on_started = lambda: print(self.startup_line(), flush=True)
         try:
             self.uvicorn.run(sockets=[self.socket])
         finally:
@@ -137,7 +155,7 @@ class Server:
     def close(self) -> None:
         self.uvicorn.should_exit = True
         if self._thread is not None:
-            self._thread.join(GRACEFUL_SHUTDOWN_S + 5)
+            self._thread.join(self.options.shutdown_grace_s + STOP_MARGIN_S + 5)
         self._close_engine()
 
     def _close_engine(self) -> None:
@@ -159,7 +177,23 @@ class _Uvicorn(uvicorn.Server):
     stopped: SIGTERM's default action would then end the process before the
     engine closes (and the SSD tier's last writes finish). Here a signal only
     stops the serving; serve_forever then closes the engine and the command
-    exits 0. (_captured_signals is uvicorn's; the restart test covers it.)"""
+    exits 0. (_captured_signals is uvicorn's; the restart test covers it.)
+
+    `stopping` runs as the shutdown begins, `on_started` once it listens."""
+
+    def __init__(self, config: uvicorn.Config, stopping):
+        super().__init__(config)
+        self.stopping = stopping
+        self.on_started = None
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        if self.started and self.on_started is not None:
+            self.on_started()
+
+    async def shutdown(self, sockets=None) -> None:
+        self.stopping()
+        await super().shutdown(sockets)
 
     @contextlib.contextmanager
     def capture_signals(self):
@@ -168,6 +202,18 @@ class _Uvicorn(uvicorn.Server):
                 yield
             finally:
                 self._captured_signals.clear()
+
+
+def log_serving(level: str) -> None:
+    """The server's log on stderr at `level`: at info, one line per request
+    (access log); uvicorn's own lines the same way, one line each."""
+    from mlxkv.system import logs
+
+    handler = logs.log_to_stderr(logging.getLevelName(level.upper()))
+    server_log = logging.getLogger("uvicorn")
+    server_log.handlers = [handler]
+    server_log.setLevel(logging.WARNING)
+    server_log.propagate = False
 
 
 def api_key_from(flag: str | None) -> str | None:

@@ -14,7 +14,7 @@ import logging
 import uuid
 from dataclasses import dataclass
 
-from mlxkv.serving.stop_strings import partial_tail
+from mlxkv.server.stop_strings import partial_tail
 
 log = logging.getLogger(__name__)
 

@@ -5,18 +5,10 @@ from __future__ import annotations
 import anthropic
 import pytest
 
-from mlxkv.config import CacheConfig
-from mlxkv.engine.engine import Engine
-from mlxkv.serving.server import Server, ServerOptions
-from server_support import CACHE, ScriptedThread, anthropic_client, raw
+from mlxkv.server.server import Server, ServerOptions
+from server_support import ScriptedThread, anthropic_client, raw
 
 SYSTEM = "You are a patient teacher."
-
-
-@pytest.fixture(scope="module")
-def oracle(llama_dir):
-    with Engine.load(llama_dir, CacheConfig(**CACHE)) as engine:
-        yield engine
 
 
 def question(topic: str) -> list[dict]:
@@ -97,15 +89,16 @@ def test_bad_requests_get_anthropic_errors(server):
     ok = [{"role": "user", "content": "hi"}]
     for body, words in [({"messages": ok}, "max_tokens"),
                         ({"max_tokens": 0, "messages": ok}, "max_tokens"),
-                        ({"max_tokens": 5, "messages": [{"role": "system", "content": "x"}]}, "messages.0.role"),
+                        ({"max_tokens": 5, "messages": [{"role": "tool", "content": "x"}]}, "messages.0.role"),
                         ({"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "image"}]}]},
                          "'image' blocks are not supported"),
                         ({"max_tokens": 5, "messages": ok, "temperature": 3}, "temperature")]:
         status, error, _ = raw(server, "POST", "/v1/messages", body)
         assert status == 400 and error["type"] == "error", body
         assert error["error"]["type"] == "invalid_request_error" and words in error["error"]["message"], error
-    with pytest.raises(anthropic.BadRequestError):
-        anthropic_client(server).messages.create(model="x", max_tokens=10 ** 7, messages=ok)
+    with pytest.raises(anthropic.BadRequestError, match=r"prompt is too long: 10017 tokens > 4095 maximum"):
+        anthropic_client(server).messages.create(model="x", max_tokens=5, messages=[
+            {"role": "user", "content": "word " * 5000}])
 
 
 def test_stop_sequences_end_with_stop_sequence(server, oracle):

@@ -1,0 +1,249 @@
+"""The server's side of the engine thread: one model, one pool, every client.
+
+HTTP handlers run on an asyncio loop; the model runs on the engine thread
+(engine_thread.py). This bridges them: prompts are templated and checked
+here, on a worker thread, before a request is queued (so a bad one is a 400
+and never costs the engine a step), and records come back to the loop
+without a thread per waiting request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from mlxkv.chat import prompting
+from mlxkv.engine.limits import RequestLimits
+from mlxkv.engine.records import is_last
+from mlxkv.errors import MlxkvError
+from mlxkv.server.api_errors import ApiError
+from mlxkv.host.engine_thread import EngineThread
+from mlxkv.server.metrics import ServerMetrics
+from mlxkv.server.prompt_heads import strip_heads
+from mlxkv.server.reply_ids import DEFAULT_KEPT, ReplyIds
+from mlxkv.host.request_handle import RequestHandle
+
+log = logging.getLogger(__name__)
+
+# Requests queued or running at once; past this a client is told to come back.
+DEFAULT_MAX_OPEN = 256
+RETRY_AFTER_S = 1
+# A reply's length when the request does not say (Anthropic's API requires
+# max_tokens; OpenAI's does not). Cut to the room the context and pool leave.
+DEFAULT_MAX_TOKENS = 2048
+REPLY_LOG = "reply-ids.jsonl"
+# Tokens decoded on each side of where a prompt stopped matching the cache (DEBUG).
+REUSE_CONTEXT = 8
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the HTTP side may read of the loaded model: all immutable after loading."""
+
+    name: str  # the short id clients see (/v1/models, each reply's "model")
+    tokenizer: object
+    limits: RequestLimits
+    max_context: int | None
+    # Where reply ids outlive the process: beside the SSD tier's blocks for this model.
+    reply_log: Path | None = None
+    block_size: int = 16
+    tiers: str = ""  # the cache's tiers, for the start-up line
+
+
+def short_name(model: str) -> str:
+    """A model's id for clients: a directory's or file's name, else the name as given (a Hugging Face id)."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path.resolve().name
+    if path.is_file():
+        return path.stem
+    return model
+
+
+def _model_info(name: str, engine) -> ModelInfo:
+    cache = engine.cache_config
+    disk = cache.disk_tier
+    log_path = None if disk is None else Path(disk).expanduser() / engine.fingerprint.hex() / REPLY_LOG
+    tiers = [f"pool {engine.block_pool.budget} blocks of {cache.block_size} tokens"]
+    if cache.memory_tier_bytes:
+        tiers.append(f"memory tier {cache.memory_tier_bytes >> 20} MiB")
+    if disk is not None:
+        tiers.append(f"SSD tier {disk}")
+    return ModelInfo(short_name(name), engine.tokenizer, engine.limits, engine.loaded.max_context, log_path,
+                     cache.block_size, ", ".join(tiers))
+
+
+class RecordReader:
+    """A request's records on the event loop, without a thread per waiting request.
+
+    The engine thread wakes the loop through the handle's `notify`; `next`
+    waits for records with a timeout, so a stream can send keep-alives and
+    notice a shutdown while a long prefill runs.
+    """
+
+    def __init__(self, handle: RequestHandle):
+        self.handle = handle
+        self.finished = False
+        self._arrived = asyncio.Event()
+        loop = asyncio.get_running_loop()
+
+        def wake() -> None:  # on the engine thread: it must never raise there
+            try:
+                loop.call_soon_threadsafe(self._arrived.set)
+            except RuntimeError:  # the server's loop has closed: nobody is waiting
+                pass
+
+        handle.notify = wake
+
+    async def next(self, timeout: float | None = None) -> list | None:
+        """The records that arrived, up to the last one; None when `timeout` s passed without any."""
+        while True:
+            batch = self.handle.drain()
+            if batch:
+                self.finished = is_last(batch[-1])
+                return batch
+            try:
+                await asyncio.wait_for(self._arrived.wait(), timeout)
+            except asyncio.TimeoutError:
+                return None
+            self._arrived.clear()
+
+    def close(self) -> bool:
+        """Stop reading; a reply that had not ended is cancelled (True), its blocks back at the next step."""
+        self.handle.notify = None
+        if self.finished:
+            return False
+        self.finished = True
+        self.handle.cancel()
+        return True
+
+
+class ServingBackend:
+    """Requests are submitted from the event loop's thread only, so the
+    open-request check and the submit that follows it cannot interleave."""
+
+    def __init__(self, thread: EngineThread, name: str, *, max_open: int = DEFAULT_MAX_OPEN,
+                 default_max_tokens: int = DEFAULT_MAX_TOKENS, reply_ids_kept: int = DEFAULT_KEPT,
+                 reply_cap: int | None = None):
+        self.thread = thread
+        self.max_open = max_open
+        self.default_max_tokens = default_max_tokens
+        self.reply_cap = reply_cap
+        self.metrics = ServerMetrics()
+        thread.wait_ready()
+        self.info = thread.call(lambda e: _model_info(name, e)).result()
+        self.reply_ids = ReplyIds(reply_ids_kept, self.info.reply_log)
+        self.created = int(time.time())  # /v1/models: when this model was loaded
+        # When the server stops, open replies end here (monotonic time), each
+        # with its API's final event, before uvicorn would cancel them.
+        self.stop_at: float | None = None
+        self._tools_checked = False
+        self._tools_lock = threading.Lock()
+
+    # -- prompts (blocking: call through a worker thread) ---------------------
+
+    def chat_tokens(self, messages: list[dict], tools: list | None = None) -> list[int]:
+        messages = self.reply_ids.attach(strip_heads(messages))
+        if tools:
+            self._warn_if_tools_unrendered(tools)
+        try:
+            return prompting.chat_prompt(self.info.tokenizer, messages, model_name=self.info.name, tools=tools)
+        except MlxkvError as e:
+            raise ApiError(400, str(e)) from None
+        except Exception as e:  # a template's own error (jinja's) is about the messages it was given
+            log.warning("chat template failed: %s: %s", type(e).__name__, e)
+            raise ApiError(400, f"the model's chat template refused these messages: {e}") from None
+
+    def _warn_if_tools_unrendered(self, tools: list) -> None:
+        """Once per server: a template that ignores `tools` drops them silently
+        (an agent's 29k-token prompt became 7.7k), so say so."""
+        with self._tools_lock:
+            if self._tools_checked:
+                return
+            self._tools_checked = True
+        probe = [{"role": "user", "content": "hi"}]
+        try:
+            rendered = prompting.chat_prompt(self.info.tokenizer, probe, tools=tools) != \
+                prompting.chat_prompt(self.info.tokenizer, probe)
+        except Exception as e:  # the request's own templating names the problem
+            log.debug("could not check how the template renders tools: %s", e)
+            return
+        if not rendered:
+            log.warning("the chat template of %s does not render tools: requests' tools are left out of "
+                        "the prompt, so the model never sees them (use a model whose template has tools)",
+                        self.info.name)
+
+    def text_tokens(self, text: str) -> list[int]:
+        return list(self.info.tokenizer.encode(text))
+
+    def token_ids(self, ids: list[int]) -> list[int]:
+        try:
+            return self.info.limits.token_ids(ids)
+        except MlxkvError as e:
+            raise ApiError(400, str(e), param="prompt") from None
+
+    def reply_limit(self, tokens: list[int], max_tokens: int | None, *, param: str = "messages",
+                    anthropic: bool = False) -> int:
+        """The reply's max_tokens: the request's (default --max-tokens), cut to
+        the room the context and the pool leave. Only a prompt that does not
+        fit by itself is a 400, in the wording each API's clients recognise
+        (Claude Code compacts its conversation on Anthropic's)."""
+        limits = self.info.limits
+        n = len(tokens)
+        if not n:
+            raise ApiError(400, "the prompt is empty", param=param)
+        pool_room = limits.pool_tokens - n  # what the pool holds after the prompt
+        longest = limits.pool_tokens - 1 if limits.max_context is None else min(limits.max_context,
+                                                                                   limits.pool_tokens - 1)
+        if n > longest or pool_room < 1:
+            if anthropic:
+                raise ApiError(400, f"prompt is too long: {n} tokens > {longest} maximum")
+            where = "the model's context" if longest == limits.max_context else "the KV pool (--num-blocks)"
+            raise ApiError(400, f"the prompt is too long: {n} tokens, more than the {longest} of {where}",
+                           param=param)
+        wanted = self.default_max_tokens if max_tokens is None else max_tokens
+        if self.reply_cap is not None:
+            wanted = min(wanted, self.reply_cap)
+        return max(1, min(limits.reply_room(n, wanted), pool_room))
+
+    # -- generation -------------------------------------------------------
+
+    def submit(self, tokens: list[int], **options) -> RequestHandle:
+        """Queue a checked prompt; 429 when the queue is full."""
+        retry = {"Retry-After": str(RETRY_AFTER_S)}
+        if self.thread.open_requests >= self.max_open:
+            raise ApiError(429, f"the server has {self.max_open} requests open, its limit; retry shortly",
+                           headers=retry)
+        try:
+            return self.thread.submit(tokens, **options)
+        except MlxkvError as e:  # the engine is closing
+            raise ApiError(503, str(e), headers=retry) from None
+
+    def log_reuse(self, tokens: list[int], stats) -> None:
+        """At DEBUG: where the prompt stopped matching the cache, with a few tokens each side."""
+        if not log.isEnabledFor(logging.DEBUG) or stats is None:
+            return
+        cached = sum(stats.cached_tokens.values())
+        if cached >= len(tokens) - self.info.block_size:
+            log.debug("prompt of %d tokens: %d cached, all its full blocks", len(tokens), cached)
+            return
+        decode = self.info.tokenizer.decode
+        before, after = decode(tokens[max(0, cached - REUSE_CONTEXT):cached]), decode(
+            tokens[cached:cached + REUSE_CONTEXT])
+        log.debug("prompt of %d tokens: %d cached; it stopped matching the cache in the block from token %d: "
+                  "%r | %r", len(tokens), cached, cached, before, after)
+
+    def close(self) -> None:
+        self.reply_ids.close()
+
+    def pool_usage(self) -> dict | None:
+        """The pool as of the engine's last step or idle (never waits for a step)."""
+        stats = self.thread.published
+        return None if stats is None else stats["pool"]
+
+    def stats(self) -> dict:
+        return dict(self.thread.published or {})

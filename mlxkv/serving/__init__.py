@@ -1,2 +1,0 @@
-"""Serving one engine to other threads: the engine thread, request handles and
-pool snapshots."""
