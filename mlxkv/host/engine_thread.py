@@ -43,6 +43,9 @@ SNAPSHOT_INTERVAL_S = 0.25
 # engine.stats() is published this often while steps run, and at each idle,
 # so readers on other threads (a server's /metrics) never wait for a step.
 STATS_INTERVAL_S = 0.25
+# While no request is open the thread wakes this often to tell the engine how
+# long it has been idle (Engine.idle: checkpoints to SSD, memory given back).
+IDLE_TICK_S = 1.0
 
 
 @dataclass
@@ -115,12 +118,14 @@ class EngineThread:
         on_event: Callable[[EngineEvent], None] | None = None,
         load: Callable = load_engine,
         snapshot_interval: float = SNAPSHOT_INTERVAL_S,
+        idle_tick: float = IDLE_TICK_S,
     ):
         self.model = model
         self.cache = cache or CacheConfig()
         self.on_event = on_event or (lambda event: None)
         self._load = load
         self.snapshot_interval = snapshot_interval
+        self.idle_tick = idle_tick
         self._queue: queue.Queue = queue.Queue()
         self._ids = itertools.count()
         self._open: dict[int, RequestHandle] = {}  # submitted and not finished
@@ -245,8 +250,10 @@ class EngineThread:
         """Serve queued requests as one continuous batch, stepping while any is open."""
         loop = self.engine.loop
         closing = False
+        idle_since = time.monotonic()
         while not closing or loop.has_work:
-            for item in self._take(block=not closing and not loop.has_work):
+            block = not closing and not loop.has_work
+            for item in self._take(block):
                 if item is _CLOSE:
                     closing = True
                 elif isinstance(item, tuple):
@@ -256,11 +263,25 @@ class EngineThread:
             if loop.has_work:
                 loop.step()
                 self._snapshot_if_due()
+                idle_since = time.monotonic()
+            elif block:
+                self._idle(time.monotonic() - idle_since)
             self._publish_if_due(idle=not loop.has_work)
 
+    def _idle(self, seconds: float) -> None:
+        try:
+            self.engine.idle(seconds)
+        except Exception:  # what a pause is for can wait; the thread must go on
+            log.exception("the engine's idle work failed")
+
     def _take(self, block: bool) -> list:
-        """Whatever is queued now; when `block`, wait for at least one item."""
-        items = [self._queue.get()] if block else []
+        """Whatever is queued now; when `block`, wait up to an idle tick for at least one item."""
+        items = []
+        if block:
+            try:
+                items.append(self._queue.get(timeout=self.idle_tick))
+            except queue.Empty:
+                return items
         while True:
             try:
                 items.append(self._queue.get_nowait())

@@ -248,3 +248,22 @@ def test_a_prefill_with_reply_room_loads_the_window_its_replies_use(engine):
     assert reply_stats.cached_tokens["pool"] >= prefill_stats.prompt_tokens - 2 * CONFIG["block_size"]
     with pytest.raises(MlxkvError, match="reply_room must be a whole number, at least 1, got 0"):
         engine.submit(messages=stored, fit_context=True, reply_room=0)
+
+
+def test_an_idle_thread_lets_the_engine_give_memory_back(llama_dir):
+    cache = CacheConfig(block_size=8, num_blocks=512, memory_tier_bytes=16 << 20, idle_shrink_s=0.3)
+    thread = EngineThread(llama_dir, cache, idle_tick=0.05).start()
+    thread.wait_ready(120)
+    try:
+        first = [run(thread, tokens(120, start=s), max_tokens=4) for s in (3, 4, 5)]
+        grown = thread.call(lambda e: e.stats()["pool"]["size_blocks"]).result()
+        size = grown
+        deadline = time.monotonic() + 30
+        while size == grown and time.monotonic() < deadline:
+            time.sleep(0.05)
+            size = thread.call(lambda e: e.stats()["pool"]["size_blocks"]).result()
+        assert size < grown  # the pool shrank by itself, the thread idle
+        again = [run(thread, tokens(120, start=s), max_tokens=4) for s in (3, 4, 5)]
+        assert [[r.token for r in reply] for reply in again] == [[r.token for r in reply] for reply in first]
+    finally:
+        thread.close()
