@@ -112,7 +112,7 @@ def _kernel_decode(queries, cache: PagedKVCache, scale: float, sinks=None):
     if not kernels.supports(queries.dtype, queries.shape[3], v_pool.shape[3], k_pool.shape[2],
                             n_heads // n_kv_heads):
         return None
-    return kernels.paged_decode(queries, k_pool, v_pool, cache.tables.block_tables, cache.lengths, scale,
+    return kernels.paged_decode(queries, k_pool, v_pool, cache.tables.kernel_tables, cache.lengths, scale,
                                 window=cache.window, sinks=sinks)
 
 

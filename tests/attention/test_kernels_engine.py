@@ -91,4 +91,4 @@ def test_sliding_window_layers_decode_on_the_kernel(tmp_path, kernel_attention, 
     windowed = [launch for launch in kernel_attention if any(int(s) for s in launch.inputs[5].tolist())]
     assert windowed, "no decode step ran with a window start"
     if family_name == "gpt_oss":
-        assert all(int(launch.inputs[-1].tolist()[7]) == 1 for launch in kernel_attention)  # has_sinks
+        assert all(int(launch.inputs[-1].tolist()[6]) == 1 for launch in kernel_attention)  # has_sinks
