@@ -81,8 +81,13 @@ def check_kernels(dtype, head_dim: int, block_size: int, n_heads: int, n_kv_head
             if problem:
                 return KernelCheck(name, False, f"{what}: {problem}")
     except Exception as e:  # a compile or run failure: the reason goes to the warning
-        return KernelCheck(name, False, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}".rstrip(": "))
+        return KernelCheck(name, False, failure(e))
     return KernelCheck(name, True)
+
+
+def failure(e: Exception) -> str:
+    """An exception as one line: its type and the first line of its message."""
+    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}".rstrip(": ")
 
 
 def _compare(got: np.ndarray, case: dict, window, sinks, dtype) -> str:

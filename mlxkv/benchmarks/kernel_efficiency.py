@@ -17,6 +17,7 @@ bytes_ratio <= BYTES_GOAL. It reports; it asserts nothing.
 
 from __future__ import annotations
 
+import os
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -52,7 +53,7 @@ def run_efficiency(instantiations=None, contexts=None, workers: int | None = Non
     chosen = list(instantiations or paged.decode_instantiations())
     contexts = tuple(contexts or efficiency.CONTEXTS)
     # Compile on every core first; the runs themselves use all cores.
-    with ThreadPoolExecutor(workers) as pool:
+    with ThreadPoolExecutor(workers or os.cpu_count()) as pool:
         list(pool.map(lambda i: efficiency.build(harness, *i), chosen))
     rows = []
     for inst in chosen:

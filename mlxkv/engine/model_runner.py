@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from mlxkv.attention.dispatch import route_model_attention
+from mlxkv.attention.dispatch import AttentionChoice, route_model_attention
 from mlxkv.attention.mirror import KVMirror
 from mlxkv.attention.paged_cache import GroupTables, PagedBatch, PagedKVCache
 from mlxkv.attention.shared_prefix import SharedPrefix, shared_blocks
@@ -27,10 +27,11 @@ SNAPSHOTS_KEPT = 2
 
 
 class ModelRunner:
-    def __init__(self, model, kv_pool: KVPool, attention: str = "reference", layout: GroupLayout | None = None):
+    def __init__(self, model, kv_pool: KVPool, attention: AttentionChoice | None = None,
+                 layout: GroupLayout | None = None):
         self.model = model
         self.kv_pool = kv_pool
-        self.attention = attention
+        self.attention = attention or AttentionChoice("reference")  # path_for: each step's path
         self.layout = layout or GroupLayout.plain(len(model.layers))
         self.num_layers = self.layout.num_slots
         # (group, page layer) of each attention cache slot.
@@ -41,8 +42,8 @@ class ModelRunner:
         self._prefix: SharedPrefix | None = None
         self._routed = route_model_attention(model)
 
-    def _mirror_for(self, seqs: list[Sequence], mirror: bool) -> KVMirror | None:
-        if len(seqs) != 1 or self.attention != "reference":
+    def _mirror_for(self, seqs: list[Sequence], mirror: bool, path: str) -> KVMirror | None:
+        if len(seqs) != 1 or path != "reference":
             # A sequence decoding in a batch reads the pool; a copy would go stale.
             for s in seqs:
                 self._mirrors.pop(s.request_id, None)
@@ -54,7 +55,7 @@ class ModelRunner:
             self._mirrors[key] = KVMirror(self.num_layers)
         return self._mirrors[key]
 
-    def _prefix_for(self, seqs: list[Sequence], num_new: int) -> SharedPrefix | None:
+    def _prefix_for(self, seqs: list[Sequence], num_new: int, path: str) -> SharedPrefix | None:
         """The shared prefix for cascade attention, or None.
 
         A batched decode step (B >= 2, one token each) updates the copy or
@@ -64,7 +65,7 @@ class ModelRunner:
         """
         if len(seqs) < 2 or num_new != 1:
             return None
-        cascade = self.attention == "reference" and self._routed and self.layout.is_plain
+        cascade = path == "reference" and self._routed and self.layout.is_plain
         blocks = shared_blocks(seqs, self.kv_pool.layout.block_size) if cascade else []
         if not blocks:
             self._prefix = None
@@ -108,10 +109,11 @@ class ModelRunner:
         """
         num_new = tokens.shape[1]
         offsets = [s.num_computed for s in seqs]
+        path = self.attention.path_for(len(seqs), max(offsets) + num_new)
         bs = self.kv_pool.layout.block_size
         groups = tuple(self._group_tables(seqs, g.index, g.window, offsets, num_new, bs) for g in self.layout.groups)
-        batch = PagedBatch.of_groups(groups, offsets, num_new, bs, self.attention,
-                                     self._mirror_for(seqs, mirror), self._prefix_for(seqs, num_new))
+        batch = PagedBatch.of_groups(groups, offsets, num_new, bs, path,
+                                     self._mirror_for(seqs, mirror, path), self._prefix_for(seqs, num_new, path))
         caches: list = [None] * self.num_layers
         for slot, (g, j) in self._places.items():
             caches[slot] = PagedKVCache(self.kv_pool, j, batch, g, slot)

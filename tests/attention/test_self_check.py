@@ -151,6 +151,7 @@ def test_an_engine_whose_kernels_fail_their_check_still_serves_every_request(tmp
     assert attention["path"] == "reference" and "Unable to build" in attention["check"]["reason"]
 
 
+@pytest.mark.slow  # the self-check of Llama-3-8B's shape, in the harness
 def test_doctor_reports_the_kernel_path_and_its_check(monkeypatch):
     from mlxkv.attention.doctor import attention_lines, attention_report
 
