@@ -9,6 +9,7 @@ import warnings
 
 import mlxkv  # noqa: F401  (before mlx)
 import mlx.core as mx
+import numpy as np
 import pytest
 
 from mlxkv.attention import speed_gate
@@ -74,8 +75,6 @@ def test_the_steps_it_times_are_the_real_ones():
     shape = AttentionShape(mx.float32, 64, 16, 4, 2)
     gate = speed_gate.measure(shape, run=harness_run(), timer=gpu.timer, batches=(1, 3), contexts=(20, 70))
     assert [(b.batch, b.context) for b in gate.buckets] == [(1, 20), (1, 70), (3, 20), (3, 70)]
-    import numpy as np
-
     case = speed_gate.DecodeCase(shape, 70, 3, np.random.default_rng(0), distinct=False)
     kernel, reference = case.paged("kernel", harness_run())(), case.paged("reference")()
     assert mx.allclose(kernel, reference, atol=1e-4).item()
