@@ -5,7 +5,9 @@
 // The kernels are written in the subset of MSL that is also C++, so that
 // tests/msl can compile the exact generated source with clang and run it.
 
-// Running maxima start here rather than at -INFINITY: Metal compiles with
-// fast math by default, under which infinities are not reliable. exp() of
-// anything this far below a real score is exactly 0.
+// Running maxima start here rather than at -INFINITY, so that an empty
+// partition's maximum minus another's is 0 or hugely negative, never
+// -inf - -inf = NaN: exp() of anything this far below a real score is
+// exactly 0. (MLX builds kernels without fast math since 2024, so exp() is
+// the precise one and infinities would be reliable; NaN would not be.)
 constant constexpr float MLXKV_NO_SCORE = -1e30f;

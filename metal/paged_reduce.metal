@@ -1,7 +1,8 @@
 // Body of the kernel mlxkv_paged_reduce: the second pass of partitioned
 // decode attention. One thread per (head-dim element, query head, sequence)
 // merges the partitions' normalized rows, weighting each by its softmax sum
-// rescaled to the common maximum. Empty partitions carry sum 0.
+// rescaled to the common maximum. Empty partitions carry sum 0; a row
+// whose partitions are all empty (no token visible) is 0, as in one pass.
 //
 // Template: T (output dtype). partials: [B, n_heads, n_parts, D + 2], each
 // row D outputs then the partition's maximum and sum.
@@ -32,4 +33,4 @@
     total += w;
     o += w * rows[p * stride + d];
   }
-  out[row * head_dim + d] = T(o / total);
+  out[row * head_dim + d] = T(total > 0.0f ? o / total : 0.0f);

@@ -117,6 +117,9 @@ def _add_bench(sub) -> None:
     p.add_argument("--context", type=_number(int, 1), default=2048, help="context length for the engine benchmark")
     p.add_argument("--decode-tokens", type=_number(int, 2), default=64)
     p.add_argument("--prefix", type=_number(int, 0), default=1024, help="shared prefix length for the batch benchmark")
+    p.add_argument("--efficiency", action="store_true",
+                   help="kernels: how the decode kernel reads the KV pools (coalescing, bytes read), "
+                        "through the MSL harness of a source checkout; needs clang-19")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_bench)
 

@@ -10,19 +10,24 @@ read once for all rows, not gathered per row.
 
 The kernel path (mlxkv/kernels.py) serves decode steps (one new token per
 sequence) of supported shapes, reading K/V from the pool through the block
-table; prefill and anything else stay on the reference path.
+table; prefill and anything else stay on the reference path. Under `auto`
+the kernels serve only the (batch, context) buckets where the speed gate
+(speed_gate.py) timed them faster: `AttentionChoice.path_for` says which
+path a step takes.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import warnings
 from dataclasses import dataclass
 
 import mlx.core as mx
 
-from mlxkv.attention import kernels, self_check
+from mlxkv.attention import kernels, self_check, speed_gate
 from mlxkv.attention.self_check import KernelCheck
+from mlxkv.attention.speed_gate import AttentionShape, SpeedGate
 from mlxkv.attention.cascade import cascade_decode
 from mlxkv.errors import MlxkvError, MlxkvWarning
 from mlxkv.models import compat
@@ -30,38 +35,53 @@ from mlxkv.attention.paged_cache import PagedKVCache
 
 ATTENTION_ENV = "MLXKV_ATTENTION"
 MODES = ("auto", "reference", "kernel")
+log = logging.getLogger(__name__)
 
 
-def resolve_attention(mode: str | None = None) -> str:
-    """"reference" or "kernel": the config's choice, else MLXKV_ATTENTION, else "auto".
-
-    "auto" picks the Metal kernels where Metal is available, else the
-    pure-MLX reference path.
-    """
+def requested_attention(mode: str | None = None) -> str:
+    """The config's choice, else MLXKV_ATTENTION, else "auto"."""
     mode = mode or os.environ.get(ATTENTION_ENV) or "auto"
     if mode not in MODES:
         raise MlxkvError(f"{ATTENTION_ENV} / attention must be one of {', '.join(MODES)}, got {mode!r}")
+    return mode
+
+
+def resolve_attention(mode: str | None = None, metal: bool | None = None) -> str:
+    """"reference" or "kernel": "auto" (`requested_attention`) picks the Metal kernels where
+    Metal is available (`metal`, None: ask MLX), else the pure-MLX reference path."""
+    mode = requested_attention(mode)
     if mode == "auto":
-        return "kernel" if mx.metal.is_available() else "reference"
+        metal = mx.metal.is_available() if metal is None else metal
+        return "kernel" if metal else "reference"
     return mode
 
 
 @dataclass(frozen=True)
 class AttentionChoice:
-    """The path a model's decode takes, and what the kernels' self-check said (None: not run)."""
+    """The path a model's decode takes, what the kernels' self-check said (None: not run) and,
+    under `auto`, the speed gate's buckets (None: the kernels serve every decode)."""
 
     path: str  # "reference" or "kernel"
     check: KernelCheck | None = None
+    gate: SpeedGate | None = None
+
+    def path_for(self, batch: int, context: int) -> str:
+        """The path of a step of `batch` rows, the longest `context` tokens."""
+        if self.path == "kernel" and self.gate is not None:
+            return self.gate.path_for(batch, context)
+        return self.path
 
     def as_dict(self) -> dict:
-        return {"path": self.path, "check": None if self.check is None else self.check.as_dict()}
+        return {"path": self.path, "check": None if self.check is None else self.check.as_dict(),
+                "gate": None if self.gate is None else self.gate.as_list()}
 
 
 def choose_attention(mode: str | None, dtype, head_dim: int, v_head_dim: int, block_size: int,
-                     n_heads: int, n_kv_heads: int, run=None) -> AttentionChoice:
+                     n_heads: int, n_kv_heads: int, run=None, timer=None, metal: bool | None = None) -> AttentionChoice:
     """The configured path, with the kernels checked first (self_check.py): a shape they do not
-    serve, or a failed check, decodes on the reference path; the failure is one warning line."""
-    path = resolve_attention(mode)
+    serve, or a failed check, decodes on the reference path; the failure is one warning line.
+    Under `auto` the speed gate then times them on this shape (speed_gate.py; `timer`)."""
+    path = resolve_attention(mode, metal)
     if path == "reference":
         return AttentionChoice("reference")
     group = n_heads // max(n_kv_heads, 1)
@@ -73,7 +93,17 @@ def choose_attention(mode: str | None, dtype, head_dim: int, v_head_dim: int, bl
         warnings.warn(f"the Metal attention kernels failed their check ({check.instantiation}: {check.reason}); "
                       "decoding on the reference path", KernelCheckWarning, stacklevel=2)
         return AttentionChoice("reference", check)
-    return AttentionChoice("kernel", check)
+    if requested_attention(mode) != "auto":
+        return AttentionChoice("kernel", check)  # asked for: every decode
+    shape = AttentionShape(dtype, head_dim, block_size, n_heads, n_kv_heads)
+    try:
+        gate = speed_gate.measure(shape, run=run, timer=timer)
+    except Exception as e:  # a GPU fault while timing: as a failed check
+        log.exception("the speed gate of the Metal attention kernels failed")
+        warnings.warn(f"timing the Metal attention kernels failed ({self_check.failure(e)}); "
+                      "decoding on the reference path", KernelCheckWarning, stacklevel=2)
+        return AttentionChoice("reference", check)
+    return AttentionChoice("kernel", check, gate)
 
 
 class KernelCheckWarning(MlxkvWarning):
@@ -112,7 +142,7 @@ def _kernel_decode(queries, cache: PagedKVCache, scale: float, sinks=None):
     if not kernels.supports(queries.dtype, queries.shape[3], v_pool.shape[3], k_pool.shape[2],
                             n_heads // n_kv_heads):
         return None
-    return kernels.paged_decode(queries, k_pool, v_pool, cache.tables.block_tables, cache.lengths, scale,
+    return kernels.paged_decode(queries, k_pool, v_pool, cache.tables.kernel_tables, cache.lengths, scale,
                                 window=cache.window, sinks=sinks)
 
 

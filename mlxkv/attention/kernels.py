@@ -7,19 +7,22 @@ objects are built on first use; building one needs no GPU, which is how the
 MSL test harness (tests/msl) gets at the generated source on Linux.
 
 Decode attention is one `mlxkv_paged_decode` launch, plus one
-`mlxkv_paged_reduce` when long sequences are split into partitions to give a
-small grid more threadgroups. Every call describes itself as a `Launch`
-and goes through `run_launch`: the kernel itself on Metal, a CPU runner in
-the harness tests.
+`mlxkv_paged_reduce` when sequences are split into partitions to give the
+GPU enough threadgroups. Every call describes itself as a `Launch` and goes
+through `run_launch`: the kernel itself on Metal, a CPU runner in the
+harness tests.
 
-Instantiations: one per (dtype, head dim, GQA group size), the group size
-rounded up to 1, 2, 4 or 8. Block size, context lengths, partitioning,
-the real group size, a sliding window's start and attention sinks are
-runtime values: they only set where the token loop starts and what the
-softmax starts from, and each instantiation is one more compile on a
-Mac's first decode. Inputs under 8 elements would reach
+Instantiations: one per (dtype, head dim, GQA group size, block size), the
+group size rounded up to 1, 2, 4 or 8; the block size is a template
+constant so that a token's block and slot are a shift and a mask. Context
+lengths, partitioning, the real group size, a sliding window's start and
+attention sinks are runtime values: they only set where the token loop
+starts and what the softmax starts from, and each instantiation is one
+more compile on a Mac's first decode. Inputs under 8 elements would reach
 the kernel in the `constant` address space, which changes the generated
-signature, so the small index inputs are padded to 8.
+signature, so the small index inputs are padded to 8: Python lists here,
+block tables where they are built (paged_cache.GroupTables.kernel_tables),
+never with an MLX op per call.
 """
 
 from __future__ import annotations
@@ -38,17 +41,17 @@ DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 HEAD_DIMS = (64, 80, 96, 128, 256)
 BLOCK_SIZES = (16, 32)
 GROUP_SIZES = (1, 2, 4, 8)  # built for these; 3, 5, 6, 7 round up
-SIMDGROUPS = 4
+SIMDGROUPS = 8
 THREADS = 32 * SIMDGROUPS  # per decode threadgroup
-TILE = 256  # tokens per pass of the decode loop
-PARTITION_SIZES = (256, 512)
 REDUCE_THREADS = 64
-# A grid under this many threadgroups leaves an Apple GPU mostly idle:
-# split sequences longer than one partition.
-SMALL_GRID = 128
-# Beyond this context, partitions of 512 tokens (half the partials to merge).
-LONG_CONTEXT = 8192
-_MIN_ELEMENTS = 8  # MLX passes smaller inputs in the constant address space
+# Simdgroups that keep an Apple GPU busy: what MLX's sdpa_vector launches
+# for Llama-3-8B at batch 1 (32 heads x 1024 threads). Sequences are split
+# into partitions until the grid has this many...
+TARGET_SIMDGROUPS = 1024
+# ...but no partition under this many tokens (8 per simdgroup): each one
+# costs a row of partials written and read again by the reduce.
+MIN_PART_TOKENS = 64
+MIN_ELEMENTS = 8  # MLX passes smaller inputs in the constant address space
 
 _SIGNATURES = {
     "paged_decode": (
@@ -131,24 +134,26 @@ def supports(dtype, head_dim: int, v_head_dim: int, block_size: int, group: int)
     )
 
 
-def partition_size(batch: int, n_kv_heads: int, max_context: int) -> int:
+def partition_size(batch: int, n_kv_heads: int, max_span: int) -> int:
     """Tokens per partition, or 0 for one pass over each sequence.
 
-    Partitioning pays for a second launch with more parallelism, so only
-    long sequences on a small grid are split.
+    Chosen by occupancy: a grid of batch x kv heads threadgroups is split
+    until it holds about TARGET_SIMDGROUPS simdgroups, in partitions of at
+    least MIN_PART_TOKENS of the longest row's `max_span` visible tokens.
     """
-    if max_context <= PARTITION_SIZES[0] or batch * n_kv_heads >= SMALL_GRID:
-        return 0
-    return PARTITION_SIZES[1] if max_context > LONG_CONTEXT else PARTITION_SIZES[0]
+    wanted = -(-TARGET_SIMDGROUPS // (batch * n_kv_heads * SIMDGROUPS))
+    n_parts = min(wanted, max_span // MIN_PART_TOKENS)
+    return -(-max_span // n_parts) if n_parts > 1 else 0
 
 
-def _padded(x: mx.array) -> mx.array:
-    """x with trailing zeros on its last axis up to 8 elements in all."""
-    if x.size >= _MIN_ELEMENTS:
-        return x
-    rows = x.shape[0] if x.ndim > 1 else 1
-    extra = math.ceil(_MIN_ELEMENTS / rows) - x.shape[-1]
-    return mx.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, extra)])
+def table_width(n_rows: int, longest: int) -> int:
+    """Columns of a block table of `n_rows` rows: the longest row's blocks, and at
+    least MIN_ELEMENTS entries in all (see the module docstring)."""
+    return max(longest, -(-MIN_ELEMENTS // n_rows))
+
+
+def _padded(values: list) -> list:
+    return list(values) + [0] * (MIN_ELEMENTS - len(values))
 
 
 def decode_launch(queries, k_pool, v_pool, block_tables, context_lens, scale: float,
@@ -171,11 +176,10 @@ def decode_launch(queries, k_pool, v_pool, block_tables, context_lens, scale: fl
     max_span = max(n - s for n, s in zip(context_lens, window_starts))
     n_parts = 1 if partition == 0 else math.ceil(max_span / partition)
     part_tokens = partition if n_parts > 1 else max(max_span, 1)
-    block_tables = _padded(block_tables.astype(mx.int32))
     has_sinks = sinks is not None
-    sinks = sinks.astype(mx.float32) if has_sinks else mx.zeros((n_heads,), mx.float32)
-    params = [n_heads, n_kv_heads, group, block_size, block_tables.shape[1], part_tokens, n_parts,
-              int(has_sinks)]
+    # Sinks of under 8 heads (tiny models only) reach the kernel as constant memory.
+    sinks = sinks.astype(mx.float32) if has_sinks else mx.array(_padded([0.0] * n_heads), dtype=mx.float32)
+    params = [n_heads, n_kv_heads, group, block_tables.shape[1], part_tokens, n_parts, int(has_sinks)]
     partials_shape = (B, n_heads, n_parts, D + 2) if n_parts > 1 else (1,)
     return Launch(
         kernel=decode_kernel or kernel("paged_decode"),
@@ -183,15 +187,15 @@ def decode_launch(queries, k_pool, v_pool, block_tables, context_lens, scale: fl
             queries,
             k_pool,
             v_pool,
-            block_tables,
-            _padded(mx.array(list(context_lens), dtype=mx.int32)),
-            _padded(mx.array(window_starts, dtype=mx.int32)),
-            _padded(sinks.reshape(n_heads)),
+            block_tables.astype(mx.int32),
+            mx.array(_padded(context_lens), dtype=mx.int32),
+            mx.array(_padded(window_starts), dtype=mx.int32),
+            sinks,
             mx.array(scale, dtype=mx.float32),
-            mx.array(params, dtype=mx.int32),
+            mx.array(_padded(params), dtype=mx.int32),
         ),
-        template=(("T", queries.dtype), ("D", D), ("G", group_size_for(group)),
-                  ("NSG", SIMDGROUPS), ("TILE", TILE)),
+        template=(("T", queries.dtype), ("D", D), ("G", group_size_for(group)), ("BS", block_size),
+                  ("NSG", SIMDGROUPS)),
         grid=(THREADS * n_parts, n_kv_heads, B),
         threadgroup=(THREADS, 1, 1),
         output_shapes=((B, n_heads, D), partials_shape),

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from mlxkv.attention import kernels
 from mlxkv.attention.mirror import KVMirror
 from mlxkv.attention.shared_prefix import SharedPrefix
 from mlxkv.cache.kv_pool import KVPool
@@ -30,16 +31,20 @@ class GroupTables:
     write_blocks: mx.array  # [B, L] block id of each new token's slot
     starts: tuple[int, ...]  # token position of each row's first table entry
     window: int | None = None  # tokens a query sees (itself included); None: all before it
+    kernel_tables: mx.array | None = None  # block_tables, wide enough for the kernels (kernels.table_width)
 
     @classmethod
     def build(cls, tables: list[list[int]], starts: list[int], offsets: list[int], num_new: int,
               block_size: int, window: int | None = None) -> GroupTables:
         width = max(len(t) for t in tables)
-        padded = [t + [t[0]] * (width - len(t)) for t in tables]
+        block_tables = mx.array([t + [t[0]] * (width - len(t)) for t in tables], dtype=mx.int32)
+        # Padded here, from the lists, rather than by an op in every layer's kernel call.
+        wide = kernels.table_width(len(tables), width)
+        kernel_tables = (block_tables if wide == width
+                         else mx.array([t + [t[0]] * (wide - len(t)) for t in tables], dtype=mx.int32))
         write_blocks = [[t[(p - s) // block_size] for p in range(o, o + num_new)]
                         for t, s, o in zip(tables, starts, offsets)]
-        return cls(mx.array(padded, dtype=mx.int32), mx.array(write_blocks, dtype=mx.int32),
-                   tuple(starts), window)
+        return cls(block_tables, mx.array(write_blocks, dtype=mx.int32), tuple(starts), window, kernel_tables)
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,8 @@ import importlib
 import json
 import time
 
+from mlxkv.errors import MlxkvError
+
 
 def _engine(args) -> tuple[list[dict], str]:
     from mlxkv.benchmarks.engine import format_rows, run_engine_benchmark
@@ -22,6 +24,18 @@ def _batch(args) -> tuple[list[dict], str]:
     from mlxkv.benchmarks.batch import format_rows, run_batch_benchmark
 
     rows = run_batch_benchmark(prefix=getattr(args, "prefix", 1024), decode_tokens=args.decode_tokens)
+    return rows, format_rows(rows)
+
+
+def _kernels(args) -> tuple[list[dict], str]:
+    if getattr(args, "efficiency", False):
+        from mlxkv.benchmarks.kernel_efficiency import format_rows, run_efficiency
+
+        rows = run_efficiency()
+    else:
+        from mlxkv.benchmarks.kernels import format_rows, run_kernel_benchmark
+
+        rows = run_kernel_benchmark()
     return rows, format_rows(rows)
 
 
@@ -40,7 +54,7 @@ SUITES = {
     "engine": _engine,
     "batch": _batch,
     "tiers": _at_defaults("tiers", "run_tiers_benchmark"),
-    "kernels": _at_defaults("kernels", "run_kernel_benchmark"),
+    "kernels": _kernels,
     "blas": _at_defaults("blas", "run_blas_benchmark"),
     "windows": _at_defaults("windows", "run_windows_benchmark"),
     "hybrid": _at_defaults("hybrid", "run_hybrid_benchmark"),
@@ -58,6 +72,8 @@ def run_suite(args) -> int:
         json_path, md_path = run_report(args.report or f"mlxkv-report-{time.strftime('%Y%m%d-%H%M%S')}")
         print(f"wrote {json_path} and {md_path}")
         return 0
+    if getattr(args, "efficiency", False) and args.suite != "kernels":
+        raise MlxkvError("--efficiency is a flag of `mlxkv bench kernels`")
     names = list(SUITES) if args.suite == "all" else [args.suite]
     for i, name in enumerate(names):
         rows, table = SUITES[name](args)

@@ -2,12 +2,13 @@
 
 For each context and batch size, one decode step's attention of one layer:
 
-- paged: `paged_attention` as the engine calls it, from the block pool
-  through shuffled block tables. With Metal that is the paged kernel; on
-  other machines it is the reference path (gather the blocks into a
-  contiguous copy, then SDPA), so there the figure measures the gather.
-  (The engine spares a lone sequence that gather with its contiguous
-  mirror, mirror.py; at batch 1 the figure is an upper bound.)
+- paged: decode attention as the engine runs it, from the block pool
+  through shuffled block tables (attention/speed_gate.py's DecodeCase).
+  With Metal that is the paged kernels; on other machines it is the
+  reference path (gather the blocks into a contiguous copy, then SDPA), so
+  there the figure measures the gather. (The engine spares a lone sequence
+  that gather with its contiguous mirror, mirror.py; at batch 1 the
+  figure is an upper bound.)
 - sdpa: `mx.fast.scaled_dot_product_attention` over the same K/V already
   laid out contiguously, as mlx-lm's own cache holds them.
 
@@ -18,15 +19,11 @@ a ratio of at most GOAL. It reports; it asserts nothing.
 
 from __future__ import annotations
 
-import statistics
-import time
-
 import mlx.core as mx
 import numpy as np
 
-from mlxkv.attention.dispatch import paged_attention, resolve_attention
-from mlxkv.cache.kv_pool import KVLayout, KVPool
-from mlxkv.attention.paged_cache import PagedBatch, PagedKVCache
+from mlxkv.attention.dispatch import resolve_attention
+from mlxkv.attention.speed_gate import AttentionShape, DecodeCase, alternate
 
 CONTEXTS = (1024, 4096, 16384)
 BATCHES = (1, 8)
@@ -34,7 +31,6 @@ GOAL = 1.10  # paged over contiguous, kernel path on Apple GPUs
 # Attention shaped like Llama 3 8B: 32 query heads over 8 KV heads, head dim 128.
 N_HEADS, N_KV_HEADS, HEAD_DIM = 32, 8, 128
 BLOCK_SIZE = 16
-ROUNDS = 3
 BUDGET_S = 0.6  # per case and side, split over the rounds
 
 
@@ -47,12 +43,14 @@ def run_kernel_benchmark(contexts=CONTEXTS, batches=BATCHES, budget_s: float = B
     """
     path = resolve_attention(attention)
     dtype = dtype or (mx.float16 if mx.metal.is_available() else mx.float32)
+    shape = AttentionShape(dtype, HEAD_DIM, BLOCK_SIZE, N_HEADS, N_KV_HEADS)
     rng = np.random.default_rng(seed)
     rows = []
     for context in contexts:
         for batch in batches:
-            paged, sdpa = _case(context, batch, dtype, path, rng)
-            paged_s, sdpa_s = _alternate(paged, sdpa, budget_s)
+            case = DecodeCase(shape, context, batch, rng)
+            mx.eval(*case.inputs(contiguous=True))
+            paged_s, sdpa_s = alternate(case.paged(path), case.contiguous, budget_s)
             rows.append({
                 "context": context,
                 "batch": batch,
@@ -63,60 +61,8 @@ def run_kernel_benchmark(contexts=CONTEXTS, batches=BATCHES, budget_s: float = B
                 "ratio": paged_s / sdpa_s,
                 "goal": GOAL if path == "kernel" else None,
             })
-            del paged, sdpa
+            del case
     return rows
-
-
-def _case(context: int, batch: int, dtype, path: str, rng):
-    """The two timed callables for one case, their inputs evaluated."""
-    per_seq = -(-context // BLOCK_SIZE)
-    n_blocks = per_seq * batch
-    layout = KVLayout(1, N_KV_HEADS, HEAD_DIM, HEAD_DIM, BLOCK_SIZE, dtype)
-    pool = KVPool(layout, n_blocks)
-    shape = (n_blocks, N_KV_HEADS, BLOCK_SIZE, HEAD_DIM)
-    pool.keys[0] = mx.random.normal(shape).astype(dtype)
-    pool.values[0] = mx.random.normal(shape).astype(dtype)
-    order = rng.permutation(n_blocks)
-    tables = [[int(b) for b in order[i * per_seq:(i + 1) * per_seq]] for i in range(batch)]
-    step = PagedBatch.build(tables, [context - 1] * batch, 1, BLOCK_SIZE, path)
-    cache = PagedKVCache(pool, 0, step)
-    queries = mx.random.normal((batch, N_HEADS, 1, HEAD_DIM)).astype(dtype)
-    scale = HEAD_DIM ** -0.5
-    mask = cache.make_mask(1)
-    length = context if batch == 1 else None
-    keys, values = (mx.contiguous(x[:, :, :context]) for x in pool.gather(0, step.block_tables))
-    mx.eval(pool.keys, pool.values, queries, keys, values, mask if mask is not None else [])
-
-    def paged():
-        # What update_and_fetch hands attention; the kernel path leaves it unevaluated.
-        k, v = pool.gather(0, step.block_tables, length)
-        return paged_attention(queries, k, v, cache, scale, mask)
-
-    def sdpa():
-        return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale)
-
-    return paged, sdpa
-
-
-def _alternate(a, b, budget_s: float) -> tuple[float, float]:
-    """Median seconds per call of a() and b(), rounds alternated (AB BA AB)."""
-    mx.eval(a())
-    mx.eval(b())  # warm-up: kernels compiled, buffers allocated
-    times = {a: [], b: []}
-    for r in range(ROUNDS):
-        for fn in ((a, b) if r % 2 == 0 else (b, a)):
-            times[fn].append(_per_call(fn, budget_s / ROUNDS))
-    return statistics.median(times[a]), statistics.median(times[b])
-
-
-def _per_call(fn, budget_s: float) -> float:
-    calls, start = 0, time.perf_counter()
-    while True:
-        mx.eval(fn())
-        calls += 1
-        elapsed = time.perf_counter() - start
-        if elapsed >= budget_s:
-            return elapsed / calls
 
 
 def format_rows(rows: list[dict]) -> str:

@@ -4,9 +4,9 @@ No machine of ours is a Mac, so the first numbers from one come from a
 user running this: paged kernel decode against SDPA (1k/4k/16k context,
 batch 1 and 8), the SSD tier's read against a raw read, warm/cold TTFT,
 decode and peak memory against mlx-lm, with the machine described (chip,
-memory, OS, MLX and mlx-lm versions, the attention path and its
-self-check). It writes FILE.json and FILE.md. On Linux the same suites run
-on the CPU path.
+memory, OS, MLX and mlx-lm versions, the attention path, its self-check
+and the speed gate's timings and choice per (batch, context) bucket). It
+writes FILE.json and FILE.md. On Linux the same suites run on the CPU path.
 """
 
 from __future__ import annotations
@@ -123,12 +123,7 @@ def markdown(report: dict) -> str:
     lines = [f"# mlxkv report, {report['date']}", "", "| machine | |", "|---|---|"]
     lines += [f"| {key} | {m[key]} |" for key in ("chip", "memory_gib", "os", "macos", "mlx", "mlx_lm", "mlxkv")]
     lines.append(f"| attention | {m['attention']['path']} ({m['attention']['why']}) |")
-    lines += ["", "## Paged kernel decode / SDPA", "", "| context | batch | path | paged ms | SDPA ms | ratio | goal |",
-              "|---|---|---|---|---|---|---|"]
-    for r in report["suites"]["kernels"]:
-        goal = f"<= {r['goal']}" if r["goal"] else "-"
-        lines.append(f"| {r['context']} | {r['batch']} | {r['path']} | {r['paged_ms']:.3f} | {r['sdpa_ms']:.3f} "
-                     f"| {r['ratio']:.3f}x | {goal} |")
+    lines += _kernel_lines(report)
     for name in ("tiers", "engine", "memory"):
         lines += ["", f"## {name}", "", "| case | ours | baseline | against | ratio | goal | met |",
                   "|---|---|---|---|---|---|---|"]
@@ -136,3 +131,28 @@ def markdown(report: dict) -> str:
             lines.append(f"| {r['name']} | {r['ours']:.4g} {r['unit']} | {r['baseline']:.4g} {r['unit']} "
                          f"| {r['baseline_name']} | {r['ratio']:.3f}x | {r['goal']} | {'yes' if r['met'] else 'NO'} |")
     return "\n".join(lines) + "\n"
+
+
+def _kernel_lines(report: dict) -> list[str]:
+    """Kernel decode against SDPA, and the speed gate's timings and choice (on Metal under auto)."""
+    rows = report["suites"]["kernels"]
+    lines = ["", "## Paged kernel decode / SDPA", "", "| context | batch | path | paged ms | SDPA ms | ratio | goal |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        goal = f"<= {r['goal']}" if r["goal"] else "-"
+        lines.append(f"| {r['context']} | {r['batch']} | {r['path']} | {r['paged_ms']:.3f} | {r['sdpa_ms']:.3f} "
+                     f"| {r['ratio']:.3f}x | {goal} |")
+    judged = [r for r in rows if r["goal"]]
+    if judged:
+        worst = max(r["ratio"] for r in judged)
+        lines += ["", f"Worst kernel/SDPA ratio {worst:.3f}x: the goal (<= {judged[0]['goal']}x) is "
+                      f"{'met' if worst <= judged[0]['goal'] else 'NOT met'}."]
+    gate = report["machine"]["attention"].get("gate")
+    lines += ["", "## Speed gate (attention=auto)", ""]
+    if not gate:
+        return lines + [f"Not run: {report['machine']['attention']['why']}."]
+    lines += ["| batch | context | kernels ms | reference ms | kernels / reference | decodes on |", "|---|---|---|---|---|---|"]
+    for b in gate:
+        lines.append(f"| {b['batch']} | {b['context']} | {b['kernel_ms']:.3f} | {b['reference_ms']:.3f} "
+                     f"| {b['kernel_ms'] / b['reference_ms']:.3f}x | {b['path']} |")
+    return lines

@@ -69,7 +69,7 @@ class Engine:
         lay = self.kv_layout
         self.attention = choose_attention(cache.attention, lay.dtype, lay.head_dim, lay.v_head_dim, lay.block_size,
                                           loaded.config.get("num_attention_heads", lay.n_kv_heads), lay.n_kv_heads)
-        self.runner = ModelRunner(self.model, self.kv_pool, self.cache, self.attention.path)
+        self.runner = ModelRunner(self.model, self.kv_pool, self.cache, self.attention)
         model_bytes = sum(v.nbytes for _, v in tree_flatten(self.model.parameters()))
         self.loop = BatchLoop(self.cache, self.runner, self.tokenizer.eos_token_ids, prefill_chunk, max_running,
                               WiredLimit(model_bytes, device))

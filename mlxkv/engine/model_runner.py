@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from mlxkv.attention.dispatch import route_model_attention
+from mlxkv.attention.dispatch import AttentionChoice, route_model_attention
 from mlxkv.attention.mirror import KVMirror
 from mlxkv.attention.paged_cache import GroupTables, PagedBatch, PagedKVCache
 from mlxkv.attention.shared_prefix import SharedPrefix, shared_blocks
@@ -35,11 +35,11 @@ class StepOutput:
 
 
 class ModelRunner:
-    def __init__(self, model, kv_pool: KVPool, cache: KVCacheCoordinator, attention: str = "reference"):
+    def __init__(self, model, kv_pool: KVPool, cache: KVCacheCoordinator, attention: AttentionChoice | None = None):
         self.model = model
         self.kv_pool = kv_pool
         self.cache = cache
-        self.attention = attention
+        self.attention = attention or AttentionChoice("reference")  # path_for: each step's path
         self.group_layout = cache.group_layout
         self.num_slots = self.group_layout.num_slots  # cache slots of the model (its make_cache() length)
         # (group, page layer) of each attention cache slot.
@@ -50,8 +50,8 @@ class ModelRunner:
         self._prefix: SharedPrefix | None = None
         self._routed = route_model_attention(model)
 
-    def _mirror_for(self, seqs: list[Sequence], mirror: bool) -> KVMirror | None:
-        if len(seqs) != 1 or self.attention != "reference":
+    def _mirror_for(self, seqs: list[Sequence], mirror: bool, path: str) -> KVMirror | None:
+        if len(seqs) != 1 or path != "reference":
             # A sequence decoding in a batch reads the pool; a copy would go stale.
             for s in seqs:
                 self._mirrors.pop(s.request_id, None)
@@ -63,7 +63,7 @@ class ModelRunner:
             self._mirrors[key] = KVMirror(self.num_slots)
         return self._mirrors[key]
 
-    def _prefix_for(self, seqs: list[Sequence], tables: list, num_new: int) -> SharedPrefix | None:
+    def _prefix_for(self, seqs: list[Sequence], tables: list, num_new: int, path: str) -> SharedPrefix | None:
         """The shared prefix for cascade attention, or None.
 
         A batched decode step (B >= 2, one token each) updates the copy or
@@ -73,7 +73,7 @@ class ModelRunner:
         """
         if len(seqs) < 2 or num_new != 1:
             return None
-        cascade = self.attention == "reference" and self._routed and self.group_layout.is_plain
+        cascade = path == "reference" and self._routed and self.group_layout.is_plain
         limit = min(s.num_computed for s in seqs)
         blocks = shared_blocks([t[0] for t in tables], limit, self.kv_pool.layout.block_size) if cascade else []
         if not blocks:
@@ -115,12 +115,13 @@ class ModelRunner:
         """
         num_new = tokens.shape[1]
         offsets = [s.num_computed for s in seqs]
+        path = self.attention.path_for(len(seqs), max(offsets) + num_new)
         bs = self.kv_pool.layout.block_size
         tables = [self.cache.tables(s) for s in seqs]
         groups = tuple(self._group_tables([t[g.index] for t in tables], g.window, offsets, num_new, bs)
                        for g in self.group_layout.groups)
-        batch = PagedBatch.of_groups(groups, offsets, num_new, bs, self.attention,
-                                     self._mirror_for(seqs, mirror), self._prefix_for(seqs, tables, num_new))
+        batch = PagedBatch.of_groups(groups, offsets, num_new, bs, path, self._mirror_for(seqs, mirror, path),
+                                     self._prefix_for(seqs, tables, num_new, path))
         caches: list = [None] * self.num_slots
         for slot, (g, j) in self._places.items():
             caches[slot] = PagedKVCache(self.kv_pool, j, batch, g, slot)

@@ -7,7 +7,6 @@ compiles the exact source MLX generates and executes it on the CPU.
 
 from __future__ import annotations
 
-import itertools
 import re
 from pathlib import Path
 
@@ -21,23 +20,32 @@ from mlxkv.errors import MlxkvError
 from mlxkv.cache.kv_pool import KVLayout, KVPool
 from mlxkv.attention.paged_cache import PagedBatch, PagedKVCache
 from msl.harness import SKIP_REASON, clang_available, generated_source, shared_harness
-from msl.paged import assert_close, instantiation_launches, make_case, oracle, reference
+from msl.paged import (assert_close, decode_instantiations, instantiation_id, instantiation_launches, make_case,
+                       oracle, reference)
 
-INSTANTIATIONS = list(itertools.product(kernels.DTYPES, kernels.HEAD_DIMS, kernels.GROUP_SIZES))
+INSTANTIATIONS = decode_instantiations()
+# Each dtype, head dim, group size and block size at least once, in the fast
+# run; every combination in the full one.
+SAMPLE = {(mx.float16, 128, 4, 16), (mx.bfloat16, 64, 8, 32), (mx.float32, 80, 1, 16), (mx.float16, 96, 2, 32),
+          (mx.bfloat16, 256, 1, 16)}
 
 
 @pytest.fixture(scope="module")
 def device():
-    """None on Metal (kernels run on the GPU), else the harness, every
-    instantiation compiled up front on all cores."""
+    """None on Metal (kernels run on the GPU), else the harness."""
     if mx.metal.is_available():
         return None
     if not clang_available():
         pytest.skip(SKIP_REASON)
-    harness = shared_harness()
-    launches = instantiation_launches().values()
-    harness.build_many([(harness.translation_unit(launch), None) for launch in launches])
-    return harness
+    return shared_harness()
+
+
+@pytest.fixture(scope="module")
+def all_built(device):
+    """Every instantiation compiled up front, on all cores (the full run needs them all)."""
+    if device is not None:
+        launches = instantiation_launches().values()
+        device.build_many([(device.translation_unit(launch), None) for launch in launches])
 
 
 @pytest.fixture
@@ -64,11 +72,12 @@ def check(case, partition=None):
 # ---- through the kernels ----------------------------------------------------------
 
 
-@pytest.mark.parametrize("dtype,head_dim,group", INSTANTIATIONS,
-                         ids=[f"{d}-d{h}-g{g}".replace("mlx.core.", "") for d, h, g in INSTANTIATIONS])
-def test_every_instantiation(on_device, dtype, head_dim, group):
+@pytest.mark.parametrize("dtype,head_dim,group,block_size", [
+    pytest.param(*i, id=instantiation_id(*i), marks=() if i in SAMPLE else pytest.mark.slow) for i in INSTANTIATIONS])
+def test_every_instantiation(request, on_device, dtype, head_dim, group, block_size):
+    if (dtype, head_dim, group, block_size) not in SAMPLE:
+        request.getfixturevalue("all_built")
     # A partial last block and exactly one block, in one batch.
-    block_size = kernels.BLOCK_SIZES[(head_dim // 16 + group) % 2]
     case = make_case(dtype, head_dim, group, n_kv_heads=2, block_size=block_size,
                      context_lens=(block_size + 5, block_size), seed=head_dim + group)
     check(case, partition=0)
@@ -88,7 +97,7 @@ def test_sliding_windows_and_sinks(on_device, window, sinks, partition):
     # mid-block, several blocks, and longer than some rows (all visible);
     # rows shorter and longer than the window in one batch.
     case = make_case(mx.float16, 64, 2, n_kv_heads=2, block_size=16,
-                     context_lens=(1, 7, 16, 35, 600), seed=window, window=window, sinks=sinks)
+                     context_lens=(1, 7, 16, 35, 330), seed=window, window=window, sinks=sinks)
     check(case, partition=partition)
 
 
@@ -100,11 +109,13 @@ def test_sinks_weigh_in():
 
 
 @pytest.mark.parametrize("block_size", kernels.BLOCK_SIZES)
-@pytest.mark.parametrize("context", [1, "block", "block+5", 256, 257, 600])
+@pytest.mark.parametrize("context", [1, "tile", "tile+1", "block", "block+5", 600])
 def test_context_lengths(on_device, block_size, context):
-    # One pass over 1 token, exactly one block, a partial last block, one
-    # whole tile, and more tiles than one (online softmax across tiles).
-    n = {"block": block_size, "block+5": block_size + 5}.get(context, context)
+    # One pass over 1 token, one tile (a token per simdgroup), a simdgroup
+    # with a second token (its online softmax rescales), exactly one block,
+    # a partial last block, and many tokens per simdgroup.
+    tile = kernels.SIMDGROUPS
+    n = {"tile": tile, "tile+1": tile + 1, "block": block_size, "block+5": block_size + 5}.get(context, context)
     case = make_case(mx.float16, 128, 4, n_kv_heads=1, block_size=block_size,
                      context_lens=(n,), seed=n)
     check(case, partition=0)
@@ -117,7 +128,7 @@ def test_partitions(on_device, dtype, partition, head_dim):
     # later partitions empty; head dims 80 and 96 make the reduce's edge
     # threadgroups partial.
     case = make_case(dtype, head_dim, 2, n_kv_heads=1, block_size=16,
-                     context_lens=(1100, 257, 1), seed=partition)
+                     context_lens=(700, 257, 1), seed=partition)
     check(case, partition=partition)
 
 
@@ -133,7 +144,7 @@ def test_gqa_factors(on_device, group):
     # 3, 6 and 7 run on the instantiations for 4 and 8. 300 tokens on a
     # small grid: the automatic choice splits into partitions.
     case = make_case(mx.float16, 64, group, n_kv_heads=2, context_lens=(40, 300), seed=group)
-    assert kernels.partition_size(2, 2, 300) == 256
+    assert kernels.partition_size(2, 2, 300) == 75
     check(case)
 
 
@@ -175,11 +186,12 @@ def test_paged_attention_runs_decode_on_the_kernels(on_device):
 
 def test_every_instantiation_the_engine_can_dispatch_is_tested():
     dispatchable = {
-        (dtype, d, kernels.group_size_for(g))
+        (dtype, d, kernels.group_size_for(g), bs)
         for dtype in (mx.float16, mx.bfloat16, mx.float32, mx.int8)
         for d in range(1, 513)
         for g in range(1, 17)
-        if kernels.supports(dtype, d, d, 16, g)
+        for bs in range(1, 65)
+        if kernels.supports(dtype, d, d, bs, g)
     }
     assert dispatchable == set(INSTANTIATIONS)
 
@@ -193,11 +205,18 @@ def test_supported_shapes():
     assert [kernels.group_size_for(g) for g in range(1, 10)] == [1, 2, 4, 4, 8, 8, 8, 8, None]
 
 
-def test_partitions_only_for_long_sequences_on_a_small_grid():
-    assert kernels.partition_size(1, 8, 256) == 0  # one partition's worth
-    assert kernels.partition_size(1, 8, 1024) == 256
-    assert kernels.partition_size(1, 8, 16384) == 512
-    assert kernels.partition_size(16, 8, 16384) == 0  # grid already large
+def test_partitions_fill_the_grid():
+    # Llama-3-8B (8 kv heads): 64 simdgroups a partition at batch 1, so up to
+    # 16 partitions; 8 at batch 8 is 2; from batch 16 the grid is full.
+    assert kernels.partition_size(1, 8, 16384) == 1024  # 16 partitions
+    assert kernels.partition_size(1, 8, 512) == 64  # 8: none under 64 tokens
+    assert kernels.partition_size(1, 8, 127) == 0  # not two partitions' worth
+    assert kernels.partition_size(8, 8, 4096) == 2048
+    assert kernels.partition_size(16, 8, 16384) == 0
+    for batch, context in [(1, 200), (1, 999), (3, 5000), (2, 70000)]:
+        tokens = kernels.partition_size(batch, 8, context)
+        n_parts = -(-context // tokens)
+        assert tokens >= kernels.MIN_PART_TOKENS and batch * 8 * n_parts * kernels.SIMDGROUPS <= 2048
 
 
 def test_signature_is_the_same_for_every_call():

@@ -8,6 +8,8 @@ to "kernel" and every kernel launch executed by the MSL harness on the CPU
 
 from __future__ import annotations
 
+import dataclasses
+
 import mlxkv  # noqa: F401  (before mlx)
 import mlx.core as mx
 import mlx_lm
@@ -91,4 +93,26 @@ def test_sliding_window_layers_decode_on_the_kernel(tmp_path, kernel_attention, 
     windowed = [launch for launch in kernel_attention if any(int(s) for s in launch.inputs[5].tolist())]
     assert windowed, "no decode step ran with a window start"
     if family_name == "gpt_oss":
-        assert all(int(launch.inputs[-1].tolist()[7]) == 1 for launch in kernel_attention)  # has_sinks
+        assert all(int(launch.inputs[-1].tolist()[6]) == 1 for launch in kernel_attention)  # has_sinks
+
+
+def test_under_the_speed_gate_each_step_takes_its_buckets_path(family, kernel_attention, monkeypatch):
+    """A gate that found the kernels slower at batch 1 and faster at batch 8: a lone request decodes on
+    the reference path (its mirror), a batch of four on the kernels; tokens equal mlx-lm's either way."""
+    from mlxkv.attention.speed_gate import Bucket, SpeedGate
+    from mlxkv.engine import engine as engine_module
+
+    gate = SpeedGate(tuple(Bucket(b, c, 2.0 if b == 1 else 0.5, 1.0) for b in (1, 8) for c in (512, 4096, 16384)))
+    checked = engine_module.choose_attention
+    monkeypatch.setattr(engine_module, "choose_attention",
+                        lambda *shape: dataclasses.replace(checked(*shape), gate=gate))
+    _, path, model, tokenizer = family
+    engine = Engine.load(path, CacheConfig(block_size=16, num_blocks=64, memory_tier_bytes=0))
+    prompt = [(3 * i + 1) % 200 + 3 for i in range(30)]
+    alone = engine.generate(prompt, max_tokens=5)
+    assert alone.tokens == [r.token for r in stream_generate(model, tokenizer, prompt, max_tokens=5)]
+    assert kernel_attention == []  # batch 1: the reference path
+    prompts = [prompt[: 20 + 3 * i] for i in range(4)]
+    for p, result in zip(prompts, engine.generate_batch(prompts, max_tokens=5)):
+        assert result.tokens == [r.token for r in stream_generate(model, tokenizer, p, max_tokens=5)]
+    assert {launch.grid[2] for launch in kernel_attention} >= {4}

@@ -58,14 +58,17 @@ def test_out_of_range_block_id_is_caught_by_address_sanitizer(harness):
         harness.run(decode(case), sanitizer="address")
 
 
-def test_missing_barrier_is_caught_by_thread_sanitizer(harness):
+@pytest.mark.parametrize("barrier", [
+    "  threadgroup_barrier(mem_flags::mem_threadgroup);  // maxima and sums visible\n",
+    "      threadgroup_barrier(mem_flags::mem_threadgroup);  // this head's rows visible\n",
+    "      threadgroup_barrier(mem_flags::mem_threadgroup);  // o_s free for the next head\n",
+], ids=["maxima-and-sums", "rows", "next-head"])
+def test_missing_barrier_is_caught_by_thread_sanitizer(harness, barrier):
     case = make_case(mx.float32, 64, 2, n_kv_heads=1, context_lens=(40,))
     launch = decode(case)
     harness.run(launch, sanitizer="thread")  # no race as shipped
-    broken = planted("    threadgroup_barrier(mem_flags::mem_threadgroup);  "
-                     "// probabilities and sums visible\n")
     with pytest.raises(HarnessError, match="ThreadSanitizer: data race"):
-        harness.run(decode(case, decode_kernel=broken), sanitizer="thread")
+        harness.run(decode(case, decode_kernel=planted(barrier)), sanitizer="thread")
 
 
 # ---- the runtime's own checks -------------------------------------------------------
@@ -110,12 +113,13 @@ def test_threadgroup_memory_over_32_kb_is_caught(harness):
 
 def test_arithmetic_bug_fails_the_comparison(harness):
     # Forget to rescale the accumulators when the running maximum grows:
-    # right on the first tile, wrong from the second.
+    # right on a simdgroup's first token, wrong from its second.
     case = make_case(mx.float32, 64, 2, n_kv_heads=1, context_lens=(600,), seed=5)
     expected = oracle(case).reshape(1, 2, 64)
     (good, _) = harness.run(decode(case))
     assert_close(good, expected, mx.float32)
-    (bad, _) = harness.run(decode(case, decode_kernel=planted("        acc[g][e] *= correction;\n")))
+    forgot = planted("o[g][e] = o[g][e] * correction + p * v[e];", "o[g][e] = o[g][e] + p * v[e];")
+    (bad, _) = harness.run(decode(case, decode_kernel=forgot))
     with pytest.raises(AssertionError):
         assert_close(bad, expected, mx.float32)
 
@@ -123,8 +127,9 @@ def test_arithmetic_bug_fails_the_comparison(harness):
 @pytest.mark.parametrize(("old", "new"), [
     ("window_starts[seq] + part * part_tokens", "part * part_tokens"),  # the window ignored
     ("sinks[head0 + g]", "0.0f"),  # sinks read as zero
-    ("has_sinks && part == 0", "has_sinks"),  # a sink counted once per partition
-], ids=["window", "sinks", "sink-per-partition"])
+    ("has_sinks && part == 0 && sg == 0", "has_sinks && sg == 0"),  # a sink counted once per partition
+    ("has_sinks && part == 0 && sg == 0", "has_sinks && part == 0"),  # ... once per simdgroup
+], ids=["window", "sinks", "sink-per-partition", "sink-per-simdgroup"])
 def test_window_and_sink_bugs_fail_the_comparison(harness, old, new):
     case = make_case(mx.float32, 64, 2, n_kv_heads=1, context_lens=(600,), seed=6, window=300, sinks=True)
     expected = oracle(case).reshape(1, 2, 64)

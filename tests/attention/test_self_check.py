@@ -1,14 +1,17 @@
 """The kernels check themselves before serving a model: a kernel that fails to build,
-fails to run or disagrees with the reference path sends decode to the reference path
-with one warning line, and no request fails. The check's runner is injected here: the
-MSL harness runs the real kernels on the CPU, and stand-ins fail or lie."""
+fails to run or disagrees with the float64 oracle on any path sends decode to the
+reference path with one warning line, and no request fails. The check's runner is
+injected here: the MSL harness runs the real kernels on the CPU, and stand-ins fail or
+lie, each about one path only."""
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import mlxkv  # noqa: F401  (before mlx)
 import mlx.core as mx
+import numpy as np
 import pytest
 
 from mlxkv.attention import kernels, self_check
@@ -35,6 +38,61 @@ def lying(launch):
     return [out + 0.05 if out.ndim > 1 else out for out in harness_run()(launch)]
 
 
+def is_decode(launch) -> bool:
+    return launch.kernel is kernels.kernel("paged_decode")
+
+
+def wrong_second_tile(launch):
+    """The real kernels, except that each threadgroup reads its second tile's V wrong: a
+    kernel that is right only while a threadgroup has one tile (a token per simdgroup)."""
+    if not is_decode(launch):
+        return harness_run()(launch)
+    _, _, v_pool, tables, lens, starts, _, _, params = launch.inputs
+    part_tokens, n_parts = params.tolist()[4:6]
+    block_size, tile = v_pool.shape[2], kernels.SIMDGROUPS
+    v = np.array(v_pool.astype(mx.float32))
+    for row, (table, n, start) in enumerate(zip(tables.tolist(), lens.tolist(), starts.tolist())):
+        if row >= launch.grid[2]:
+            break  # the padding of the small inputs
+        for part in range(n_parts):
+            first = start + part * part_tokens
+            for t in range(first + tile, min(first + 2 * tile, first + part_tokens, n)):
+                v[table[t // block_size], :, t % block_size] += 1.0
+    inputs = list(launch.inputs)
+    inputs[2] = mx.array(v).astype(v_pool.dtype)
+    return harness_run()(dataclasses.replace(launch, inputs=tuple(inputs)))
+
+
+def wrong_single_pass(launch):
+    """Right when partitioned, off when one pass writes the output."""
+    out, partials = harness_run()(launch) if is_decode(launch) else (None, None)
+    if out is None:
+        return harness_run()(launch)
+    return [out + 0.05, partials] if partials.ndim == 1 else [out, partials]
+
+
+def wrong_reduce(launch):
+    """Right in one pass, off when the reduce merges the partitions."""
+    outs = harness_run()(launch)
+    return outs if is_decode(launch) else [outs[0] * 1.01]
+
+
+class Fault:
+    """What a failed command buffer looks like: MLX raises it at the next wait."""
+
+    ndim = 1
+
+    def reshape(self, *shape):
+        return self
+
+    def astype(self, dtype):
+        raise RuntimeError("[METAL] Command buffer execution failed: Caused GPU Timeout Error")
+
+
+def faulting(launch):
+    return [Fault(), Fault()]
+
+
 @pytest.mark.parametrize(("dtype", "head_dim", "block_size", "heads"), [
     (mx.float32, 64, 16, (4, 2)), (mx.float16, 128, 32, (8, 2)), (mx.bfloat16, 64, 16, (6, 1)),
 ])
@@ -45,8 +103,12 @@ def test_the_real_kernels_pass_their_check(dtype, head_dim, block_size, heads):
 
 @pytest.mark.parametrize(("run", "says"), [
     (broken_compiler, "RuntimeError: Unable to build metal library from source"),
-    (lying, "differs from the reference path"),
-])
+    (faulting, "RuntimeError: [METAL] Command buffer execution failed"),
+    (lying, "single pass: differs from the float64 oracle"),
+    (wrong_second_tile, "single pass: differs from the float64 oracle"),
+    (wrong_single_pass, "single pass: differs from the float64 oracle"),
+    (wrong_reduce, "partitioned: differs from the float64 oracle"),
+], ids=["compile", "gpu-fault", "lying", "second-tile", "single-pass", "reduce"])
 def test_a_kernel_that_fails_its_check_sends_decode_to_the_reference_path(run, says):
     with pytest.warns(KernelCheckWarning) as caught:
         choice = choose_attention("kernel", mx.float16, 64, 64, 16, 4, 2, run=run)
@@ -89,6 +151,7 @@ def test_an_engine_whose_kernels_fail_their_check_still_serves_every_request(tmp
     assert attention["path"] == "reference" and "Unable to build" in attention["check"]["reason"]
 
 
+@pytest.mark.slow  # the self-check of Llama-3-8B's shape, in the harness
 def test_doctor_reports_the_kernel_path_and_its_check(monkeypatch):
     from mlxkv.attention.doctor import attention_lines, attention_report
 

@@ -214,5 +214,5 @@ def test_doctor_json_names_the_attention_path():
     report = json.loads(out.stdout)
     assert {"platform", "mlx_version", "metal_available", "mlx_blas", "attention"} <= report.keys()
     if not report["metal_available"]:
-        assert report["attention"] == {"path": "reference", "check": None,
+        assert report["attention"] == {"path": "reference", "check": None, "gate": None,
                                        "why": "no Metal GPU: decode runs on the pure-MLX reference path"}

@@ -55,6 +55,10 @@ _SANITIZER_FLAGS = {
     "address": ["-fsanitize=address", "-fno-omit-frame-pointer", "-g"],
     "thread": ["-fsanitize=thread", "-g"],
 }
+# Load tracing (efficiency.py): the kernel, not the runtime, calls
+# __sanitizer_cov_load* before each load; the counters are only there
+# because clang wants some coverage kind beside trace-loads.
+_TRACE_FLAGS = ["-fsanitize-coverage=inline-8bit-counters,trace-loads"]
 _SANITIZER_ENV = {
     "ASAN_OPTIONS": "detect_leaks=0:exitcode=23",
     "TSAN_OPTIONS": "halt_on_error=1:exitcode=66:report_signal_unsafe=0",
@@ -69,6 +73,9 @@ _BUILTINS = (
     "quadgroup_index_in_threadgroup", "thread_index_in_quadgroup",
 )
 _RAW = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32, 8: mx.uint64}
+# runtime.cpp's TraceRecord
+TRACE_RECORD = np.dtype([("group", "<u4"), ("thread", "<u2"), ("buffer", "u1"), ("size", "u1"),
+                         ("epoch", "<u4"), ("site", "<u4"), ("offset", "<u8")])
 
 
 class HarnessError(RuntimeError):
@@ -263,10 +270,12 @@ class Harness:
         self._compile(out, [*flags, "-c", str(HERE / "runtime.cpp")])
         return out
 
-    def build(self, tu: str, sanitizer: str | None = None) -> Path:
-        """The executable for translation unit `tu`, compiled on first use."""
+    def build(self, tu: str, sanitizer: str | None = None, traced: bool = False) -> Path:
+        """The executable for translation unit `tu`, compiled on first use;
+        `traced`: its loads reported to the runtime (see runtime.cpp)."""
         flags = _FLAGS + _SANITIZER_FLAGS[sanitizer]
-        exe = self.cache_dir / f"kernel-{self._key(tu, *flags)}"
+        kernel_flags = flags + (_TRACE_FLAGS if traced else [])
+        exe = self.cache_dir / f"kernel-{self._key(tu, *kernel_flags)}"
         if exe.exists():
             return exe
         runtime = self._runtime_object(sanitizer)
@@ -276,7 +285,7 @@ class Harness:
             tmp.write_text(tu)
             os.replace(tmp, src)
         # compiler-rt: float -> bfloat conversions (__truncsfbf2) live there.
-        self._compile(exe, [*flags, f"-I{HERE}", str(src), str(runtime),
+        self._compile(exe, [*kernel_flags, f"-I{HERE}", str(src), str(runtime),
                             "-rtlib=compiler-rt", "-unwindlib=libgcc"])
         return exe
 
@@ -311,7 +320,20 @@ class Harness:
     def run(self, launch, sanitizer: str | None = None, tu: str | None = None) -> list[mx.array]:
         """Execute `launch` on the CPU; its outputs as MLX arrays."""
         src = self.source(launch)
-        exe = self.build(tu or translate(src), sanitizer)
+        return self._execute(launch, src, self.build(tu or translate(src), sanitizer), {})
+
+    def trace(self, launch, buffers: tuple[int, ...]) -> tuple[list[mx.array], np.ndarray]:
+        """Execute `launch` with its loads from input `buffers` (indices) recorded:
+        the outputs, and one TRACE_RECORD per load in no particular order."""
+        src = self.source(launch)
+        exe = self.build(translate(src), traced=True)
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / "loads"
+            env = {"MLXKV_MSL_TRACE": str(path), "MLXKV_MSL_TRACE_BUFFERS": ",".join(map(str, buffers))}
+            outs = self._execute(launch, src, exe, env)
+            return outs, np.fromfile(path, dtype=TRACE_RECORD)
+
+    def _execute(self, launch, src: Source, exe: Path, extra_env: dict) -> list[mx.array]:
         n_in = len(launch.inputs)
         buffer_params = sorted((p for p in src.params if p.attribute == "buffer"),
                                key=lambda p: p.index)
@@ -324,7 +346,7 @@ class Harness:
                                        n_in + len(out_sizes))
         header += b"".join(struct.pack("<QI", len(b), 0) for b in ins)
         header += b"".join(struct.pack("<QI", n, 1) for n in out_sizes)
-        env = dict(os.environ, **_SANITIZER_ENV)
+        env = dict(os.environ, **_SANITIZER_ENV, **extra_env)
         done = subprocess.run([str(exe)], input=header + b"".join(ins), capture_output=True,
                               env=env, timeout=600)
         if done.returncode != 0:

@@ -10,13 +10,14 @@ the same (already rounded) inputs.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import mlxkv  # noqa: F401  (before mlx)
 import mlx.core as mx
 import numpy as np
 
-from mlxkv.attention import dispatch as attention
+from mlxkv.attention import dispatch as attention, self_check
 from mlxkv.cache.kv_pool import KVLayout, KVPool
 from mlxkv.attention.paged_cache import GroupTables, PagedBatch, PagedKVCache
 
@@ -58,7 +59,8 @@ class Case:
 
     @property
     def block_tables(self) -> mx.array:
-        return self.batch().block_tables
+        """As the engine hands them to the kernels."""
+        return self.batch().groups[0].kernel_tables
 
 
 def make_case(dtype=mx.float32, head_dim: int = 64, group: int = 2, n_kv_heads: int = 2,
@@ -95,27 +97,12 @@ def _f64(x: mx.array) -> np.ndarray:
 
 
 def oracle(case: Case) -> np.ndarray:
-    """Softmax attention in float64 from the rounded inputs: [B, Hq, 1, D].
-
-    A window keeps the row's last `window` tokens; a sink is one more logit
-    in the softmax, with no value.
-    """
-    q, k, v = _f64(case.queries), _f64(case.k_pool), _f64(case.v_pool)
-    B, H, _, D = q.shape
-    n_kv = k.shape[1]
-    sinks = None if case.sinks is None else _f64(case.sinks)
-    out = np.zeros((B, H, 1, D))
-    for b, (table, n, lo) in enumerate(zip(case.tables, case.context_lens, case.window_starts)):
-        keys = k[table].transpose(1, 0, 2, 3).reshape(n_kv, -1, D)[:, lo:n]
-        values = v[table].transpose(1, 0, 2, 3).reshape(n_kv, -1, D)[:, lo:n]
-        for h in range(H):
-            kv = h // (H // n_kv)
-            s = keys[kv] @ q[b, h, 0] * case.scale
-            top = s.max() if sinks is None else max(s.max(), sinks[h])
-            p = np.exp(s - top)
-            total = p.sum() + (0.0 if sinks is None else np.exp(sinks[h] - top))
-            out[b, h, 0] = p @ values[kv] / total
-    return out
+    """Softmax attention in float64 from the rounded inputs: [B, Hq, 1, D] (the
+    self-check's oracle: a window keeps the row's last `window` tokens; a sink is one
+    more logit in the softmax, with no value)."""
+    out, _ = self_check.oracle(case.queries, case.k_pool, case.v_pool, case.tables, case.context_lens,
+                               case.scale, case.window_starts, case.sinks)
+    return out[:, :, None, :]
 
 
 def reference(case: Case) -> mx.array:
@@ -144,21 +131,30 @@ def assert_close(actual, expected, dtype, what: str = "") -> None:
 def instantiation_launches() -> dict[tuple, object]:
     """One launch per kernel instantiation the engine can dispatch, by template.
 
-    Block size, lengths and batch are runtime values, so a tiny case per
-    (dtype, head dim, group size) stands for every call of that instantiation.
+    Lengths and batch are runtime values, so a tiny case per (dtype, head
+    dim, group size, block size) stands for every call of that instantiation.
     """
     from mlxkv.attention import kernels
 
     launches = {}
+    for dtype, head_dim, group, block_size in decode_instantiations():
+        c = make_case(dtype, head_dim, group, n_kv_heads=1, block_size=block_size, context_lens=(1,))
+        B, H, _, D = c.queries.shape
+        launch = kernels.decode_launch(c.queries.reshape(B, H, D), c.k_pool, c.v_pool,
+                                       c.block_tables, c.context_lens, c.scale)
+        launches[("paged_decode", dtype, head_dim, group, block_size)] = launch
     for dtype in kernels.DTYPES:
-        for head_dim in kernels.HEAD_DIMS:
-            for group in kernels.GROUP_SIZES:
-                c = make_case(dtype, head_dim, group, n_kv_heads=1, context_lens=(1,))
-                B, H, _, D = c.queries.shape
-                launch = kernels.decode_launch(c.queries.reshape(B, H, D), c.k_pool, c.v_pool,
-                                               c.block_tables, c.context_lens, c.scale)
-                launches[("paged_decode", dtype, head_dim, group)] = launch
         partials = mx.zeros((1, 1, 2, 66), mx.float32)
         launches[("paged_reduce", dtype)] = kernels.reduce_launch(partials, dtype)
     return launches
 
+
+def decode_instantiations() -> list[tuple]:
+    """(dtype, head dim, group size, block size) of every decode instantiation."""
+    from mlxkv.attention import kernels
+
+    return list(itertools.product(kernels.DTYPES, kernels.HEAD_DIMS, kernels.GROUP_SIZES, kernels.BLOCK_SIZES))
+
+
+def instantiation_id(dtype, head_dim: int, group: int, block_size: int) -> str:
+    return f"{str(dtype).removeprefix('mlx.core.')}-d{head_dim}-g{group}-b{block_size}"

@@ -14,18 +14,31 @@
 // Every buffer and threadgroup array is its own exact-size allocation, so
 // AddressSanitizer sees out-of-range reads; outputs and threadgroup memory
 // start as 0xFF bytes (NaN), so unwritten values show.
+//
+// Load tracing: a kernel compiled with -fsanitize-coverage=trace-loads calls
+// __sanitizer_cov_load* before every load. With MLXKV_MSL_TRACE=FILE and
+// MLXKV_MSL_TRACE_BUFFERS=i,j,... each load inside one of those buffers is
+// written to FILE as a TraceRecord (efficiency.py groups them into
+// simdgroup-wide loads).
 
+#include <atomic>
 #include <chrono>
+#include <climits>
 #include <condition_variable>
 #include <cstdarg>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <cstdint>
 #include <memory>
 #include <mutex>
 #include <thread>
 #include <vector>
 
+#include <linux/futex.h>
+#include <sched.h>
+#include <sys/syscall.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "msl_abi.h"
@@ -54,25 +67,42 @@ double deadlock_seconds() {
   return s ? std::atof(s) : 30.0;
 }
 
-// Wait on `cv` until `done()`; a wait this long means no thread can move.
-template <typename Done>
-void wait(std::condition_variable& cv, std::unique_lock<std::mutex>& lock, Done done,
-          const char* what) {
-  auto deadline = std::chrono::steady_clock::now() +
-                  std::chrono::duration<double>(deadlock_seconds());
-  while (!done()) {
-    if (cv.wait_until(lock, deadline) == std::cv_status::timeout && !done())
-      fail("deadlock at a %s: some threads never reach it", what);
+// Where threads wait for the rest of their threadgroup or simdgroup. The
+// last to arrive bumps `generation` (release); waiters watch it (acquire)
+// without taking the arrivals' mutex: re-taking it would order later
+// arrivals' writes before the waiter's reads, and ThreadSanitizer would miss
+// a missing barrier. They yield a few times, then sleep on a futex.
+struct Gate {
+  std::atomic<uint32_t> generation{0};
+
+  void open() {
+    generation.fetch_add(1, std::memory_order_release);
+    syscall(SYS_futex, &generation, FUTEX_WAKE_PRIVATE, INT32_MAX, nullptr, nullptr, 0);
   }
-}
+
+  // Wait for the opening after `seen`; a wait this long means no thread can move.
+  void wait(uint32_t seen, const char* what) const {
+    for (int spin = 0; spin < 8; spin++) {
+      if (generation.load(std::memory_order_acquire) != seen) return;
+      sched_yield();
+    }
+    auto deadline = std::chrono::steady_clock::now() +
+                    std::chrono::duration<double>(deadlock_seconds());
+    timespec nap{0, 50 * 1000 * 1000};
+    while (generation.load(std::memory_order_acquire) == seen) {
+      if (std::chrono::steady_clock::now() > deadline)
+        fail("deadlock at a %s: some threads never reach it", what);
+      syscall(SYS_futex, &generation, FUTEX_WAIT_PRIVATE, seen, &nap, nullptr, 0);
+    }
+  }
+};
 
 struct Simdgroup {
-  std::mutex mu;
-  std::condition_variable cv;
+  std::mutex mu;  // arrivals
+  Gate gate;
   unsigned size = 0;
   unsigned waiting = 0;
   unsigned exited = 0;
-  unsigned long generation = 0;
   unsigned site = 0;
   unsigned active = 0;
   unsigned char values[kSimdWidth][16];
@@ -83,19 +113,18 @@ struct Simdgroup {
     std::memcpy(result, values, sizeof result);
     result_active = active;
     waiting = 0;
-    generation++;
-    cv.notify_all();
+    gate.open();
   }
 };
 
 struct Group {
   unsigned position[3];
+  uint32_t index = 0;  // linear, x fastest
   unsigned size = 0;
-  std::mutex mu;
-  std::condition_variable cv;
+  std::mutex mu;  // arrivals at barriers
+  Gate gate;
   unsigned waiting = 0;
   unsigned exited = 0;
-  unsigned long generation = 0;
   unsigned site = 0;
   std::vector<std::unique_ptr<Simdgroup>> simdgroups;
   std::mutex arrays_mu;
@@ -107,16 +136,58 @@ struct Group {
   }
 };
 
+// One traced load: who (threadgroup, thread), when (the thread's count of
+// barriers and simd operations so far), where from (the load's return
+// address) and what (buffer, byte offset, size).
+struct TraceRecord {
+  uint32_t group;  // linear threadgroup index
+  uint16_t thread;
+  uint8_t buffer;
+  uint8_t size;
+  uint32_t epoch;
+  uint32_t site;
+  uint64_t offset;
+};
+static_assert(sizeof(TraceRecord) == 24, "efficiency.py reads 24-byte records");
+
+struct TracedBuffer {
+  unsigned index;
+  const char* begin;
+  const char* end;
+};
+std::vector<TracedBuffer> traced;
+std::mutex trace_mu;
+std::vector<TraceRecord> trace;
+
 struct ThreadState {
   Group* group;
   unsigned index;
   size_t next_array = 0;
+  uint32_t epoch = 0;
+  std::vector<TraceRecord> loads;
 };
 
 thread_local ThreadState* self = nullptr;
 
+void trace_load(const void* p, unsigned size, const void* site) {
+  if (self == nullptr) return;
+  const char* at = static_cast<const char*>(p);
+  for (const TracedBuffer& b : traced) {
+    if (at >= b.begin && at < b.end) {
+      self->loads.push_back({self->group->index, uint16_t(self->index), uint8_t(b.index),
+                             uint8_t(size), self->epoch, uint32_t(uintptr_t(site)),
+                             uint64_t(at - b.begin)});
+      return;
+    }
+  }
+}
+
 void leave_kernel() {
   Group& g = *self->group;
+  if (!self->loads.empty()) {
+    std::lock_guard<std::mutex> lock(trace_mu);
+    trace.insert(trace.end(), self->loads.begin(), self->loads.end());
+  }
   {
     std::lock_guard<std::mutex> lock(g.mu);
     g.exited++;
@@ -160,6 +231,42 @@ void run_thread(Group* g, unsigned index, const unsigned local[3], const unsigne
   self = nullptr;
 }
 
+// The grid's threadgroups run one at a time on one set of OS threads, as
+// many as the largest group has (starting 256 threads per group would cost
+// more than most kernels' runs).
+struct Dispatch {
+  std::mutex mu;
+  std::condition_variable cv;
+  Group* group = nullptr;  // the threadgroup now running
+  unsigned dims[3];        // its size
+  unsigned long round = 0;
+  unsigned busy = 0;  // workers not done with this round
+  bool closed = false;
+};
+
+void work(Dispatch& d, unsigned index, const unsigned grid[3], const unsigned tg[3],
+          const unsigned groups[3], void* const* buffers) {
+  for (unsigned long seen = 0;;) {
+    Group* g;
+    unsigned dims[3];
+    {
+      std::unique_lock<std::mutex> lock(d.mu);
+      d.cv.wait(lock, [&] { return d.closed || d.round != seen; });
+      if (d.closed) return;
+      seen = d.round;
+      g = d.group;
+      std::memcpy(dims, d.dims, sizeof dims);
+    }
+    if (index < g->size) {
+      unsigned local[3] = {index % dims[0], (index / dims[0]) % dims[1],
+                           index / (dims[0] * dims[1])};
+      run_thread(g, index, local, dims, grid, tg, groups, buffers);
+    }
+    std::lock_guard<std::mutex> lock(d.mu);
+    if (--d.busy == 0) d.cv.notify_all();
+  }
+}
+
 void run_grid(unsigned grid[3], unsigned tg[3], void* const* buffers) {
   unsigned groups[3];
   for (int i = 0; i < 3; i++) {
@@ -168,8 +275,13 @@ void run_grid(unsigned grid[3], unsigned tg[3], void* const* buffers) {
     if (tg[i] == 0) fail("threadgroup size 0");
     groups[i] = (grid[i] + tg[i] - 1) / tg[i];
   }
-  if (tg[0] * tg[1] * tg[2] > kMaxThreads)
-    fail("%u threads per threadgroup, over Metal's %u", tg[0] * tg[1] * tg[2], kMaxThreads);
+  const unsigned threads = tg[0] * tg[1] * tg[2];
+  if (threads > kMaxThreads) fail("%u threads per threadgroup, over Metal's %u", threads, kMaxThreads);
+  Dispatch d;
+  std::vector<std::thread> workers;
+  workers.reserve(threads);
+  for (unsigned index = 0; index < threads; index++)
+    workers.emplace_back([&d, index, grid, tg, &groups, buffers] { work(d, index, grid, tg, groups, buffers); });
   for (unsigned z = 0; z < groups[2]; z++) {
     for (unsigned y = 0; y < groups[1]; y++) {
       for (unsigned x = 0; x < groups[0]; x++) {
@@ -177,30 +289,32 @@ void run_grid(unsigned grid[3], unsigned tg[3], void* const* buffers) {
         g.position[0] = x;
         g.position[1] = y;
         g.position[2] = z;
-        unsigned dims[3];
+        g.index = (z * groups[1] + y) * groups[0] + x;
+        std::unique_lock<std::mutex> lock(d.mu);
         for (int i = 0; i < 3; i++) {
           unsigned left = grid[i] - g.position[i] * tg[i];
-          dims[i] = left < tg[i] ? left : tg[i];
+          d.dims[i] = left < tg[i] ? left : tg[i];
         }
-        g.size = dims[0] * dims[1] * dims[2];
+        g.size = d.dims[0] * d.dims[1] * d.dims[2];
         for (unsigned s = 0; s * kSimdWidth < g.size; s++) {
           g.simdgroups.emplace_back(new Simdgroup);
           unsigned left = g.size - s * kSimdWidth;
           g.simdgroups.back()->size = left < kSimdWidth ? left : kSimdWidth;
         }
-        std::vector<std::thread> threads;
-        threads.reserve(g.size);
-        for (unsigned index = 0; index < g.size; index++) {
-          unsigned local[3] = {index % dims[0], (index / dims[0]) % dims[1],
-                               index / (dims[0] * dims[1])};
-          threads.emplace_back([&g, index, local, &dims, grid, tg, &groups, buffers] {
-            run_thread(&g, index, local, dims, grid, tg, groups, buffers);
-          });
-        }
-        for (auto& t : threads) t.join();
+        d.group = &g;
+        d.busy = threads;
+        d.round++;
+        d.cv.notify_all();
+        d.cv.wait(lock, [&] { return d.busy == 0; });
       }
     }
   }
+  {
+    std::lock_guard<std::mutex> lock(d.mu);
+    d.closed = true;
+    d.cv.notify_all();
+  }
+  for (auto& t : workers) t.join();
 }
 
 void read_exact(void* dst, size_t n) {
@@ -210,6 +324,7 @@ void read_exact(void* dst, size_t n) {
 }  // namespace
 
 extern "C" void mlxkv_msl_barrier(unsigned site) {
+  self->epoch++;
   Group& g = *self->group;
   std::unique_lock<std::mutex> lock(g.mu);
   if (g.waiting == 0) {
@@ -225,16 +340,17 @@ extern "C" void mlxkv_msl_barrier(unsigned site) {
            "barrier on line %u",
            g.position[0], g.position[1], g.position[2], g.exited, line_of(site));
     g.waiting = 0;
-    g.generation++;
-    g.cv.notify_all();
+    g.gate.open();
     return;
   }
-  unsigned long generation = g.generation;
-  wait(g.cv, lock, [&] { return g.generation != generation; }, "threadgroup barrier");
+  uint32_t seen = g.gate.generation.load(std::memory_order_relaxed);
+  lock.unlock();
+  g.gate.wait(seen, "threadgroup barrier");
 }
 
 extern "C" void mlxkv_msl_simd_exchange(const void* value, unsigned size, void* lanes,
                                         unsigned* active, unsigned* lane, unsigned site) {
+  self->epoch++;
   Group& g = *self->group;
   Simdgroup& s = *g.simdgroups[self->index / kSimdWidth];
   unsigned me = self->index % kSimdWidth;
@@ -251,11 +367,12 @@ extern "C" void mlxkv_msl_simd_exchange(const void* value, unsigned size, void* 
   std::memcpy(s.values[me], value, size);
   s.active |= 1u << me;
   s.waiting++;
-  unsigned long generation = s.generation;
+  uint32_t seen = s.gate.generation.load(std::memory_order_relaxed);
   if (s.waiting + s.exited == s.size) {
     s.complete();
   } else {
-    wait(s.cv, lock, [&] { return s.generation != generation; }, "simd operation");
+    lock.unlock();
+    s.gate.wait(seen, "simd operation");
   }
   // The next operation cannot complete before this lane joins it, so the
   // result stays put until read.
@@ -282,6 +399,42 @@ extern "C" void* mlxkv_msl_tg_alloc(size_t bytes, size_t align) {
   return g.arrays[k].first;
 }
 
+#define MLXKV_TRACE_LOAD(n, type)                                \
+  extern "C" void __sanitizer_cov_load##n(type* p) {              \
+    trace_load(p, n, __builtin_return_address(0));                \
+  }
+MLXKV_TRACE_LOAD(1, uint8_t)
+MLXKV_TRACE_LOAD(2, uint16_t)
+MLXKV_TRACE_LOAD(4, uint32_t)
+MLXKV_TRACE_LOAD(8, uint64_t)
+MLXKV_TRACE_LOAD(16, __int128)
+#undef MLXKV_TRACE_LOAD
+
+namespace {
+
+void trace_buffers(void* const* buffers, const std::vector<unsigned long long>& sizes) {
+  const char* list = std::getenv("MLXKV_MSL_TRACE_BUFFERS");
+  for (const char* at = list; at && *at;) {
+    char* end;
+    unsigned long i = std::strtoul(at, &end, 10);
+    if (end == at || i >= sizes.size()) fail("bad MLXKV_MSL_TRACE_BUFFERS %s", list);
+    const char* begin = static_cast<const char*>(buffers[i]);
+    traced.push_back({unsigned(i), begin, begin + sizes[i]});
+    at = *end == ',' ? end + 1 : end;
+  }
+}
+
+void write_trace() {
+  const char* path = std::getenv("MLXKV_MSL_TRACE");
+  if (path == nullptr) return;
+  FILE* f = std::fopen(path, "wb");
+  if (f == nullptr || std::fwrite(trace.data(), sizeof(TraceRecord), trace.size(), f) != trace.size() ||
+      std::fclose(f) != 0)
+    fail("cannot write the load trace to %s", path);
+}
+
+}  // namespace
+
 int main() {
   char magic[4];
   unsigned header[7];
@@ -306,7 +459,9 @@ int main() {
       std::memset(buffers[i], 0xFF, sizes[i]);
     }
   }
+  trace_buffers(buffers.data(), sizes);
   run_grid(grid, tg, buffers.data());
+  write_trace();
   for (unsigned i = 0; i < count; i++) {
     if (kinds[i] == 1 && std::fwrite(buffers[i], 1, sizes[i], stdout) != sizes[i])
       fail("short output");

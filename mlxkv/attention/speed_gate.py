@@ -1,0 +1,194 @@
+"""The speed gate: `auto` decodes on the kernels only where they are faster.
+
+No Mac has timed the kernels for us, and where they lose to the reference
+path (SDPA, as mlx-lm runs it) a Mac user would decode slower than with
+mlx-lm. So on Metal, once the kernels passed their self-check, `auto` times
+one decode step's attention on the model's own shape both ways, in buckets
+of batch (1, 8) and context (512, 4k, 16k), about GATE_BUDGET_S in all:
+
+- kernel: the paged kernels, straight from the pool;
+- reference: what the engine runs instead. At batch 1 that is SDPA over a
+  contiguous copy (the engine's mirror, mlx-lm's own cache); at larger
+  batches the gather of the rows' blocks, then SDPA with a length mask.
+
+A step then goes to the bucket nearest its batch and longest context (on a
+log scale) and takes the faster path there. The timer is a parameter:
+`alternate` measures, tests pass canned timings.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable
+
+import mlx.core as mx
+import numpy as np
+
+from mlxkv.attention import kernels
+from mlxkv.attention.paged_cache import PagedBatch, PagedKVCache
+from mlxkv.cache.kv_pool import KVLayout, KVPool
+
+GATE_BATCHES = (1, 8)
+GATE_CONTEXTS = (512, 4096, 16384)
+GATE_BUDGET_S = 0.3  # all buckets, both paths
+ROUNDS = 3
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    """What the kernels are instantiated for: a model's attention, one layer."""
+
+    dtype: mx.Dtype
+    head_dim: int
+    block_size: int
+    n_heads: int
+    n_kv_heads: int
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """One (batch, context) bucket: milliseconds per step each way, and the path it takes."""
+
+    batch: int
+    context: int
+    kernel_ms: float
+    reference_ms: float
+
+    @property
+    def path(self) -> str:
+        return "kernel" if self.kernel_ms < self.reference_ms else "reference"
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "path": self.path}
+
+
+@dataclass(frozen=True)
+class SpeedGate:
+    buckets: tuple[Bucket, ...]
+
+    def path_for(self, batch: int, context: int) -> str:
+        """The path of the bucket nearest (log scale) to `batch` rows, the longest of `context` tokens."""
+        b = _nearest({x.batch for x in self.buckets}, batch)
+        c = _nearest({x.context for x in self.buckets}, context)
+        return next(x.path for x in self.buckets if (x.batch, x.context) == (b, c))
+
+    def as_list(self) -> list[dict]:
+        return [b.as_dict() for b in self.buckets]
+
+
+def _nearest(values: set[int], x: int) -> int:
+    return min(sorted(values), key=lambda v: abs(math.log(max(x, 1) / v)))
+
+
+@dataclass(frozen=True)
+class Trial:
+    """One side of a bucket's timing: a step to call, and what to evaluate first."""
+
+    path: str  # "kernel" or "reference"
+    batch: int
+    context: int
+    step: Callable[[], mx.array]
+    inputs: tuple[mx.array, ...] = ()
+
+
+def measure(shape: AttentionShape, run=None, timer=None, batches=GATE_BATCHES, contexts=GATE_CONTEXTS,
+            budget_s: float = GATE_BUDGET_S) -> SpeedGate:
+    """Time both paths in every bucket. `run`: what runs a kernel launch (the GPU);
+    `timer(kernel, reference, budget_s)`: seconds per step of each Trial, `budget_s` spent
+    on each (`time_trials`)."""
+    timer = timer or time_trials
+    per_trial = budget_s / (2 * len(batches) * len(contexts))
+    rng = np.random.default_rng(0)
+    buckets = []
+    for batch in batches:
+        for context in contexts:
+            case = DecodeCase(shape, context, batch, rng, distinct=False)
+            reference = Trial("reference", batch, context, case.contiguous if batch == 1 else case.paged("reference"),
+                              case.inputs(contiguous=batch == 1))
+            kernel = Trial("kernel", batch, context, case.paged("kernel", run), case.inputs())
+            kernel_s, reference_s = timer(kernel, reference, per_trial)
+            buckets.append(Bucket(batch, context, kernel_s * 1e3, reference_s * 1e3))
+            del case, kernel, reference  # one bucket's arrays at a time
+    return SpeedGate(tuple(buckets))
+
+
+def time_trials(a: Trial, b: Trial, budget_s: float, clock=time.perf_counter) -> tuple[float, float]:
+    """Seconds per step of a and b, inputs evaluated first."""
+    mx.eval(*a.inputs, *b.inputs)
+    return alternate(a.step, b.step, budget_s, clock)
+
+
+def alternate(a, b, budget_s: float, clock=time.perf_counter) -> tuple[float, float]:
+    """Median seconds per call of a() and b(), rounds alternated (AB BA AB), `budget_s` each."""
+    mx.eval(a())
+    mx.eval(b())  # warm-up: kernels compiled, buffers allocated
+    times = {a: [], b: []}
+    for r in range(ROUNDS):
+        for fn in ((a, b) if r % 2 == 0 else (b, a)):
+            times[fn].append(_per_call(fn, budget_s / ROUNDS, clock))
+    return statistics.median(times[a]), statistics.median(times[b])
+
+
+def _per_call(fn, budget_s: float, clock) -> float:
+    calls, start = 0, clock()
+    while True:
+        mx.eval(fn())
+        calls += 1
+        elapsed = clock() - start
+        if elapsed >= budget_s:
+            return elapsed / calls
+
+
+class DecodeCase:
+    """One decode step's attention of one layer: `batch` rows of `context` tokens in a pool,
+    through shuffled block tables (`distinct=False`: every row reads the same blocks, in its
+    own order, so the pool holds one row's worth)."""
+
+    def __init__(self, shape: AttentionShape, context: int, batch: int, rng, distinct: bool = True):
+        per_row = -(-context // shape.block_size)
+        n_blocks = per_row * (batch if distinct else 1)
+        layout = KVLayout(1, shape.n_kv_heads, shape.head_dim, shape.head_dim, shape.block_size, shape.dtype)
+        self.pool = KVPool(layout, n_blocks)
+        blocks = (n_blocks, shape.n_kv_heads, shape.block_size, shape.head_dim)
+        self.pool.keys[0] = mx.random.normal(blocks).astype(shape.dtype)
+        self.pool.values[0] = mx.random.normal(blocks).astype(shape.dtype)
+        order = rng.permutation(n_blocks) if distinct else None
+        tables = [[int(x) for x in (order[i * per_row:(i + 1) * per_row] if distinct else rng.permutation(per_row))]
+                  for i in range(batch)]
+        self.paged_batch = PagedBatch.build(tables, [context - 1] * batch, 1, shape.block_size, "reference")
+        self.queries = mx.random.normal((batch, shape.n_heads, 1, shape.head_dim)).astype(shape.dtype)
+        self.scale = shape.head_dim ** -0.5
+        self.context, self.batch = context, batch
+        gathered = self.pool.gather(0, self.paged_batch.block_tables)
+        self.keys, self.values = (mx.contiguous(x[:, :, :context]) for x in gathered)
+
+    def inputs(self, contiguous: bool = False) -> tuple[mx.array, ...]:
+        pools = (self.pool.keys[0], self.pool.values[0], self.queries)
+        return pools + ((self.keys, self.values) if contiguous else ())
+
+    def paged(self, path: str, run=None):
+        """The engine's decode attention on `path`: the kernels read the pool; the reference
+        path gathers the rows' blocks (update_and_fetch) and runs SDPA with a length mask."""
+        from mlxkv.attention.dispatch import paged_attention  # dispatch imports this module
+
+        if path == "kernel":
+            tables = self.paged_batch.groups[0].kernel_tables
+            return lambda: kernels.paged_decode(self.queries, self.pool.keys[0], self.pool.values[0], tables,
+                                                [self.context] * self.batch, self.scale, run=run)
+        cache = PagedKVCache(self.pool, 0, self.paged_batch)
+        mask = cache.make_mask(1)
+        length = self.context if self.batch == 1 else None
+
+        def reference():
+            keys, values = self.pool.gather(0, cache.tables.block_tables, length)
+            return paged_attention(self.queries, keys, values, cache, self.scale, mask)
+
+        return reference
+
+    def contiguous(self) -> mx.array:
+        """SDPA over the same K/V laid out contiguously, as mlx-lm's cache (and the engine's
+        mirror of a lone sequence) holds them."""
+        return mx.fast.scaled_dot_product_attention(self.queries, self.keys, self.values, scale=self.scale)

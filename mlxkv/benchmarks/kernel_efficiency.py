@@ -1,0 +1,82 @@
+"""`mlxkv bench kernels --efficiency`: how the decode kernel reads the KV pools, measured without a Mac.
+
+Decode attention is bound by memory, and what decides its speed on a GPU
+is how each simdgroup-wide load maps onto memory transactions. The MSL
+harness (tests/msl, in a source checkout; needs clang-19) runs the exact
+Metal source MLX generates, one OS thread per Metal thread, and records
+the addresses each load of the pools reads (tests/msl/efficiency.py says
+how lanes' loads are put back together). Per instantiation and pass (K, V):
+
+- coalescing: bytes used / bytes of the 64-byte segments touched;
+- bytes_ratio: bytes read / the minimum, each visible K or V byte once per
+  KV head.
+
+Goals, at head dims 64, 128 and 256: coalescing >= COALESCING_GOAL and
+bytes_ratio <= BYTES_GOAL. It reports; it asserts nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from mlxkv.errors import MlxkvError
+
+COALESCING_GOAL = 0.9
+BYTES_GOAL = 1.05
+GOAL_HEAD_DIMS = (64, 128, 256)
+_TESTS = Path(__file__).resolve().parents[2] / "tests"
+
+
+def harness_modules():
+    """(msl.harness, msl.efficiency, msl.paged) from the source checkout's tests/msl."""
+    if not (_TESTS / "msl" / "efficiency.py").is_file():
+        raise MlxkvError("bench kernels --efficiency runs the MSL harness of a source checkout "
+                         f"(tests/msl), and {_TESTS} has none")
+    if str(_TESTS) not in sys.path:
+        sys.path.append(str(_TESTS))
+    from msl import efficiency, harness, paged
+
+    if not harness.clang_available():
+        raise MlxkvError(harness.SKIP_REASON)
+    return harness, efficiency, paged
+
+
+def run_efficiency(instantiations=None, contexts=None, workers: int | None = None) -> list[dict]:
+    """Rows {instantiation, head_dim, pass, coalescing, bytes_ratio, met, ...}, two per
+    decode instantiation (all of them unless `instantiations` lists (dtype, head dim,
+    group, block size) tuples)."""
+    harness_mod, efficiency, paged = harness_modules()
+    harness = harness_mod.shared_harness()
+    chosen = list(instantiations or paged.decode_instantiations())
+    contexts = tuple(contexts or efficiency.CONTEXTS)
+    # Compile on every core first; the runs themselves use all cores.
+    with ThreadPoolExecutor(workers or os.cpu_count()) as pool:
+        list(pool.map(lambda i: efficiency.build(harness, *i), chosen))
+    rows = []
+    for inst in chosen:
+        for row in efficiency.instantiation_rows(harness, *inst, contexts=contexts):
+            goal = row["head_dim"] in GOAL_HEAD_DIMS
+            met = row["coalescing"] >= COALESCING_GOAL and row["bytes_ratio"] <= BYTES_GOAL
+            rows.append({**row, "met": met if goal else None})
+    return rows
+
+
+def format_rows(rows: list[dict]) -> str:
+    """A plain-text table and the verdict on the goals."""
+    header = ("instantiation", "pass", "coalescing", "bytes read / min", "goal")
+    table = [header] + [
+        (r["instantiation"], r["pass"], f"{r['coalescing']:.3f}", f"{r['bytes_ratio']:.3f}x",
+         "-" if r["met"] is None else "met" if r["met"] else "NOT MET")
+        for r in rows
+    ]
+    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in table]
+    judged = [r for r in rows if r["met"] is not None]
+    missed = sum(not r["met"] for r in judged)
+    lines.append(f"goal at head dims {', '.join(map(str, GOAL_HEAD_DIMS))}: coalescing >= {COALESCING_GOAL} and "
+                 f"bytes read <= {BYTES_GOAL}x the minimum: "
+                 + (f"met by all {len(judged)} rows" if not missed else f"NOT met by {missed} of {len(judged)} rows"))
+    return "\n".join(lines)

@@ -1,0 +1,150 @@
+"""How the decode kernel reads the KV pools: the load trace, its metric, and the goals.
+
+The metric is checked on hand-made traces whose answer is known, then on
+the shipped kernel through the harness (it meets the goals), then on
+planted bugs that read uncoalesced or read twice (they miss them).
+"""
+
+from __future__ import annotations
+
+import json
+
+import mlxkv  # noqa: F401  (before mlx)
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlxkv.attention import kernels
+from mlxkv.benchmarks.kernel_efficiency import BYTES_GOAL, COALESCING_GOAL, format_rows, run_efficiency
+from mlxkv.cli import main
+from msl.efficiency import efficiency, instantiation_rows
+from msl.harness import SKIP_REASON, TRACE_RECORD, clang_available, shared_harness
+
+SMALL = (150, 41)  # contexts: several tokens per simdgroup, partial blocks, a second of a trace run
+
+needs_clang = pytest.mark.skipif(not clang_available(), reason=SKIP_REASON)
+
+
+def loads(*rows) -> np.ndarray:
+    """Records of (thread, epoch, site, offset, size) in program order, one threadgroup."""
+    out = np.zeros(len(rows), TRACE_RECORD)
+    for i, (thread, epoch, site, offset, size) in enumerate(rows):
+        out[i] = (0, thread, 1, size, epoch, site, offset)
+    return out
+
+
+# ---- the metric ---------------------------------------------------------------------------
+
+
+def test_a_simdgroup_reading_one_row_is_coalesced():
+    # 32 lanes x 4 contiguous bytes, as two 2-byte loads each: 128 bytes, two segments.
+    rows = [(lane, 0, 7, lane * 4 + half * 2, 2) for lane in range(32) for half in range(2)]
+    found = efficiency(loads(*rows), minimum_bytes=128)
+    assert found["coalescing"] == 1.0 and found["bytes_ratio"] == 1.0 and found["segments"] == 2
+
+
+def test_lanes_reading_different_rows_touch_a_segment_each():
+    # Today's Q.K pass: lane i reads its own 256-byte row, 16 bytes (8 loads) at a time.
+    rows = [(lane, 0, 7, lane * 256 + d * 2, 2) for lane in range(32) for d in range(128)]
+    found = efficiency(loads(*rows), minimum_bytes=32 * 256)
+    assert found["coalescing"] == 0.25 and found["bytes_ratio"] == 1.0
+    # Taken one 2-byte load at a time instead, each load is 64 bytes over 32 segments.
+    scalar = efficiency(loads(*rows), minimum_bytes=32 * 256, max_access=2)
+    assert scalar["coalescing"] == pytest.approx(2 / 64)
+
+
+def test_rereading_shows_in_the_bytes_ratio_not_lane_broadcasts():
+    one_row = [(lane, 0, 7, lane * 4, 4) for lane in range(32)]
+    twice = one_row + [(32 + lane, 0, 7, lane * 4, 4) for lane in range(32)]  # a second simdgroup
+    assert efficiency(loads(*twice), minimum_bytes=128)["bytes_ratio"] == 2.0
+    broadcast = [(lane, 0, 7, 0, 4) for lane in range(32)]  # every lane, the same 4 bytes
+    found = efficiency(loads(*broadcast), minimum_bytes=4)
+    assert found["bytes_ratio"] == 1.0 and found["coalescing"] == 4 / 64
+
+
+def test_loads_pair_up_by_occurrence_and_epoch():
+    # Lanes 0-15 read their 2 bytes twice: two loads (64 then 32 bytes, a segment each),
+    # not one load of 64 bytes.
+    row = [(lane, 0, 7, lane * 2, 2) for lane in range(32)]
+    again = row + [(lane, 0, 7, lane * 2, 2) for lane in range(16)]
+    found = efficiency(loads(*again), minimum_bytes=64)
+    assert (found["bytes_read"], found["segments"]) == (96, 2)
+    # After a simd operation (the next epoch) the site's occurrences count from 0 again: lanes
+    # 16-31's next load pairs with lanes 0-15's third, not their second.
+    masked = row + [(lane, 0, 7, 4096 + lane * 2, 2) for lane in range(16)]
+    later = masked + [(lane, 1, 7, 8192 + lane * 2, 2) for lane in range(32)]
+    assert efficiency(loads(*later), minimum_bytes=160)["segments"] == 3
+
+
+def test_no_traced_load_is_an_error():
+    with pytest.raises(ValueError, match="no loads"):
+        efficiency(np.zeros(0, TRACE_RECORD), 1)
+
+
+# ---- the shipped kernel and planted bugs ------------------------------------------------------
+
+
+def goals_met(rows) -> bool:
+    return all(r["coalescing"] >= COALESCING_GOAL and r["bytes_ratio"] <= BYTES_GOAL for r in rows)
+
+
+@needs_clang
+@pytest.mark.parametrize(("dtype", "head_dim", "group", "block_size"), [
+    (mx.float16, 128, 4, 16),
+    pytest.param(mx.bfloat16, 64, 8, 32, marks=pytest.mark.slow),
+    pytest.param(mx.float32, 256, 1, 16, marks=pytest.mark.slow),
+], ids=["float16-d128", "bfloat16-d64", "float32-d256"])
+def test_the_decode_kernel_meets_the_goals(dtype, head_dim, group, block_size):
+    rows = instantiation_rows(shared_harness(), dtype, head_dim, group, block_size, contexts=SMALL)
+    assert [r["pass"] for r in rows] == ["k", "v"]
+    assert goals_met(rows), rows
+
+
+def planted(old: str, new: str):
+    body = kernels.kernel_source("paged_decode")
+    assert body.count(old) == 1, old
+    return kernels.make_kernel("paged_decode", body=body.replace(old, new))
+
+
+@needs_clang
+@pytest.mark.slow
+@pytest.mark.parametrize(("old", "new", "what"), [
+    # Each lane reads from a different row of the block: one segment per lane.
+    ("size_t(t % BS) * D;", "size_t((t + lane) % BS) * D;", "coalescing"),
+    # Every simdgroup reads every token: each row NSG times.
+    ("t < last; t += NSG)", "t < last; t += 1)", "bytes_ratio"),
+], ids=["lanes-on-different-rows", "every-simdgroup-every-token"])
+def test_planted_inefficiencies_miss_the_goals(old, new, what):
+    rows = instantiation_rows(shared_harness(), mx.float16, 128, 4, 16, contexts=SMALL,
+                              decode_kernel=planted(old, new))
+    worst = min(r["coalescing"] for r in rows) if what == "coalescing" else max(r["bytes_ratio"] for r in rows)
+    assert (worst < COALESCING_GOAL) if what == "coalescing" else (worst > BYTES_GOAL)
+
+
+# ---- mlxkv bench kernels --efficiency --------------------------------------------------------
+
+
+@needs_clang
+def test_the_bench_reports_a_row_per_instantiation_and_pass(monkeypatch, capsys):
+    chosen = [(mx.float16, 64, 2, 16), (mx.float16, 80, 1, 32)]
+    rows = run_efficiency(chosen, contexts=SMALL)
+    assert [(r["instantiation"], r["pass"]) for r in rows] == [
+        ("float16-d64-g2-b16", "k"), ("float16-d64-g2-b16", "v"), ("float16-d80-g1-b32", "k"),
+        ("float16-d80-g1-b32", "v")]
+    assert [r["met"] for r in rows] == [True, True, None, None]  # no goal at head dim 80
+    assert "met by all 2 rows" in format_rows(rows)
+    assert "NOT met by 1 of 2 rows" in format_rows([{**rows[0], "met": False}, rows[1]])
+
+    from mlxkv.benchmarks import kernel_efficiency
+
+    monkeypatch.setattr(kernel_efficiency, "run_efficiency", lambda: rows)
+    assert main(["bench", "kernels", "--efficiency", "--json"]) == 0
+    printed = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [{k: p[k] for k in ("instantiation", "head_dim", "pass")} for p in printed][0] == {
+        "instantiation": "float16-d64-g2-b16", "head_dim": 64, "pass": "k"}
+    assert all(isinstance(p["coalescing"], float) and isinstance(p["bytes_ratio"], float) for p in printed)
+
+
+def test_efficiency_is_a_flag_of_bench_kernels_only(capsys):
+    assert main(["bench", "tiers", "--efficiency"]) == 2
+    assert capsys.readouterr().err.strip() == "mlxkv: error: --efficiency is a flag of `mlxkv bench kernels`"

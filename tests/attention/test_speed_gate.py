@@ -1,0 +1,140 @@
+"""The speed gate: under `auto` the kernels serve only the (batch, context) buckets where
+they were timed faster than the reference path, and doctor says which. The timer and the
+kernel runner are injected: a fake GPU answers canned times, the harness runs the kernels."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import mlxkv  # noqa: F401  (before mlx)
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlxkv.attention import speed_gate
+from mlxkv.attention.dispatch import ATTENTION_ENV, AttentionChoice, choose_attention
+from mlxkv.attention.speed_gate import AttentionShape, Bucket, SpeedGate, alternate
+from msl.harness import SKIP_REASON, clang_available, shared_harness
+
+
+class FakeGPU:
+    """Canned milliseconds per step: the kernels' by (batch, context), the reference path's flat."""
+
+    def __init__(self, kernel_ms: dict, reference_ms: float = 1.0, run_steps: bool = False):
+        self.kernel_ms, self.reference_ms, self.run_steps = kernel_ms, reference_ms, run_steps
+        self.timed = []
+
+    def timer(self, kernel, reference, budget_s):
+        assert (kernel.path, reference.path) == ("kernel", "reference")
+        if self.run_steps:
+            mx.eval(kernel.step(), reference.step())
+        self.timed.append((kernel.batch, kernel.context, budget_s))
+        return self.kernel_ms[kernel.batch, kernel.context] / 1e3, self.reference_ms / 1e3
+
+
+# Kernels faster than the reference path at batch 8, slower at batch 1 but for 16k.
+TIMES = {(1, 512): 1.5, (1, 4096): 1.2, (1, 16384): 0.9, (8, 512): 0.5, (8, 4096): 0.6, (8, 16384): 0.7}
+
+
+def harness_run():
+    if not clang_available():
+        pytest.skip(SKIP_REASON)
+    return shared_harness().run
+
+
+def test_each_bucket_takes_the_faster_path():
+    gpu = FakeGPU(TIMES)
+    gate = speed_gate.measure(AttentionShape(mx.float16, 64, 16, 4, 2), timer=gpu.timer)
+    assert [(b.batch, b.context, b.path) for b in gate.buckets] == [
+        (1, 512, "reference"), (1, 4096, "reference"), (1, 16384, "kernel"),
+        (8, 512, "kernel"), (8, 4096, "kernel"), (8, 16384, "kernel")]
+    # A few hundred milliseconds in all, split evenly over the buckets and both sides.
+    assert 2 * sum(budget for *_, budget in gpu.timed) == pytest.approx(speed_gate.GATE_BUDGET_S)
+    assert gate.buckets[0].as_dict() == {"batch": 1, "context": 512, "kernel_ms": 1.5, "reference_ms": 1.0,
+                                         "path": "reference"}
+
+
+def test_a_step_goes_to_the_nearest_bucket():
+    gate = SpeedGate(tuple(Bucket(b, c, TIMES[b, c], 1.0) for b, c in TIMES))
+    assert gate.path_for(1, 700) == "reference"  # nearest 512
+    assert gate.path_for(1, 9000) == "kernel"  # nearer 16k than 4k on a log scale
+    assert gate.path_for(1, 8000) == "reference"
+    assert gate.path_for(2, 100) == "reference"  # batch 2: nearer 1 than 8
+    assert gate.path_for(3, 100) == "kernel"
+    assert gate.path_for(64, 10**6) == "kernel"
+    choice = AttentionChoice("kernel", gate=gate)
+    assert (choice.path_for(1, 512), choice.path_for(8, 512)) == ("reference", "kernel")
+    assert AttentionChoice("kernel").path_for(1, 512) == "kernel"  # no gate: forced
+    assert AttentionChoice("reference", gate=gate).path_for(8, 512) == "reference"
+
+
+def test_the_steps_it_times_are_the_real_ones():
+    # Small contexts, the kernels on the harness: the timed steps run and agree.
+    gpu = FakeGPU({(b, c): 1.0 for b in (1, 3) for c in (20, 70)}, run_steps=True)
+    shape = AttentionShape(mx.float32, 64, 16, 4, 2)
+    gate = speed_gate.measure(shape, run=harness_run(), timer=gpu.timer, batches=(1, 3), contexts=(20, 70))
+    assert [(b.batch, b.context) for b in gate.buckets] == [(1, 20), (1, 70), (3, 20), (3, 70)]
+    case = speed_gate.DecodeCase(shape, 70, 3, np.random.default_rng(0), distinct=False)
+    kernel, reference = case.paged("kernel", harness_run())(), case.paged("reference")()
+    assert mx.allclose(kernel, reference, atol=1e-4).item()
+
+
+def test_alternate_times_per_call_with_an_injected_clock():
+    now = [0.0]
+
+    def clock():
+        return now[0]
+
+    def step(cost):
+        def fn():
+            now[0] += cost
+            return mx.array(0)
+        return fn
+
+    a, b = alternate(step(0.002), step(0.001), budget_s=0.03, clock=clock)
+    assert (a, b) == (pytest.approx(0.002), pytest.approx(0.001))
+
+
+def test_auto_uses_the_kernels_only_where_they_are_faster(monkeypatch):
+    monkeypatch.delenv(ATTENTION_ENV, raising=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        choice = choose_attention("auto", mx.float16, 64, 64, 16, 4, 2, run=harness_run(),
+                                  timer=FakeGPU(TIMES).timer, metal=True)
+    assert choice.path == "kernel" and choice.check.ok
+    assert [choice.path_for(1, c) for c in (512, 4096, 16384)] == ["reference", "reference", "kernel"]
+    assert [choice.path_for(8, c) for c in (512, 4096, 16384)] == ["kernel"] * 3
+    # Asked for by name, the kernels serve every decode: no gate.
+    forced = choose_attention("kernel", mx.float16, 64, 64, 16, 4, 2, run=harness_run(),
+                              timer=FakeGPU({}).timer, metal=True)
+    assert forced.gate is None and forced.path_for(1, 512) == "kernel"
+
+
+def test_a_gate_that_fails_sends_decode_to_the_reference_path(monkeypatch):
+    monkeypatch.delenv(ATTENTION_ENV, raising=False)
+
+    def faulting(kernel, reference, budget_s):
+        raise RuntimeError("[METAL] Command buffer execution failed\nmore")
+
+    with pytest.warns(Warning, match=r"timing the Metal attention kernels failed \(RuntimeError: \[METAL\] "
+                                     r"Command buffer execution failed\); decoding on the reference path"):
+        choice = choose_attention("auto", mx.float16, 64, 64, 16, 4, 2, run=harness_run(), timer=faulting,
+                                  metal=True)
+    assert choice.path == "reference" and choice.path_for(8, 512) == "reference"
+
+
+@pytest.mark.slow  # the self-check of Llama-3-8B's shape, in the harness
+def test_doctor_shows_the_timings_and_the_choice(monkeypatch):
+    from mlxkv.attention.doctor import attention_lines, attention_report
+
+    monkeypatch.delenv(ATTENTION_ENV, raising=False)  # auto, as on a Mac
+    report = attention_report(run=harness_run(), timer=FakeGPU(TIMES).timer, metal=True)
+    json.dumps(report)  # what `mlxkv doctor --json` prints
+    assert report["path"] == "kernel" and report["check"]["ok"]
+    assert [(b["batch"], b["context"], b["path"]) for b in report["gate"]][:2] == [(1, 512, "reference"),
+                                                                                   (1, 4096, "reference")]
+    assert "the speed gate uses them in 4 of 6 (batch, context) buckets" in report["why"]
+    lines = attention_lines(report)
+    assert ("speed gate", "batch 1, context 512: kernels 1.500 ms, reference 1.000 ms: reference") in lines
+    assert ("speed gate", "batch 8, context 512: kernels 0.500 ms, reference 1.000 ms: kernel") in lines
