@@ -62,7 +62,7 @@ def endpoint(fn: Callable[[Request], Awaitable[Response]]):
         except Exception as e:
             log.exception("%s %s failed", request.method, request.url.path)
             response = error_response(request.url.path, ApiError(500, f"internal error: {type(e).__name__}: {e}"))
-        request.app.state.backend.metrics.request_done(request.url.path, response.status_code)
+        request.app.state.backend.request_done(request.url.path, response.status_code)
         return response
 
     return run
