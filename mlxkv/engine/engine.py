@@ -26,6 +26,8 @@ from mlxkv.engine.records import GenerationChunk, GenerationResult, RequestFaile
 from mlxkv.engine.request import Request
 from mlxkv.engine.results import collect, failed_result
 from mlxkv.engine.sampling import make_request_sampler, whole
+from mlxkv.engine.speculation import Speculation
+from mlxkv.speculative.proposer import LookupProposer
 from mlxkv.errors import MlxkvError, error_line
 from mlxkv.system.wired import Device, WiredLimit
 from mlxkv.models.loader import LoadedModel, load_model, probe_kv_layout
@@ -72,7 +74,7 @@ class Engine:
         self.runner = ModelRunner(self.model, self.kv_pool, self.cache, self.attention)
         model_bytes = sum(v.nbytes for _, v in tree_flatten(self.model.parameters()))
         self.loop = BatchLoop(self.cache, self.runner, self.tokenizer.eos_token_ids, prefill_chunk, max_running,
-                              WiredLimit(model_bytes, device))
+                              WiredLimit(model_bytes, device), speculation_for(cache, groups))
         peak = None if groups.is_plain else (lambda n: self.cache.peak_blocks(n, prefill_chunk))
         self.limits = RequestLimits(loaded.vocab_size, loaded.max_context, budget,
                                     cache.block_size, peak)
@@ -134,7 +136,8 @@ class Engine:
         """Yield one `GenerationChunk` per generated token; the last carries stats.
 
         Options: max_tokens (256), temperature, top_p, top_k, min_p, seed,
-        cache_salt. The request runs on the engine's batch loop, so streams
+        cache_salt, speculative (False: this request decodes without
+        proposals, when the engine speculates). The request runs on the engine's batch loop, so streams
         consumed side by side decode as one batch. `should_stop` is asked
         after each token; when it says yes the reply ends there with
         finish_reason "cancelled" (before the first token: no chunks).
@@ -184,13 +187,17 @@ class Engine:
         except MlxkvError:
             return []
 
-    def make_request(self, prompt, sink, should_stop: Callable[[], bool] | None = None, **options) -> Request:
+    def make_request(self, prompt, sink, should_stop: Callable[[], bool] | None = None, speculative: bool = True,
+                     **options) -> Request:
         """A checked `Request` for the batch loop (options as for `stream`); raises MlxkvError on bad input."""
+        if not isinstance(speculative, bool):
+            raise MlxkvError(f"speculative must be true or false, got {speculative!r}")
         prompt_tokens, sampler, root = self._prepare(prompt, **options)
         max_tokens = self.limits.reply_room(len(prompt_tokens), options.get("max_tokens", DEFAULT_MAX_TOKENS))
         return Request(
             next(self._request_ids), prompt_tokens, max_tokens, sampler,
             root, sink, self.tokenizer.detokenizer, should_stop,
+            speculative=speculative and self.loop.speculation is not None,
         )
 
     def _prepare(
@@ -232,7 +239,15 @@ class Engine:
             "pool": self.block_pool.usage(),
             "connector": self.connector.stats(),
             **({"checkpoints": self.checkpoints.stats()} if self.checkpoints is not None else {}),
+            "speculative": self._speculation_stats(),
         }
+
+    def _speculation_stats(self) -> dict:
+        speculation = self.loop.speculation
+        if speculation is None:
+            return {"mode": None}
+        return {"mode": self.cache_config.speculative, "max_tokens": speculation.max_tokens,
+                **speculation.stats.as_dict()}
 
     def idle(self, seconds: float) -> None:
         """Use a pause: whoever drives the engine (EngineThread) says how long it has had no request.
@@ -269,3 +284,15 @@ class Engine:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def speculation_for(cache: CacheConfig, groups) -> Speculation | None:
+    """The loop's speculative decoding, as configured; none for a hybrid model, whose
+    recurrent state cannot be rolled back past rejected tokens (one log line says so)."""
+    if cache.speculative is None:
+        return None
+    if groups.has_recurrent:
+        log.warning("speculative decoding is off for this model: its recurrent layers' state cannot be "
+                    "rolled back past rejected proposals; it decodes one token at a time")
+        return None
+    return Speculation(LookupProposer(), cache.speculative_tokens)
