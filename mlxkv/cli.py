@@ -51,6 +51,10 @@ def _add_cache_flags(p: argparse.ArgumentParser, model_help: str | None = None) 
     p.add_argument("--disk-tier", default=None, metavar="DIR", help="SSD tier directory (persists across runs)")
     p.add_argument("--disk-tier-mb", type=_number(int, 1), default=None, help="SSD tier budget")
     p.add_argument("--no-disk-tier", action="store_true", help="turn the SSD tier off")
+    p.add_argument("--speculative", choices=["lookup", "draft"], default=None,
+                   help="speculative decoding: proposals from the prompt (lookup) or a draft model")
+    p.add_argument("--draft-model", default=None, metavar="PATH_OR_ID", help="the draft model for --speculative draft")
+    p.add_argument("--speculative-tokens", type=_number(int, 1, 7), default=4, help="most tokens proposed per step")
 
 
 def _add_generate(sub) -> None:
@@ -168,6 +172,7 @@ def _cache_config(args):
         memory_tier_bits=args.memory_tier_bits,
         disk_tier=disk_tier,
         disk_tier_bytes=None if args.disk_tier_mb is None else args.disk_tier_mb << 20,
+        speculative=args.speculative, draft_model=args.draft_model, speculative_tokens=args.speculative_tokens,
     )
 
 

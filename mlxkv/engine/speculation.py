@@ -75,11 +75,16 @@ class Speculation:
             else:
                 tokens = sampled_tokens(request.sampler, logprobs[i], proposal.tokens, proposal.probs)
             if proposal.tokens:
-                self._length(request).observe(len(proposal.tokens), len(tokens) - 1)
-                self.stats.observe(len(proposal.tokens), len(tokens) - 1)
+                self._observe(request, len(proposal.tokens), len(tokens) - 1)
             kept.append(tokens)
         self.stats.steps += 1
         return kept
+
+    def _observe(self, request: Request, proposed: int, accepted: int) -> None:
+        self._length(request).observe(proposed, accepted)
+        self.stats.observe(proposed, accepted)
+        request.stats.proposed_tokens += proposed  # the reply's own share, for its last record
+        request.stats.accepted_tokens += accepted
 
     def forget(self, request: Request) -> None:
         self._lengths.pop(request, None)

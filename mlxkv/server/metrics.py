@@ -69,8 +69,9 @@ class ServerMetrics:
             if stats.generation_tokens > 1 and stats.decode_tokens_per_s > 0:
                 self.tpot.observe(1.0 / stats.decode_tokens_per_s)
 
-    def render(self, open_requests: int, pool: dict | None) -> str:
-        """The text exposition; `pool`: BlockPool.usage(), or None before the model is ready."""
+    def render(self, open_requests: int, pool: dict | None, speculative: dict | None = None) -> str:
+        """The text exposition; `pool`: BlockPool.usage(), or None before the model is ready;
+        `speculative`: Engine.stats()'s speculative decoding counters."""
         with self._lock:
             lines = _metric("mlxkv_requests_total", "counter", "HTTP requests by endpoint and status",
                             [f'{{endpoint="{e}",status="{s}"}} {n}' for (e, s), n in sorted(self.requests.items())])
@@ -92,7 +93,22 @@ class ServerMetrics:
                                                                      "budget_blocks") if k in pool])
             lines += _metric("mlxkv_pool_evictions_total", "counter", "cached blocks evicted from the pool",
                              [f" {pool.get('evictions', 0)}"])
+        if speculative and speculative.get("mode"):
+            lines += _speculation_lines(speculative)
         return "\n".join(lines) + "\n"
+
+
+def _speculation_lines(stats: dict) -> list[str]:
+    lines = []
+    for key, help_text in (("proposed", "tokens proposed by speculative decoding"),
+                           ("accepted", "proposed tokens the model accepted"),
+                           ("steps", "speculative verify steps")):
+        lines += _metric(f"mlxkv_speculative_{key}_total", "counter", help_text, [f" {stats.get(key, 0)}"])
+    lines += _metric("mlxkv_speculative_acceptance_rate", "gauge", "accepted / proposed",
+                     [f" {_number(stats.get('acceptance_rate', 0.0))}"])
+    lines += _metric("mlxkv_speculative_tokens_per_step", "gauge", "tokens a proposing row produced per step",
+                     [f" {_number(stats.get('tokens_per_step', 0.0))}"])
+    return lines
 
 
 def _metric(name: str, kind: str, help_text: str, samples: list[str]) -> list[str]:

@@ -140,10 +140,12 @@ def test_greedy_output_is_the_same_as_without_speculation_and_as_mlx_lm(family):
     answers = {tuple(p): reference(p, 40) for p in prompts}
     proposer = ScriptedProposer(answers, seed=3)
     engine = engine_for(loaded, proposer=proposer)
-    for prompt in prompts:
-        assert engine.generate(prompt, max_tokens=40).tokens == answers[tuple(prompt)]
+    results = [engine.generate(prompt, max_tokens=40) for prompt in prompts]
+    assert [r.tokens for r in results] == [answers[tuple(p)] for p in prompts]
     stats = engine.stats()["speculative"]
     assert proposer.proposed > 20 and 0 < stats["accepted"] < stats["proposed"]
+    assert sum(r.stats.proposed_tokens for r in results) == stats["proposed"]  # each reply's share
+    assert sum(r.stats.accepted_tokens for r in results) == stats["accepted"]
     assert stats["tokens_per_step"] > 1.3
 
 
