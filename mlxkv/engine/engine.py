@@ -27,6 +27,7 @@ from mlxkv.engine.request import Request
 from mlxkv.engine.results import collect, failed_result
 from mlxkv.engine.sampling import make_request_sampler, whole
 from mlxkv.engine.speculation import Speculation
+from mlxkv.speculative.draft import DraftProposer, check_same_tokenizer
 from mlxkv.speculative.proposer import LookupProposer
 from mlxkv.errors import MlxkvError, error_line
 from mlxkv.system.wired import Device, WiredLimit
@@ -55,6 +56,7 @@ class Engine:
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
         self.cache_config = cache
+        self.draft: Engine | None = None  # the draft model's own engine, under speculative="draft"
         self.kv_layout = probe_kv_layout(loaded, cache.block_size)
         groups = self.kv_layout.group_layout
         self.fingerprint = model_fingerprint(self.model, loaded.config, self.kv_layout.dtype, cache.block_size,
@@ -74,7 +76,7 @@ class Engine:
         self.runner = ModelRunner(self.model, self.kv_pool, self.cache, self.attention)
         model_bytes = sum(v.nbytes for _, v in tree_flatten(self.model.parameters()))
         self.loop = BatchLoop(self.cache, self.runner, self.tokenizer.eos_token_ids, prefill_chunk, max_running,
-                              WiredLimit(model_bytes, device), speculation_for(cache, groups))
+                              WiredLimit(model_bytes, device), self._speculation())
         peak = None if groups.is_plain else (lambda n: self.cache.peak_blocks(n, prefill_chunk))
         self.limits = RequestLimits(loaded.vocab_size, loaded.max_context, budget,
                                     cache.block_size, peak)
@@ -249,6 +251,21 @@ class Engine:
         return {"mode": self.cache_config.speculative, "max_tokens": speculation.max_tokens,
                 **speculation.stats.as_dict()}
 
+    def _speculation(self) -> Speculation | None:
+        """The loop's speculative decoding, as configured; none for a hybrid model, whose
+        recurrent state cannot be rolled back past rejected tokens (one log line says so)."""
+        config = self.cache_config
+        if config.speculative is None:
+            return None
+        if self.cache.recurrent is not None:
+            log.warning("speculative decoding is off for this model: its recurrent layers' state cannot be "
+                        "rolled back past rejected proposals; it decodes one token at a time")
+            return None
+        if config.speculative == "lookup":
+            return Speculation(LookupProposer(), config.speculative_tokens)
+        self.draft = load_draft(config, self)
+        return Speculation(DraftProposer(self.draft, self.loaded.vocab_size), config.speculative_tokens)
+
     def idle(self, seconds: float) -> None:
         """Use a pause: whoever drives the engine (EngineThread) says how long it has had no request.
 
@@ -278,6 +295,8 @@ class Engine:
         finish the connector's pending work (its writes)."""
         self.cache.write_pending_checkpoints()
         self.connector.close()
+        if self.draft is not None:
+            self.draft.close()
 
     def __enter__(self):
         return self
@@ -286,13 +305,18 @@ class Engine:
         self.close()
 
 
-def speculation_for(cache: CacheConfig, groups) -> Speculation | None:
-    """The loop's speculative decoding, as configured; none for a hybrid model, whose
-    recurrent state cannot be rolled back past rejected tokens (one log line says so)."""
-    if cache.speculative is None:
-        return None
-    if groups.has_recurrent:
-        log.warning("speculative decoding is off for this model: its recurrent layers' state cannot be "
-                    "rolled back past rejected proposals; it decodes one token at a time")
-        return None
-    return Speculation(LookupProposer(), cache.speculative_tokens)
+def load_draft(config: CacheConfig, target: Engine) -> Engine:
+    """The draft model on an engine of its own: its pool as many blocks as the target's
+    (a draft's blocks are smaller), no tiers; it must read tokens as the target does."""
+    from mlxkv.models.fetch import fetch_model
+
+    loaded = load_model(fetch_model(config.draft_model, lambda text, fraction=None: None))
+    loaded.name = config.draft_model
+    draft_config = CacheConfig(block_size=config.block_size, num_blocks=target.block_pool.budget,
+                               prefix_cache=config.prefix_cache, memory_tier_bytes=0, attention=config.attention)
+    draft = Engine(loaded, draft_config)
+    check_same_tokenizer(target, draft)
+    if draft.cache.recurrent is not None:
+        raise MlxkvError(f"the draft model {config.draft_model!r} has recurrent layers, whose state cannot be "
+                         "rolled back past rejected proposals; choose a draft of attention layers only")
+    return draft

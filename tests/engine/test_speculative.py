@@ -26,7 +26,7 @@ from mlxkv.engine.engine import Engine
 from mlxkv.engine.sampling import Sampler
 from mlxkv.engine.speculation import Speculation
 from mlxkv.errors import MlxkvError
-from mlxkv.models.tiny import TinyModelSpec
+from mlxkv.models.tiny import TinyModelSpec, write_tiny_model
 from mlxkv.speculative.prompt_lookup import PromptLookup
 from mlxkv.speculative.proposal_length import EMPTY_LIMIT, PAUSE_STEPS, ProposalLength
 from mlxkv.speculative.proposer import Proposal
@@ -298,3 +298,55 @@ def test_sampling_with_speculation_keeps_the_token_frequencies(llama):
         noise = total_variation([t[position] for t in plain], [t[position] for t in again])
         drift = total_variation([t[position] for t in plain], [t[position] for t in spec])
         assert drift < max(0.08, 2 * noise), (position, drift, noise)
+
+
+# -- a draft model -------------------------------------------------------------------
+
+
+def draft_engine(loaded, draft: str, **cache) -> Engine:
+    config = CacheConfig(block_size=BLOCK, num_blocks=256, memory_tier_bytes=0, speculative="draft",
+                         draft_model=draft, **cache)
+    return Engine(loaded, config, prefill_chunk=512)
+
+
+def test_a_draft_that_is_the_model_itself_is_always_right(llama):
+    path, loaded, reference = llama
+    engine = draft_engine(loaded, path)
+    prompt = prompt_of(40, salt=50)
+    assert engine.generate(prompt, max_tokens=30).tokens == reference(prompt, 30)
+    stats = engine.stats()["speculative"]
+    assert stats["mode"] == "draft" and stats["acceptance_rate"] == 1.0 and stats["tokens_per_step"] == 5.0
+
+
+def test_a_draft_model_batched_equals_mlx_lm_and_resumes_its_own_cached_prefix(llama, tmp_path):
+    _, loaded, reference = llama
+    other = str(write_tiny_model(tmp_path / "draft", TinyModelSpec(family="llama", num_layers=1, seed=66)))
+    engine = draft_engine(loaded, other)
+    prefilled = []
+    forward = engine.draft.runner.forward
+
+    def counted(seqs, tokens, **kwargs):
+        if tokens.shape[1] > 1:
+            prefilled.append(tokens.shape[1])
+        return forward(seqs, tokens, **kwargs)
+
+    engine.draft.runner.forward = counted
+    shared = prompt_of(60, salt=51)
+    prompts = [shared + prompt_of(5 + i, salt=52 + i) for i in range(3)]
+    results = engine.generate_batch(prompts, max_tokens=20)
+    assert [r.tokens for r in results] == [reference(p, 20) for p in prompts]
+    assert engine.stats()["speculative"]["proposed"] > 0
+    prefilled.clear()
+    again = shared + prompt_of(9, salt=60)
+    assert engine.generate(again, max_tokens=12).tokens == reference(again, 12)
+    assert sum(prefilled) <= len(again) - 48  # the draft's pool had the shared prefix's blocks
+
+
+def test_a_draft_of_another_tokenizer_or_with_recurrent_layers_is_refused_at_load(llama, tmp_path):
+    path, loaded, _ = llama
+    other = str(write_tiny_model(tmp_path / "vocab", TinyModelSpec(family="llama", vocab_size=300, seed=67)))
+    with pytest.raises(MlxkvError, match="does not share the tokenizer"):
+        draft_engine(loaded, other)
+    hybrid = str(write_tiny_model(tmp_path / "hybrid", TinyModelSpec(family="lfm2", num_layers=4, seed=68)))
+    with pytest.raises(MlxkvError, match="recurrent layers"):
+        draft_engine(loaded, hybrid)
