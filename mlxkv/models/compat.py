@@ -13,7 +13,9 @@ import logging
 import sys
 from collections.abc import Callable
 
-from mlx_lm.models.cache import ArraysCache, _BaseCache, create_attention_mask, make_prompt_cache  # noqa: F401
+from mlx_lm.models.cache import (  # noqa: F401
+    ArraysCache, CacheList, _BaseCache, create_attention_mask, create_causal_mask, make_prompt_cache,
+)
 
 log = logging.getLogger(__name__)
 
@@ -73,3 +75,26 @@ def load_tokenizer(path: str, eos_token_ids=None):
 def cache_layout(model) -> list:
     """The model's own cache objects, one per cache slot: what it would run mlx-lm with."""
     return make_prompt_cache(model)
+
+
+def layer_cache(window: int):
+    """deepseek_v41's own per-layer cache (its sliding window, compressed KV and index keys)."""
+    from mlx_lm.models.deepseek_v41 import LayerCache  # deferred: only that family has it
+
+    return LayerCache(window)
+
+
+# LayerCache's arrays, in the order a state checkpoint keeps them.
+LAYER_CACHE_FIELDS = ("window", "compress_kv", "index_k", "pending_kv", "pending_gate")
+
+# Families whose attention code reads positions off the length of the K it
+# fetched (a rotary offset, an indexer's block boundaries) or keeps one offset
+# for every row: rows of a batch, padded to the longest, would be misplaced,
+# so their decode rows run one at a time. The family sweep finds them
+# (tests/models/test_family_sweep.py compares a batch with solo runs).
+ONE_ROW_FAMILIES = frozenset({"afm7", "deepseek_v32", "glm_moe_dsa", "minimax_m3_vl"})
+
+
+def batches_rows(model_type: str) -> bool:
+    """Whether decode rows of this family can share one forward (see ONE_ROW_FAMILIES)."""
+    return model_type not in ONE_ROW_FAMILIES

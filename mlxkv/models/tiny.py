@@ -168,19 +168,28 @@ def model_config(spec: TinyModelSpec) -> dict:
 
 
 def _random_weights(config: dict, spec: TinyModelSpec) -> dict[str, mx.array]:
-    """Weights named and shaped by mlx-lm's own class, drawn from `spec.seed`.
+    """Weights named and shaped by mlx-lm's own class, drawn from `spec.seed`."""
+    model_class, args_class = compat.model_classes(spec.family)
+    return random_weights(model_class(args_class.from_dict(config)), spec.seed, DTYPES[spec.dtype])
+
+
+def random_weights(model, seed: int, dtype: mx.Dtype | None = None) -> dict[str, mx.array]:
+    """Weights for every parameter of `model` (an mlx-lm class), drawn from `seed`, in `dtype`
+    (None: each parameter's own).
 
     The class's initialisers use the global RNG; we redraw every random
     tensor from an explicit key so no global state is touched or relied on.
     """
-    model_class, args_class = compat.model_classes(spec.family)
-    params = sorted(tree_flatten(model_class(args_class.from_dict(config)).parameters()))
-    keys = mx.random.split(mx.random.key(spec.seed), len(params))
+    params = sorted(tree_flatten(model.parameters()))
+    params_dtype = {name: value.dtype for name, value in params}
+    keys = mx.random.split(mx.random.key(seed), len(params))
     weights = {}
     for key, (name, value) in zip(keys, params):
-        if value.ndim >= 2:
+        if value.dtype == mx.uint32:  # packed quantized weights: random bits
+            value = mx.random.randint(0, 2**31, value.shape, key=key).astype(mx.uint32)
+        elif value.ndim >= 2:
             # std 1/sqrt(fan_in) keeps activations O(1).
-            gain = _RESIDUAL_GAINS.get(name.split(".")[-2], 1.0)
+            gain = _RESIDUAL_GAINS.get(name.split(".")[-2] if "." in name else name, 1.0)
             value = gain * mx.random.normal(value.shape, key=key) / value.shape[-1] ** 0.5
         elif name.endswith(".bias"):
             value = 0.02 * mx.random.normal(value.shape, key=key)
@@ -189,7 +198,8 @@ def _random_weights(config: dict, spec: TinyModelSpec) -> dict[str, mx.array]:
         elif name.endswith(".A_log"):  # state decay rates (Mamba, gated delta net): the classes draw them globally
             value = mx.log(mx.random.uniform(1.0, 16.0, value.shape, key=key))
         # Other 1-D tensors are norm scales, constants in every class.
-        weights[name] = value.astype(DTYPES[spec.dtype])
+        floating = mx.issubdtype(value.dtype, mx.floating)
+        weights[name] = value.astype(dtype or params_dtype[name]) if floating else value
     mx.eval(weights)
     return weights
 

@@ -72,7 +72,7 @@ def run_prefill(m, seq, stops):
     m.start(seq.request_id, None, 0)
     for stop in stops:
         seq.num_computed = stop
-        m.record([seq], [[mx.full((1, 2), float(stop)), None], [mx.full((1, 3), float(stop))]])
+        m.record([seq], [((mx.full((1, 2), float(stop)), None), (mx.full((1, 3), float(stop)),))])
         m.register(seq, min(seq.num_computed, len(seq.prompt)), every=True)
 
 
@@ -138,7 +138,8 @@ def test_batch_states_stack_rows_and_a_fresh_row_is_zeros():
     slot0, slot1 = m.batch_states([0, 1])
     assert slot0[0].tolist() == [[0, 0], [2, 2]] and slot0[1] is None and slot1[0].shape == (2, 3)
     a, b = seq_of(0, tokens(9), computed=8), seq_of(1, tokens(9), computed=6)
-    m.record([a, b], [[mx.array([[1.0, 1.0], [3.0, 3.0]]), None], [mx.ones((2, 3))]])
+    m.record([a, b], [((mx.array([[1.0, 1.0]]), None), (mx.ones((1, 3)),)),
+                      ((mx.array([[3.0, 3.0]]), None), (mx.ones((1, 3)),))])
     assert m.batch_states([1])[0][0].tolist() == [[3.0, 3.0]]
     assert 8 in m._running[0].snapshots and not m._running[1].snapshots  # only a block boundary
 
@@ -152,7 +153,7 @@ def test_a_leaving_checkpoint_is_written_once_the_kv_since_the_anchor_outweighs_
         seq = seq_of(turn, chat)
         m.start(turn, last and m.store.get(last.key), last.boundary if last else 0)
         seq.num_computed = len(chat) // BLOCK * BLOCK
-        m.record([seq], [[mx.zeros((1, 2)), None], [mx.zeros((1, 3))]])
+        m.record([seq], [((mx.zeros((1, 2)), None), (mx.zeros((1, 3)),))])
         m.register(seq, seq.num_computed, every=False)
         last = m._running[turn].last
         m.leave(seq)
