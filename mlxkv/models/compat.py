@@ -58,6 +58,22 @@ def model_classes(model_type: str):
     return arch.Model, arch.ModelArgs
 
 
+def family_modules() -> list[str]:
+    """The names of mlx-lm's model modules (families, and a few shared helpers), without importing them:
+    importing one can end the process (olmo's, without its extra package)."""
+    import pkgutil
+
+    import mlx_lm.models
+
+    return sorted(m.name for m in pkgutil.iter_modules(mlx_lm.models.__path__))
+
+
+def family_classes(module: str):
+    """(Model, ModelArgs) of an mlx-lm model module by its own name; AttributeError for a helper module."""
+    arch = importlib.import_module(f"mlx_lm.models.{module}")
+    return arch.Model, arch.ModelArgs
+
+
 def model_file_patterns() -> list[str]:
     """The files mlx_lm.load reads from a model repository."""
     from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS
@@ -87,12 +103,16 @@ def layer_cache(window: int):
 # LayerCache's arrays, in the order a state checkpoint keeps them.
 LAYER_CACHE_FIELDS = ("window", "compress_kv", "index_k", "pending_kv", "pending_gate")
 
-# Families whose attention code reads positions off the length of the K it
-# fetched (a rotary offset, an indexer's block boundaries) or keeps one offset
-# for every row: rows of a batch, padded to the longest, would be misplaced,
-# so their decode rows run one at a time. The family sweep finds them
-# (tests/models/test_family_sweep.py compares a batch with solo runs).
-ONE_ROW_FAMILIES = frozenset({"afm7", "deepseek_v32", "glm_moe_dsa", "minimax_m3_vl"})
+# Families whose own code misplaces the rows of a batch padded to its longest
+# row, so their decode rows run one at a time (the family sweep,
+# tests/models/test_family_sweep.py, compares a batch with solo runs):
+ONE_ROW_FAMILIES = {
+    "afm7": "its KV-reuse layers take the rotary offset from the fetched K's length",
+    "minimax_m3_vl": "its indexer places queries at the end of the fetched K",
+    "gemma2": "its attention groups queries per KV head, which a [B, 1, L, T] mask does not broadcast over",
+    "gpt_bigcode": "its position ids are numpy ranges from one offset",
+    "phi3small": "its block-sparse layers place queries at the end of the fetched K",
+}
 
 
 def batches_rows(model_type: str) -> bool:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import copy
 
+from mlxkv.models import compat
+
 VOCAB = 512
 LAYERS = 4
 # The shared tiny sizes: attention, MLP, mixture of experts and latent attention
@@ -169,14 +171,17 @@ FAMILY_ARGS: dict[str, dict] = {
     "minimax": {"shared_intermediate_size": 64, "rotary_dim": 8},
     "minimax_m3_vl": _text("minimax_m3", intermediate_size=64, dense_intermediate_size=128,
                            shared_intermediate_size=64, rotary_dim=8, mlp_layer_types=["dense", "moe", "moe", "moe"],
-                           layer_types=["full_attention"] * LAYERS, sparse_attention_freq=[0, 1, 0, 1],
+                           sparse_attention_freq=[0, 1, 0, 1],
                            index_n_heads=2, index_head_dim=16, index_block_size=16, index_topk_blocks=2),
     "ministral3": {"rope_parameters": _LLAMA4_ROPE},
     "mistral3": _text("ministral3", rope_parameters=_LLAMA4_ROPE),
     "mistral4": {"rope_parameters": {**_LLAMA4_ROPE, **_YARN}},
     "mixtral": {},
     "muse_glimmer": {"layer_types": _WINDOWS4},
-    "muse_spark": {},
+    "muse_spark": _text("muse_spark", post_norm_eps=1e-5, rope_parameters={"rope_theta": 10000.0},
+                        layer_rope_theta=[10000.0] * LAYERS, layer_types=_WINDOWS4, final_logit_softcapping=30.0,
+                        output_multiplier=1.0, moe_hidden_size=64, mlp_layer_types=["sparse"] * LAYERS,
+                        num_shared_experts=0),
     "nanbeige": {},
     "nanochat": {},
     "nemotron": {"hidden_act": "relu2", "partial_rotary_factor": 0.5},
@@ -195,7 +200,8 @@ FAMILY_ARGS: dict[str, dict] = {
                 "num_query_heads": [4, 4, 8, 8], "num_kv_heads": [1, 2, 2, 4], "ffn_multipliers": [1.0, 1.5, 2.0, 2.5]},
     "phi": {"num_key_value_heads": 4},
     "phi3": {"num_key_value_heads": 4},
-    "phi3small": {"dense_attention_every_n_layers": 2, "ff_intermediate_size": 128, "gegelu_limit": 20.0,
+    # Its head masks ids from 100256 on (its tokenizer's dummies): smaller vocabularies are written out of bounds.
+    "phi3small": {"vocab_size": 100352, "dense_attention_every_n_layers": 2, "ff_intermediate_size": 128, "gegelu_limit": 20.0,
                   "blocksparse_num_local_blocks": 2, "blocksparse_vert_stride": 2},
     "phimoe": {},
     "phixtral": {"num_vocab": VOCAB, "model_dim": 64, "num_heads": 4, "num_layers": LAYERS, "rotary_dim": 8},
@@ -247,3 +253,14 @@ def family_args(family: str) -> dict:
     if "text_config" in args:
         args["text_config"].setdefault("vocab_size", VOCAB)
     return copy.deepcopy(args)
+
+
+def tiny_family_model(family: str, seed: int = 0):
+    """(model, config): a random-weight tiny model of an mlx-lm family module, in float32."""
+    from mlxkv.models.tiny import random_weights  # tiny.py imports this module
+
+    model_class, args_class = compat.family_classes(family)
+    config = family_args(family)
+    model = model_class(args_class.from_dict(family_args(family)))
+    model.load_weights(list(random_weights(model, seed).items()))
+    return model, config
