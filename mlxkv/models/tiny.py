@@ -24,7 +24,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from mlxkv.errors import MlxkvError
 from mlxkv.models import compat
 from mlxkv.models.tiny_families import (
-    FAMILIES, RECURRENT_FAMILIES, WINDOWED_FAMILIES, family_config, mixer_scale, mlp_layers,
+    FAMILIES, MIN_LAYERS, RECURRENT_FAMILIES, TEXT_CONFIG_FAMILIES, WINDOWED_FAMILIES, family_config, mixer_scale,
+    mlp_layers,
 )
 from mlxkv.system.machine import physical_memory
 from mlxkv.system.paths import cache_root
@@ -92,8 +93,9 @@ class TinyModelSpec:
                 raise MlxkvError(f"{field.name} must be an integer >= {low}, got {value!r}")
 
     def _check_shapes(self) -> None:
-        if self.family in WINDOWED_FAMILIES + RECURRENT_FAMILIES and self.num_layers < 2:
-            raise MlxkvError(f"{self.family} needs num_layers >= 2 (one full-attention layer, one other)")
+        least = MIN_LAYERS.get(self.family, 1)
+        if self.num_layers < least:
+            raise MlxkvError(f"{self.family} needs num_layers >= {least} (a full-attention layer, and others)")
         if self.num_heads % self.num_kv_heads:
             raise MlxkvError(f"num_heads ({self.num_heads}) must be a multiple of "
                              f"num_kv_heads ({self.num_kv_heads})")
@@ -143,7 +145,7 @@ TINY_SPEC = TinyModelSpec(hidden_size=128, vocab_size=1024)
 def model_config(spec: TinyModelSpec) -> dict:
     """The config.json contents; mlx-lm's ModelArgs.from_dict ignores extra keys."""
     head_dim = spec.resolved_head_dim
-    return {
+    config = {
         "model_type": spec.family,
         "hidden_size": spec.hidden_size,
         "num_hidden_layers": spec.num_layers,
@@ -165,6 +167,9 @@ def model_config(spec: TinyModelSpec) -> dict:
         "mlxkv_tiny_model": dataclasses.asdict(spec),
         **family_config(spec),
     }
+    if spec.family in TEXT_CONFIG_FAMILIES:  # the model reads its keys under text_config
+        config["text_config"] = {k: v for k, v in config.items() if k != "mlxkv_tiny_model"}
+    return config
 
 
 def _random_weights(config: dict, spec: TinyModelSpec) -> dict[str, mx.array]:
