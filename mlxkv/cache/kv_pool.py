@@ -68,7 +68,7 @@ class PageView:
     v_head: int = 0
     v_split: int = 1
     values: str = OWN
-    v_heads: int = 0  # real V heads (EMPTY: the empty V's)
+    v_heads: int = 0  # real V heads (EMPTY: the empty V's); 0: as many as K's
 
 
 class KVPool:
@@ -156,7 +156,7 @@ class KVPool:
             return keys, keys
         if view.values == EMPTY:
             return keys, mx.zeros((*keys.shape[:1], view.v_heads, keys.shape[2], 0), keys.dtype)
-        v_heads = self.layout.num_v_heads if view.v_heads == 0 else view.v_heads
+        v_heads = heads if view.v_heads == 0 else view.v_heads
         return keys, _gather_units(self.values[layer], block_tables, length, view.v_head, v_heads, view.v_split)
 
     @staticmethod

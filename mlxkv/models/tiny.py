@@ -169,6 +169,7 @@ def model_config(spec: TinyModelSpec) -> dict:
     }
     if spec.family in TEXT_CONFIG_FAMILIES:  # the model reads its keys under text_config
         config["text_config"] = {k: v for k, v in config.items() if k != "mlxkv_tiny_model"}
+        config.pop("rope_scaling", None)  # transformers warns of it at the top level
     return config
 
 

@@ -83,13 +83,20 @@ def _shapes(spec) -> dict:
     return {}
 
 
+# A layer's token mixer against plain attention's weights: gated delta net's projections
+# are wider, Gemma 4's global head, latent attention with its indexer and MoE, Mamba's.
+_MIXER_SCALES = {"qwen3_next": 1.25, "gemma4_text": 1.5, "deepseek_v32": 3.5, "falcon_h1": 2.25, "mamba2": 2.3}
+
+
 def mixer_scale(family: str) -> float:
-    """A layer's token mixer against plain attention's weights (gated delta net's projections are wider)."""
-    return 1.25 if family == "qwen3_next" else 1.0
+    """A layer's token mixer against plain attention's weights (see _MIXER_SCALES)."""
+    return _MIXER_SCALES.get(family, 1.0)
 
 
 def mlp_layers(spec) -> int:
-    """Layers with an MLP: all, but Nemotron-H's own MLP layers are separate from its mixers."""
+    """Layers with an MLP: all, but Mamba 2 has none and Nemotron-H's are separate from its mixers."""
+    if spec.family == "mamba2":
+        return 0
     if spec.family != "nemotron_h":
         return spec.num_layers
     return _recurrent(spec)["hybrid_override_pattern"].count("-")

@@ -91,6 +91,27 @@ def test_a_longer_prompt_reuses_what_it_shares(family, extra):
 
 
 @pytest.mark.slow  # a few seconds per family
+def test_a_running_sequence_holds_only_its_window_or_chunk(family):
+    _, _, loaded, _ = family
+    engine = engine_for(loaded, prefill_chunk=BLOCK)
+    request = engine.make_request(prompt_of(150), lambda record: None, max_tokens=40)
+    engine.loop.add(request)
+    seen = []
+    while engine.loop.has_work:
+        engine.loop.step()
+        held = [len(m.held(request.request_id)) for m in engine.cache.attention]
+        if request.seq is not None and any(held):
+            seen.append((request.seq.num_computed, held))
+    bound = -(-WINDOW // BLOCK) + 2  # the window or chunk (a partial block at each end) and the block being written
+    for computed, held in seen:
+        for group, n in zip(engine.cache.group_layout.groups, held):
+            if group.window is None and group.chunk is None:  # the whole prompt's blocks from admission on
+                assert n == -(-max(computed, 150) // BLOCK)
+            else:
+                assert n <= bound, (computed, held)
+
+
+@pytest.mark.slow  # a few seconds per family
 def test_a_batch_equals_solo_runs(family):
     _, _, loaded, reference = family
     shared = prompt_of(60, salt=1)

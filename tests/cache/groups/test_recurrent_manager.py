@@ -172,3 +172,22 @@ def test_the_index_forgets_its_oldest_past_its_limit():
         index.add(ref)
     hashes = [r.block_hash for r in refs]
     assert [r.boundary for r in index.candidates(hashes, 3, BLOCK)] == [12, 8]
+
+
+def test_with_no_kv_to_weigh_a_checkpoint_against_one_is_written_per_ratio_intervals():
+    """A model of states alone (Mamba): a leaving checkpoint goes to SSD once ratio x interval
+    tokens have passed since its chain's anchor."""
+    tiers = FakeTiers()
+    m = manager(tiers, interval=8, ratio=2.0, per_token=0)  # one write per 16 tokens
+    chat, last, written = tokens(5), None, []
+    for turn in range(4):  # each turn leaves a checkpoint 4 tokens on: at 4, 8, 12, 16
+        seq = seq_of(turn, chat)
+        m.start(turn, last and m.store.get(last.key), last.boundary if last else 0)
+        seq.num_computed = len(chat) // BLOCK * BLOCK
+        m.record([seq], [((mx.zeros((1, 2)), None), (mx.zeros((1, 3)),))])
+        m.register(seq, seq.num_computed, every=False)
+        last = m._running[turn].last
+        m.leave(seq)
+        written.append(tiers.written)
+        chat = chat + tokens(4, salt=turn + 1)
+    assert written == [0, 0, 0, 1]  # 16 tokens since 0: written
