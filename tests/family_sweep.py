@@ -9,7 +9,7 @@ process the module crashes names it). For each family:
   between the two is mlx-lm's own chunking spread, the scale of what
   computing a prefix apart (a hit) may change;
 - mlxkv on A, then on B = A + its reply + more (a chat's next turn, a prefix
-  hit), then on two fresh prompts in one batch; each against mlx-lm.
+  hit), then on three fresh prompts in one batch; each against mlx-lm.
 
 A module that is no family (a shared helper) says so; one mlx-lm itself
 cannot run here says why, with mlx-lm's own error.
@@ -38,7 +38,8 @@ CHUNK = 16  # mlx-lm's prefill chunk for its spread
 SEED = 7
 PROMPT_A = [(7 * i + 5) % 500 + 3 for i in range(45)]  # 45 + 8 - 1 tokens computed: 3 full blocks
 MORE = [(5 * i + 1) % 500 + 3 for i in range(7)]
-BATCH = [[(3 * i + 2) % 500 + 3 for i in range(23)], [(11 * i + 4) % 500 + 3 for i in range(37)]]
+# Rows of different lengths, and one of a single token (its state, if any, starts in the batch).
+BATCH = [[(3 * i + 2) % 500 + 3 for i in range(23)], [(11 * i + 4) % 500 + 3 for i in range(37)], [5]]
 # plamo3 asks its sliding mask for window + 1 tokens, but its RotatingKVCache holds
 # window: mlx-lm's prefill sees window + 1, its decode window. mlxkv serves the mask
 # the model asks for at every step, so its oracle is mlx-lm with caches that hold it.

@@ -25,7 +25,6 @@ from mlxkv.attention import kernels
 from mlxkv.attention.mirror import KVMirror
 from mlxkv.attention.shared_prefix import SharedPrefix
 from mlxkv.cache.kv_pool import KVPool, PageView
-from mlxkv.cache.page_format import OWN
 from mlxkv.models.compat import BaseCache, create_attention_mask
 
 

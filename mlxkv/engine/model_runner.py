@@ -8,8 +8,9 @@ recurrent manager's); each row's new states are returned with the
 logits, and the coordinator records them. A `CacheList` slot is rebuilt
 from its parts, each under its own rule; a slot the model never writes
 gets a cache that answers for masks alone. Models whose code reads one
-offset for every row (the layout is not `batched`) run their rows one at
-a time.
+offset for every row (the layout is not `batched`), and rows whose states
+do not stack (one not started beside others, a state that grows), run one
+at a time.
 """
 
 from __future__ import annotations
@@ -130,7 +131,7 @@ class ModelRunner:
         batch's prefill chunks: the values are the same, without the copy).
         The caller has allocated slots for the L new tokens of each sequence.
         """
-        if len(seqs) == 1 or self.group_layout.batched:
+        if len(seqs) == 1 or (self.group_layout.batched and self._stackable(seqs)):
             return self._forward(seqs, tokens, mirror)
         rows = [self._forward([seq], tokens[i : i + 1], False) for i, seq in enumerate(seqs)]
         states = None if rows[0].states is None else [row.states[0] for row in rows]
@@ -156,6 +157,11 @@ class ModelRunner:
         placed.update(zip(self.group_layout.recurrent, states))
         logits = self.model(tokens, cache=_cache_list(self.group_layout, placed))
         return StepOutput(logits[:, -1, :], _row_states(states, len(seqs)) if states else None)
+
+    def _stackable(self, seqs: list[Sequence]) -> bool:
+        """Whether the rows' states stack (groups/recurrent.py); else the rows run apart this step."""
+        recurrent = self.cache.recurrent
+        return recurrent is None or recurrent.stackable([s.request_id for s in seqs])
 
     def _state_caches(self, seqs: list[Sequence]) -> list:
         """mlx-lm's cache object per state slot, its arrays the rows' states stacked."""

@@ -23,7 +23,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from mlxkv.errors import MlxkvError
 from mlxkv.models import compat
-from mlxkv.models.tiny_families import (
+from mlxkv.models.tiny_families import (  # noqa: F401  (RECURRENT_FAMILIES: the tests take it from here)
     FAMILIES, MIN_LAYERS, RECURRENT_FAMILIES, TEXT_CONFIG_FAMILIES, WINDOWED_FAMILIES, family_config, mixer_scale,
     mlp_layers,
 )

@@ -12,13 +12,12 @@ concurrent batch, and preemption, each with the same output as mlx-lm.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
 import pytest
 
-from family_support import model_with_oracle, prompt_of
+from family_support import (
+    assert_a_restart_resumes_the_chat, assert_next_turn_reuses_the_first, model_with_oracle, prompt_of,
+    run_in_new_process,
+)
 from mlxkv.config import CacheConfig
 from mlxkv.engine.engine import Engine
 from mlxkv.errors import PoolExhaustedError
@@ -67,13 +66,7 @@ def test_cold_prompts_match_mlx_lm(family, length):
 
 def test_a_second_chat_turn_reuses_the_whole_first_turn(family):
     _, _, loaded, reference = family
-    engine = engine_for(loaded)
-    first = prompt_of(75)
-    turn1 = engine.generate(first, max_tokens=20)
-    second = first + turn1.tokens + prompt_of(9, salt=3)
-    turn2 = engine.generate(second, max_tokens=20)
-    assert turn2.stats.cached_tokens["pool"] == (len(first) + len(turn1.tokens)) // BLOCK * BLOCK
-    assert turn2.tokens == reference(second, 20)
+    assert_next_turn_reuses_the_first(engine_for(loaded), reference, BLOCK)
 
 
 @pytest.mark.parametrize("extra", [1, BLOCK + 3, 3 * BLOCK])
@@ -90,7 +83,6 @@ def test_a_longer_prompt_reuses_what_it_shares(family, extra):
     assert result.tokens == reference(longer, 12)
 
 
-@pytest.mark.slow  # a few seconds per family
 def test_a_running_sequence_holds_only_its_window_or_chunk(family):
     _, _, loaded, _ = family
     engine = engine_for(loaded, prefill_chunk=BLOCK)
@@ -173,37 +165,10 @@ def test_a_request_preempted_mid_reply_resumes_with_the_same_output(family):
         assert result.tokens == reference(prompt, 30)
 
 
-RUN_ONCE = """
-import json, sys
-from mlxkv.config import CacheConfig
-from mlxkv.engine.engine import Engine
-from mlxkv.errors import PoolExhaustedError
-path, disk, prompt = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
-config = CacheConfig(block_size=16, num_blocks=256, disk_tier=disk, checkpoint_interval=32,
-                     checkpoint_write_ratio=0.0)
-with Engine.load(path, config) as engine:
-    r = engine.generate(prompt, max_tokens=16)
-print(json.dumps({"tokens": r.tokens, "cached": r.stats.cached_tokens}))
-"""
-
-
-def run_in_new_process(path: str, disk, prompt: list[int]) -> dict:
-    out = subprocess.run([sys.executable, "-c", RUN_ONCE, path, str(disk), json.dumps(prompt)],
-                         capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr
-    return json.loads(out.stdout.splitlines()[-1])
-
-
 @pytest.mark.slow  # three processes per family
 def test_a_new_process_restores_a_chat_from_the_ssd_tier(family, tmp_path):
     name, path, _, reference = family
-    first = prompt_of(75)
-    turn1 = run_in_new_process(path, tmp_path / "kv", first)
-    assert turn1["tokens"] == reference(first, 16)
-    second = first + turn1["tokens"] + prompt_of(9, salt=3)
-    turn2 = run_in_new_process(path, tmp_path / "kv", second)
-    assert turn2["cached"]["disk"] == (len(first) + len(turn1["tokens"])) // BLOCK * BLOCK
-    assert turn2["tokens"] == reference(second, 16)
+    second, turn2 = assert_a_restart_resumes_the_chat(path, tmp_path / "kv", reference, BLOCK)
     # Restarted again, the same prompt: blocks to its last full block are on disk; a
     # state's checkpoints only where a request left (the first turn's end, and past this prompt).
     again = run_in_new_process(path, tmp_path / "kv", second)

@@ -4,7 +4,7 @@ For each family mlx-lm runs here (tests/family_sweep.py does the work, in
 worker processes, so that a family that crashes MLX takes only its worker):
 
 - greedy tokens equal mlx-lm's, on a prompt and on the chat's next turn, and
-  on two more prompts served as one batch;
+  on three more prompts served as one batch (one of a single token);
 - the log-probabilities each token was taken from are within a tolerance tied
   to mlx-lm's own spread: how far its log-probabilities move when it prefills
   the same prompt in other chunks (a prefix hit computes the rest apart);

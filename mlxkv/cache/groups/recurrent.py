@@ -154,6 +154,18 @@ class RecurrentManager:
         return [[_stacked([_array(row, j, e) for row in rows]) for e in range(size)]
                 for j, size in enumerate(self.state_sizes)]
 
+    def stackable(self, request_ids: list[int]) -> bool:
+        """Whether the rows' states stack along the batch: every array of a slot the same shape
+        in every row, or None in all. A state that grows (an n-gram context) or has not started
+        beside one that has would be misread if padded or zero-filled, so such rows run apart."""
+        rows = [self._running[r].states for r in request_ids]
+        for j, size in enumerate(self.state_sizes):
+            for e in range(size):
+                shapes = {None if a is None else a.shape for a in (_array(row, j, e) for row in rows)}
+                if len(shapes) > 1:
+                    return False
+        return True
+
     def record(self, seqs: list[Sequence], new_states: list[States]) -> None:
         """Take back each row's new states (batch of one each) after a step, keeping a snapshot at a block boundary."""
         for seq, states in zip(seqs, new_states):
@@ -237,10 +249,7 @@ def _array(row: States | None, slot: int, i: int) -> mx.array | None:
 
 
 def _stacked(arrays: list) -> mx.array | None:
-    """Rows stacked along the batch; a row not started yet is zeros, as a fresh state is."""
-    if len(arrays) == 1:
+    """Rows stacked along the batch (they are `stackable`: all arrays of one shape, or all None)."""
+    if len(arrays) == 1 or arrays[0] is None:
         return arrays[0]
-    first = next((a for a in arrays if a is not None), None)
-    if first is None:
-        return None
-    return mx.concatenate([a if a is not None else mx.zeros_like(first) for a in arrays])
+    return mx.concatenate(arrays)
