@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
 import mlx_lm
 from mlx_lm.generate import stream_generate
 
@@ -28,3 +32,48 @@ def model_with_oracle(directory, spec: TinyModelSpec):
 def prompt_of(n: int, salt: int = 0) -> list[int]:
     """n ordinary token ids (the tiny models' specials are 0-2), varied by `salt`."""
     return [(11 * i + 5 + salt) % 500 + 3 for i in range(n)]
+
+
+def assert_next_turn_reuses_the_first(engine, reference, block: int, first_tokens: int = 75) -> None:
+    """A chat's second turn is a prefix hit of the whole first turn (to its last full block), and equals mlx-lm."""
+    first = prompt_of(first_tokens)
+    turn1 = engine.generate(first, max_tokens=20)
+    second = first + turn1.tokens + prompt_of(9, salt=3)
+    turn2 = engine.generate(second, max_tokens=20)
+    assert turn2.stats.cached_tokens["pool"] == (len(first) + len(turn1.tokens)) // block * block
+    assert turn2.tokens == reference(second, 20)
+
+
+RUN_ONCE = """
+import json, sys
+from mlxkv.config import CacheConfig
+from mlxkv.engine.engine import Engine
+path, disk, prompt = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+config = CacheConfig(block_size=16, num_blocks=256, disk_tier=disk, checkpoint_interval=32,
+                     checkpoint_write_ratio=float(sys.argv[4]))
+with Engine.load(path, config) as engine:
+    r = engine.generate(prompt, max_tokens=16)
+print(json.dumps({"tokens": r.tokens, "cached": r.stats.cached_tokens}))
+"""
+
+
+def run_in_new_process(path: str, disk, prompt: list[int], write_ratio: float = 0.0) -> dict:
+    """One request (16 tokens, 16-token blocks) in a new process on the SSD tier at `disk`;
+    write_ratio 0: every checkpoint a request leaves goes to SSD."""
+    out = subprocess.run([sys.executable, "-c", RUN_ONCE, path, str(disk), json.dumps(prompt), str(write_ratio)],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.splitlines()[-1])
+
+
+def assert_a_restart_resumes_the_chat(path: str, disk, reference, block: int = 16) -> tuple[list[int], dict]:
+    """A chat's first turn in one process, its next in another: the whole first turn comes
+    from disk, and both equal mlx-lm. Returns the second prompt and its result."""
+    first = prompt_of(75)
+    turn1 = run_in_new_process(path, disk, first)
+    assert turn1["tokens"] == reference(first, 16)
+    second = first + turn1["tokens"] + prompt_of(9, salt=3)
+    turn2 = run_in_new_process(path, disk, second)
+    assert turn2["cached"]["disk"] == (len(first) + len(turn1["tokens"])) // block * block
+    assert turn2["tokens"] == reference(second, 16)
+    return second, turn2

@@ -7,7 +7,12 @@ protocol (`offset`, `update_and_fetch`, `make_mask`, `state`, `nbytes`),
 so no model code is forked.
 
 A sliding-window group's tables start at each row's first held block
-(`starts`, in tokens), and its mask hides what is older than the window.
+(`starts`, in tokens), and its mask hides what is older than the window;
+a chunked group's (Llama 4) hides what is before the query's chunk.
+A slot of a shape other than its page layer's reads and writes its own
+unit heads of it (`PageView`, cache/page_format.py). A layer that reads
+another layer's K/V (gemma3n, afm7: `keys_and_values()`) reads what that
+layer fetched in this step, the same blocks.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import mlx.core as mx
 from mlxkv.attention import kernels
 from mlxkv.attention.mirror import KVMirror
 from mlxkv.attention.shared_prefix import SharedPrefix
-from mlxkv.cache.kv_pool import KVPool
+from mlxkv.cache.kv_pool import KVPool, PageView
 from mlxkv.models.compat import BaseCache, create_attention_mask
 
 
@@ -32,10 +37,11 @@ class GroupTables:
     starts: tuple[int, ...]  # token position of each row's first table entry
     window: int | None = None  # tokens a query sees (itself included); None: all before it
     kernel_tables: mx.array | None = None  # block_tables, wide enough for the kernels (kernels.table_width)
+    chunk: int | None = None  # a query sees only its own chunk of this many tokens
 
     @classmethod
     def build(cls, tables: list[list[int]], starts: list[int], offsets: list[int], num_new: int,
-              block_size: int, window: int | None = None) -> GroupTables:
+              block_size: int, window: int | None = None, chunk: int | None = None) -> GroupTables:
         width = max(len(t) for t in tables)
         block_tables = mx.array([t + [t[0]] * (width - len(t)) for t in tables], dtype=mx.int32)
         # Padded here, from the lists, rather than by an op in every layer's kernel call.
@@ -44,7 +50,7 @@ class GroupTables:
                          else mx.array([t + [t[0]] * (wide - len(t)) for t in tables], dtype=mx.int32))
         write_blocks = [[t[(p - s) // block_size] for p in range(o, o + num_new)]
                         for t, s, o in zip(tables, starts, offsets)]
-        return cls(block_tables, mx.array(write_blocks, dtype=mx.int32), tuple(starts), window, kernel_tables)
+        return cls(block_tables, mx.array(write_blocks, dtype=mx.int32), tuple(starts), window, kernel_tables, chunk)
 
 
 @dataclass(frozen=True)
@@ -89,15 +95,24 @@ class PagedBatch:
 
 
 class PagedKVCache(BaseCache):
-    """Page layer `layer` of group `group`'s blocks; `slot` names it for the mirror."""
+    """Page layer `layer` of group `group`'s blocks, for cache slot `slot`.
 
-    def __init__(self, pool: KVPool, layer: int, batch: PagedBatch, group: int = 0, slot: int | None = None):
+    `view`: where the slot sits in its page layer when it is not all of it,
+    `heads` its K heads then; `index` names it for the mirror (None: no mirror).
+    """
+
+    def __init__(self, pool: KVPool, layer: int, batch: PagedBatch, group: int = 0, slot=None,
+                 view: PageView | None = None, heads: int = 0, index: int | None = -1):
         self.pool = pool
         self.layer = layer
         self.batch = batch
         self.group = group
         self.slot = layer if slot is None else slot
+        self.view = view
+        self.heads = heads
+        self.index = (self.slot if index == -1 else index)
         self.tables = batch.groups[group]
+        self._fetched = None  # this step's K/V, for a layer that shares them
 
     @property
     def offset(self):
@@ -108,7 +123,18 @@ class PagedKVCache(BaseCache):
 
     @property
     def window(self) -> int | None:
+        chunk = self.tables.chunk
+        if chunk is not None:  # one row at a time: its query's own chunk, so far
+            return self.batch.offsets[0] % chunk + self.batch.num_new
         return self.tables.window
+
+    @property
+    def start_position(self) -> int:
+        """Position of the first token a fetch returns (ChunkedKVCache's; one row at a time)."""
+        return self.tables.starts[0]
+
+    def maybe_trim_front(self) -> None:
+        """ChunkedKVCache's: the chunked group lets go of blocks before the chunk itself."""
 
     @property
     def lengths(self) -> list[int]:
@@ -117,35 +143,66 @@ class PagedKVCache(BaseCache):
 
     def update_and_fetch(self, keys, values):
         b, t = self.batch, self.tables
-        self.pool.write(self.layer, t.write_blocks, b.write_offsets, keys, values)
-        if b.mirror is not None and t.window is None:
-            return self._fetch_mirrored(keys, values)
+        self.pool.write(self.layer, t.write_blocks, b.write_offsets, keys, values, self.view)
+        if b.mirror is not None and t.window is None and t.chunk is None and self.index is not None:
+            self._fetched = self._fetch_mirrored(keys, values)
+        else:
+            self._fetched = self._gather()
+        return self._fetched
+
+    def keys_and_values(self):
+        """This step's K/V of the slot: what a layer that shares them attends to."""
+        return self._fetched if self._fetched is not None else self._gather()
+
+    def _gather(self):
         # The gathered copy is what any attention code can use; when the
         # kernel path or cascade attention serves instead, MLX never evaluates it.
-        length = self.lengths[0] if b.batch_size == 1 else None
-        return self.pool.gather(self.layer, t.block_tables, length)
+        length = self.lengths[0] if self.batch.batch_size == 1 else None
+        return self.pool.gather(self.layer, self.tables.block_tables, length, self.view, self.heads)
 
     def _fetch_mirrored(self, keys, values):
         mirror, offset = self.batch.mirror, self.batch.offsets[0]
-        if not mirror.covers(self.slot, offset):
+        if not mirror.covers(self.index, offset):
             # First step of a request (maybe on prefix hits): copy once from the pool.
-            k, v = self.pool.gather(self.layer, self.tables.block_tables, self.batch.context_lens[0])
-            return mirror.reset(self.slot, k, v)
-        return mirror.write(self.slot, offset, keys, values)
+            k, v = self.pool.gather(self.layer, self.tables.block_tables, self.batch.context_lens[0], self.view,
+                                    self.heads)
+            return mirror.reset(self.index, k, v)
+        return mirror.write(self.index, offset, keys, values)
+
+    # Models chain graph dependencies through a cache's arrays (deepseek_v32's
+    # indexer, minimax_m3_vl): reading gives this step's K/V, writing is dropped,
+    # since the runner evaluates the pool itself.
+    @property
+    def keys(self):
+        return self.keys_and_values()[0]
+
+    @keys.setter
+    def keys(self, value) -> None:
+        pass
+
+    @property
+    def values(self):
+        return self.keys_and_values()[1]
+
+    @values.setter
+    def values(self, value) -> None:
+        pass
 
     def make_mask(self, N: int, return_array: bool = False, window_size=None):
         b, t = self.batch, self.tables
-        if t.window is None and b.batch_size == 1:
+        if t.window is None and t.chunk is None and b.batch_size == 1:
             return create_attention_mask(N, offset=b.offsets[0], return_array=return_array, window_size=window_size)
         # Key j of row s (position starts[s] + j) is visible to query i
-        # (position offsets[s] + i) when it is not later, within the window,
-        # and inside the row's context (the tables are padded).
+        # (position offsets[s] + i) when it is not later, within the window
+        # (or the query's chunk), and inside the row's context (the tables are padded).
         width = t.block_tables.shape[1] * self.pool.layout.block_size
         k_pos = mx.array(t.starts)[:, None, None, None] + mx.arange(width)
         q_pos = mx.array(b.offsets)[:, None, None, None] + mx.arange(N)[:, None]
         mask = k_pos <= q_pos
         if t.window is not None:
             mask = mask & (q_pos - k_pos < t.window)
+        if t.chunk is not None:
+            mask = mask & (q_pos // t.chunk == k_pos // t.chunk)
         if b.batch_size == 1:
             return mask[0, 0, :, : self.lengths[0]]
         return mask
@@ -168,3 +225,14 @@ class PagedKVCache(BaseCache):
     @property
     def nbytes(self):
         return self.pool.keys[self.layer].nbytes + self.pool.values[self.layer].nbytes
+
+
+class UnusedSlotCache(PagedKVCache):
+    """A slot the model never writes (nemotron-nas: a layer whose attention is a linear map).
+
+    It keeps nothing; the model may still ask it for a mask or an offset, which
+    it answers as a full-attention slot of the batch does.
+    """
+
+    def update_and_fetch(self, keys, values):
+        raise RuntimeError(f"cache slot {self.slot} was probed as unused, and written")

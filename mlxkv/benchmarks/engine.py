@@ -128,9 +128,12 @@ def describe_model(engine: Engine) -> str:
 
 
 def kv_bytes_per_token(layout) -> int:
-    """K and V bytes one token takes in every attention layer of the model (a block holds a page of them)."""
-    attention_layers = sum(len(g.slots) for g in layout.group_layout.groups)
-    return layout.bytes_per_token // layout.num_layers * attention_layers
+    """K and V bytes one token takes in every attention layer of the model (a block holds a page of them;
+    slots of a smaller shape share a page layer, `pack` to one)."""
+    if not layout.num_layers:
+        return 0
+    per_layer = layout.bytes_per_token // layout.num_layers
+    return sum(len(g.slots) * per_layer // g.pack for g in layout.group_layout.groups)
 
 
 def _stderr(message: str) -> None:

@@ -26,12 +26,13 @@ from dataclasses import dataclass
 from mlxkv.cache.block_pool import Block, BlockPool
 from mlxkv.cache.connector import KVCacheConnector, NoopKVCacheConnector
 from mlxkv.cache.groups.base import AttentionManager, GroupNeeds, Presence, blocks_for
+from mlxkv.cache.groups.chunked import ChunkedAttentionManager
 from mlxkv.cache.groups.full import FullAttentionManager
 from mlxkv.cache.groups.recurrent import CheckpointNeed, RecurrentManager
 from mlxkv.cache.groups.sliding import SlidingWindowManager
 from mlxkv.cache.hashing import BlockHash, extend_block_hashes
 from mlxkv.cache.kv_pool import KVPool
-from mlxkv.cache.layer_groups import GroupLayout
+from mlxkv.cache.layer_groups import GroupLayout, KVGroup
 from mlxkv.cache.sequence import Sequence
 from mlxkv.cache.tiers import POOL, TIERS
 
@@ -67,6 +68,13 @@ class PrefixHit:
         return [block for g in self.groups for _, block in g.pool]
 
 
+def _manager_class(group: KVGroup) -> type[AttentionManager]:
+    """The manager of a group's rule (groups/)."""
+    if group.chunk is not None:
+        return ChunkedAttentionManager
+    return FullAttentionManager if group.window is None else SlidingWindowManager
+
+
 class KVCacheCoordinator:
     def __init__(self, layout: GroupLayout, block_size: int, budget: int, *, kv_pool: KVPool | None = None,
                  connector: KVCacheConnector | None = None, initial: int | None = None,
@@ -81,10 +89,7 @@ class KVCacheCoordinator:
         self.connector = connector or NoopKVCacheConnector()
         self.pool = BlockPool(budget, initial=initial, on_evict=self._on_evict,
                               on_grow=kv_pool.grow if kv_pool else None, on_shrink=kv_pool.shrink if kv_pool else None)
-        self.attention: list[AttentionManager] = [
-            (FullAttentionManager if g.window is None else SlidingWindowManager)(g, self.pool, block_size)
-            for g in layout.groups
-        ]
+        self.attention: list[AttentionManager] = [_manager_class(g)(g, self.pool, block_size) for g in layout.groups]
         self.recurrent = None
         if layout.has_recurrent:
             per_token = kv_pool.layout.bytes_per_token if kv_pool else 0
@@ -289,7 +294,8 @@ class KVCacheCoordinator:
         if full > seq.num_cached_blocks:
             self._hash_upto(seq, known)
             start = seq.num_cached_blocks
-            waiting = max(m.register(seq.request_id, seq.block_hashes, start, full) for m in self.attention)
+            waiting = max((m.register(seq.request_id, seq.block_hashes, start, full) for m in self.attention),
+                          default=0)
             seq.num_cached_blocks = full
             if store_now or waiting >= STORE_BATCH_BLOCKS:
                 self._store(seq)
@@ -329,7 +335,7 @@ class KVCacheCoordinator:
             self.recurrent.leave(seq)
         self._store(seq)
         tables = [m.release(seq.request_id) for m in self.attention]
-        longest = max(len(table) for table in tables)
+        longest = max((len(table) for table in tables), default=0)
         self.pool.free([table[i] for i in reversed(range(longest)) for table in tables
                         if i < len(table) and table[i] is not None])
 

@@ -17,12 +17,14 @@ import mlx.core as mx
 
 from mlxkv.cache.block_kv import BlockKV, KVRun
 from mlxkv.cache.layer_groups import GroupLayout
+from mlxkv.cache.page_format import EMPTY, KEYS, OWN
 
 
 @dataclass(frozen=True, slots=True)
 class KVLayout:
     """What a block holds: `num_layers` page layers (every layer of a plain
-    model; a group's share of a hybrid one) of K/V in one shape."""
+    model; a group's share of a hybrid one), each of K `[n_kv_heads, block,
+    head_dim]` and V `[v_heads, block, v_head_dim]` (cache/page_format.py)."""
 
     num_layers: int
     n_kv_heads: int
@@ -31,15 +33,20 @@ class KVLayout:
     block_size: int
     dtype: mx.Dtype
     groups: GroupLayout | None = None  # None: one full-attention group of all layers
+    v_heads: int | None = None  # None: n_kv_heads
 
     @property
     def group_layout(self) -> GroupLayout:
         return self.groups or GroupLayout.plain(self.num_layers)
 
     @property
+    def num_v_heads(self) -> int:
+        return self.n_kv_heads if self.v_heads is None else self.v_heads
+
+    @property
     def bytes_per_token(self) -> int:
-        """K and V bytes one token takes across all layers."""
-        per_layer = self.n_kv_heads * (self.head_dim + self.v_head_dim)
+        """K and V bytes one token takes across all page layers."""
+        per_layer = self.n_kv_heads * self.head_dim + self.num_v_heads * self.v_head_dim
         return self.num_layers * per_layer * self.dtype.size
 
     @property
@@ -47,15 +54,37 @@ class KVLayout:
         return self.bytes_per_token * self.block_size
 
 
+@dataclass(frozen=True, slots=True)
+class PageView:
+    """Where one slot's K/V sit in its page layer, when that is not the whole of it.
+
+    K takes unit heads `k_head` on, `k_split` per real head (a head of twice the
+    unit's width is two unit heads); V likewise, unless the slot stores no V
+    (`values` KEYS: a fetch returns the keys again; EMPTY: a V of head dim 0).
+    """
+
+    k_head: int = 0
+    k_split: int = 1
+    v_head: int = 0
+    v_split: int = 1
+    values: str = OWN
+    v_heads: int = 0  # real V heads (EMPTY: the empty V's); 0: as many as K's
+
+
 class KVPool:
     def __init__(self, layout: KVLayout, num_blocks: int):
         self.layout = layout
         self.num_blocks = num_blocks
-        shape = (num_blocks, layout.n_kv_heads, layout.block_size)
-        self.keys = [mx.zeros((*shape, layout.head_dim), layout.dtype) for _ in range(layout.num_layers)]
-        self.values = [mx.zeros((*shape, layout.v_head_dim), layout.dtype) for _ in range(layout.num_layers)]
+        self.keys = [mx.zeros(self._k_shape(num_blocks), layout.dtype) for _ in range(layout.num_layers)]
+        self.values = [mx.zeros(self._v_shape(num_blocks), layout.dtype) for _ in range(layout.num_layers)]
         mx.eval(self.keys, self.values)
         self._heads = mx.arange(layout.n_kv_heads)
+
+    def _k_shape(self, num_blocks: int) -> tuple[int, ...]:
+        return num_blocks, self.layout.n_kv_heads, self.layout.block_size, self.layout.head_dim
+
+    def _v_shape(self, num_blocks: int) -> tuple[int, ...]:
+        return num_blocks, self.layout.num_v_heads, self.layout.block_size, self.layout.v_head_dim
 
     def grow(self, num_blocks: int) -> None:
         """Hold `num_blocks` blocks, the new ones zeros; a layer at a time, so a growth
@@ -63,10 +92,9 @@ class KVPool:
         extra = num_blocks - self.num_blocks
         if extra <= 0:
             return
-        shape = (extra, self.layout.n_kv_heads, self.layout.block_size)
         for layer in range(self.layout.num_layers):
-            for pools, dim in ((self.keys, self.layout.head_dim), (self.values, self.layout.v_head_dim)):
-                pools[layer] = mx.concatenate([pools[layer], mx.zeros((*shape, dim), self.layout.dtype)])
+            for pools, shape in ((self.keys, self._k_shape(extra)), (self.values, self._v_shape(extra))):
+                pools[layer] = mx.concatenate([pools[layer], mx.zeros(shape, self.layout.dtype)])
                 mx.eval(pools[layer])
         self.num_blocks = num_blocks
 
@@ -94,26 +122,42 @@ class KVPool:
     def nbytes(self) -> int:
         return self.num_blocks * self.layout.bytes_per_block
 
-    def write(self, layer: int, block_ids: mx.array, offsets: mx.array, keys: mx.array, values: mx.array) -> None:
+    def write(self, layer: int, block_ids: mx.array, offsets: mx.array, keys: mx.array, values: mx.array,
+              view: PageView | None = None) -> None:
         """Scatter new K/V `[B, H, L, D]` to slots given as `[B, L]` block ids and in-block offsets."""
         blk = block_ids[..., None]
         off = offsets[..., None]
         # Index arrays broadcast to [B, L, H]; the values must be laid out the same.
-        self.keys[layer][blk, self._heads, off] = keys.transpose(0, 2, 1, 3)
-        self.values[layer][blk, self._heads, off] = values.transpose(0, 2, 1, 3)
+        if view is None:
+            self.keys[layer][blk, self._heads, off] = keys.transpose(0, 2, 1, 3)
+            self.values[layer][blk, self._heads, off] = values.transpose(0, 2, 1, 3)
+            return
+        self.keys[layer][blk, _heads(view.k_head, keys, view.k_split), off] = _to_units(keys, view.k_split)
+        if view.values == OWN:
+            self.values[layer][blk, _heads(view.v_head, values, view.v_split), off] = _to_units(values, view.v_split)
 
-    def gather(self, layer: int, block_tables: mx.array, length: int | None = None):
+    def gather(self, layer: int, block_tables: mx.array, length: int | None = None, view: PageView | None = None,
+               heads: int = 0):
         """Contiguous K/V `[B, H, T, D]` for block tables `[B, nb]`.
 
         T is nb * block_size, or `length` when given (a single sequence
         gathers exactly its context, which keeps results bit-identical to a
         contiguous cache). Contiguity matters: SDPA on a strided view was
-        measured 3-10x slower on CPU.
+        measured 3-10x slower on CPU. `view`: the slot's place in the page,
+        `heads` its real K heads.
         """
-        return (
-            self._gather_one(self.keys[layer], block_tables, length),
-            self._gather_one(self.values[layer], block_tables, length),
-        )
+        if view is None:
+            return (
+                self._gather_one(self.keys[layer], block_tables, length),
+                self._gather_one(self.values[layer], block_tables, length),
+            )
+        keys = _gather_units(self.keys[layer], block_tables, length, view.k_head, heads, view.k_split)
+        if view.values == KEYS:
+            return keys, keys
+        if view.values == EMPTY:
+            return keys, mx.zeros((*keys.shape[:1], view.v_heads, keys.shape[2], 0), keys.dtype)
+        v_heads = heads if view.v_heads == 0 else view.v_heads
+        return keys, _gather_units(self.values[layer], block_tables, length, view.v_head, v_heads, view.v_split)
 
     @staticmethod
     def _gather_one(pool: mx.array, block_tables: mx.array, length: int | None) -> mx.array:
@@ -155,6 +199,30 @@ class KVPool:
                 self.keys[layer][dst : dst + n] = run.keys[layer, src : src + n].astype(dtype)
                 self.values[layer][dst : dst + n] = run.values[layer, src : src + n].astype(dtype)
         mx.eval(self.keys, self.values)
+
+
+def _heads(first: int, x: mx.array, split: int) -> mx.array:
+    """The unit heads a slot's `[B, H, L, D]` takes, from `first` on."""
+    return mx.arange(first, first + x.shape[1] * split)
+
+
+def _to_units(x: mx.array, split: int) -> mx.array:
+    """`[B, H, L, D]` as `[B, L, H * split, D / split]`: each head cut into `split` unit heads."""
+    B, H, L, D = x.shape
+    x = x.transpose(0, 2, 1, 3)
+    return x if split == 1 else x.reshape(B, L, H * split, D // split)
+
+
+def _gather_units(pool: mx.array, block_tables: mx.array, length: int | None, first: int, heads: int,
+                  split: int) -> mx.array:
+    """A slot's `[B, heads, T, D]` from its unit heads `first..` of a page layer `[blocks, C, bs, U]`."""
+    B, nb = block_tables.shape
+    _, _, bs, U = pool.shape
+    tiles = pool[block_tables[..., None], mx.arange(first, first + heads * split)]  # [B, nb, heads*split, bs, U]
+    x = tiles.reshape(B, nb, heads, split, bs, U).transpose(0, 2, 1, 4, 3, 5).reshape(B, heads, nb * bs, split * U)
+    if length is not None and length < nb * bs:
+        x = mx.contiguous(x[:, :, :length, :])
+    return x
 
 
 def _segments(block_ids: list[int], blocks: list[BlockKV]) -> list[tuple[int, KVRun, int, int]]:

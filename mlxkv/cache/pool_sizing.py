@@ -13,6 +13,9 @@ from mlxkv.system.wired import MLXDevice
 # Without a size from the user, never hold more than this many full contexts.
 MAX_DEFAULT_CONTEXTS = 16
 DEFAULT_CONTEXT = 8192  # for a model that does not say
+# The budget of a pool whose blocks hold no bytes (a model of state slots
+# alone): nothing allocates them, and the scheduler's room is never short.
+STATELESS_BLOCKS = 1 << 20
 
 
 def checkpoint_budget(cfg: CacheConfig, layout: KVLayout, num_blocks: int) -> int:
@@ -22,6 +25,8 @@ def checkpoint_budget(cfg: CacheConfig, layout: KVLayout, num_blocks: int) -> in
     are `share / (1 - share)` of what the blocks take.
     """
     share = cfg.checkpoint_share
+    if not layout.bytes_per_block:  # state slots alone (Mamba): the checkpoints are the whole cache
+        return cfg.memory_budget_bytes or int(_usable_memory(physical_memory(), None) * DEFAULT_MEMORY_SHARE)
     return int(num_blocks * layout.bytes_per_block * share / (1 - share))
 
 
@@ -32,6 +37,8 @@ def size_pool(cfg: CacheConfig, layout: KVLayout, max_context: int | None, devic
     that is less than the memory. A hybrid model's blocks take the budget
     less its checkpoints' share; --num-blocks is taken as asked.
     """
+    if not layout.bytes_per_block:
+        return STATELESS_BLOCKS  # no attention slots: blocks hold nothing, only hashes name prefixes
     memory = physical_memory()
     blocks = _pool_blocks(cfg, layout, max_context, _usable_memory(memory, device))
     if layout.group_layout.has_recurrent and cfg.num_blocks is None:

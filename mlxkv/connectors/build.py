@@ -22,6 +22,7 @@ def build_connector(cache_config, fingerprint: bytes, layout):
             num_layers=layout.num_layers,
             dtype=str(layout.dtype).removeprefix("mlx.core."),
             budget_bytes=cache_config.disk_tier_bytes,
+            page=(layout.n_kv_heads, layout.head_dim, layout.num_v_heads, layout.v_head_dim),
         )
         if disk.disabled:  # it warned why; left in, it would show as an empty tier
             disk.close()

@@ -13,7 +13,9 @@ import logging
 import sys
 from collections.abc import Callable
 
-from mlx_lm.models.cache import ArraysCache, _BaseCache, create_attention_mask, make_prompt_cache  # noqa: F401
+from mlx_lm.models.cache import (  # noqa: F401
+    ArraysCache, CacheList, _BaseCache, create_attention_mask, create_causal_mask, make_prompt_cache,
+)
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +58,22 @@ def model_classes(model_type: str):
     return arch.Model, arch.ModelArgs
 
 
+def family_modules() -> list[str]:
+    """The names of mlx-lm's model modules (families, and a few shared helpers), without importing them:
+    importing one can end the process (olmo's, without its extra package)."""
+    import pkgutil
+
+    import mlx_lm.models
+
+    return sorted(m.name for m in pkgutil.iter_modules(mlx_lm.models.__path__))
+
+
+def family_classes(module: str):
+    """(Model, ModelArgs) of an mlx-lm model module by its own name; AttributeError for a helper module."""
+    arch = importlib.import_module(f"mlx_lm.models.{module}")
+    return arch.Model, arch.ModelArgs
+
+
 def model_file_patterns() -> list[str]:
     """The files mlx_lm.load reads from a model repository."""
     from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS
@@ -73,3 +91,30 @@ def load_tokenizer(path: str, eos_token_ids=None):
 def cache_layout(model) -> list:
     """The model's own cache objects, one per cache slot: what it would run mlx-lm with."""
     return make_prompt_cache(model)
+
+
+def layer_cache(window: int):
+    """deepseek_v41's own per-layer cache (its sliding window, compressed KV and index keys)."""
+    from mlx_lm.models.deepseek_v41 import LayerCache  # deferred: only that family has it
+
+    return LayerCache(window)
+
+
+# LayerCache's arrays, in the order a state checkpoint keeps them.
+LAYER_CACHE_FIELDS = ("window", "compress_kv", "index_k", "pending_kv", "pending_gate")
+
+# Families whose own code misplaces the rows of a batch padded to its longest
+# row, so their decode rows run one at a time (the family sweep,
+# tests/models/test_family_sweep.py, compares a batch with solo runs):
+ONE_ROW_FAMILIES = {
+    "afm7": "its KV-reuse layers take the rotary offset from the fetched K's length",
+    "minimax_m3_vl": "its indexer places queries at the end of the fetched K",
+    "gemma2": "its attention groups queries per KV head, which a [B, 1, L, T] mask does not broadcast over",
+    "gpt_bigcode": "its position ids are numpy ranges from one offset",
+    "phi3small": "its block-sparse layers place queries at the end of the fetched K",
+}
+
+
+def batches_rows(model_type: str) -> bool:
+    """Whether decode rows of this family can share one forward (see ONE_ROW_FAMILIES)."""
+    return model_type not in ONE_ROW_FAMILIES

@@ -12,6 +12,7 @@ import mlx.nn as nn
 
 from mlxkv.cache.kv_pool import KVLayout
 from mlxkv.cache.layer_groups import GroupLayout, group_layout
+from mlxkv.cache.page_format import EMPTY, KEYS, OWN, KVShape
 from mlxkv.errors import MlxkvError, first_line
 from mlxkv.models import compat
 from mlxkv.models.fetch import local_model
@@ -76,7 +77,7 @@ def load_tokenizer(name: str):
 
 
 def check_supported(loaded: LoadedModel) -> GroupLayout:
-    """The model's layer groups; MlxkvError naming what mlxkv cannot page."""
+    """The model's layer groups (before probing shapes); MlxkvError naming what mlxkv cannot page."""
     if not hasattr(loaded.model, "layers"):
         raise MlxkvError(f"unsupported model family {loaded.model_type!r}: no .layers to page")
     try:
@@ -89,31 +90,81 @@ def probe_kv_layout(loaded: LoadedModel, block_size: int) -> KVLayout:
     """Run one token through the model to learn what its layers store.
 
     Reading shapes off configs differs per family; what `update_and_fetch`
-    receives, on the model's own cache objects, is the ground truth. Every
-    attention layer must store the same shape: they share the pool's pages.
+    receives, on the model's own cache objects, is the ground truth: each
+    attention slot's K/V shape (slots of different shapes share pages,
+    cache/page_format.py), whether it stores values at all, the window a
+    sliding slot's mask asks for, and which slots the model never writes.
     """
-    layout = check_supported(loaded)
+    check_supported(loaded)
     caches = compat.cache_layout(loaded.model)
-    seen: dict[int, tuple] = {}
-    for slot, cache in enumerate(caches):
-        if slot not in layout.recurrent:
-            cache.update_and_fetch = _recording(cache.update_and_fetch, seen, slot)
+    seen: dict = {}
+    windows: dict[int, int] = {}
+    leaves = _attention_leaves(caches)
+    for path, cache in leaves:
+        cache.update_and_fetch = _recording(cache.update_and_fetch, seen, path)
+        if type(cache).__name__ == "RotatingKVCache":
+            cache.make_mask = _asking(cache.make_mask, windows, int(cache.max_size))
     mx.eval(loaded.model(mx.array([[0]]), cache=caches))
-    missing = [slot for slot in range(len(caches)) if slot not in seen and slot not in layout.recurrent]
-    if missing:
-        raise MlxkvError(f"unsupported model family {loaded.model_type!r}: cache slots {missing[:4]} "
-                         "do not use the KV cache protocol")
-    shapes = {(k[1], k[3], v[3], dtype) for k, v, dtype in seen.values()}
-    if len(shapes) > 1:
-        raise MlxkvError(f"unsupported model family {loaded.model_type!r}: its layers store K/V of "
-                         f"{len(shapes)} different shapes, and mlxkv pages one shape per pool")
-    ((n_kv_heads, head_dim, v_head_dim, dtype),) = shapes
-    return KVLayout(layout.page_layers, n_kv_heads, head_dim, v_head_dim, block_size, dtype, layout)
+    dtypes = {dtype for _, _, _, dtype in seen.values()}
+    if len(dtypes) > 1:
+        raise MlxkvError(f"unsupported model family {loaded.model_type!r}: its layers store K/V in "
+                         f"{len(dtypes)} dtypes, and mlxkv pages one")
+    shapes = {path: _shape(*seen[path][:3]) for path, _ in leaves if path in seen}
+    unused = tuple(path for path, _ in leaves if path not in seen)
+    try:
+        layout = group_layout(caches, shapes, windows, unused, compat.batches_rows(loaded.model_type))
+    except MlxkvError as e:
+        raise MlxkvError(f"unsupported model family {loaded.model_type!r}: {e}") from None
+    dtype = dtypes.pop() if dtypes else _state_dtype(caches)
+    if not layout.groups:  # state slots alone (Mamba, RWKV-7): no pages
+        return KVLayout(0, 1, 1, 1, block_size, dtype, layout)
+    if layout.page is not None:
+        page = layout.page
+        return KVLayout(layout.page_layers, page.k_heads, page.k_dim, page.v_dim, block_size, dtype, layout,
+                        page.v_heads)
+    shape = next(iter(shapes.values()))
+    return KVLayout(layout.page_layers, shape.k_heads, shape.k_dim, shape.v_dim, block_size, dtype, layout)
 
 
-def _recording(update_and_fetch, seen: dict, slot: int):
+def _attention_leaves(caches: list) -> list[tuple]:
+    """(slot, cache) of every cache object that speaks the KV protocol, parts of a CacheList as (slot, part)."""
+    leaves = []
+    for slot, cache in enumerate(caches):
+        parts = [(slot, cache)] if type(cache).__name__ != "CacheList" else list(
+            ((slot, i), part) for i, part in enumerate(cache.caches))
+        leaves += [(path, c) for path, c in parts if hasattr(c, "update_and_fetch")
+                   and type(c).__name__ not in ("ArraysCache", "LayerCache")]
+    return leaves
+
+
+def _shape(keys_shape, values_shape, same: bool) -> KVShape:
+    values = KEYS if same else EMPTY if values_shape[3] == 0 else OWN
+    return KVShape(keys_shape[1], keys_shape[3], values_shape[1], values_shape[3], values)
+
+
+def _state_dtype(caches: list):
+    """The dtype of a state-only model's states, after the probe's token."""
+    for cache in caches:
+        for array in getattr(cache, "cache", ()):
+            if array is not None:
+                return array.dtype
+    return mx.float32
+
+
+def _recording(update_and_fetch, seen: dict, path):
     def record(keys, values):
-        seen[slot] = (keys.shape, values.shape, keys.dtype)
+        seen[path] = (keys.shape, values.shape, values is keys, keys.dtype)
         return update_and_fetch(keys, values)
 
     return record
+
+
+def _asking(make_mask, windows: dict[int, int], size: int):
+    """make_mask, noting a window the model asks for other than its cache's size (plamo3 asks size + 1)."""
+    def ask(*args, **kwargs):
+        window = kwargs.get("window_size")
+        if window is not None and window != size:
+            windows[size] = window
+        return make_mask(*args, **kwargs)
+
+    return ask

@@ -23,8 +23,9 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from mlxkv.errors import MlxkvError
 from mlxkv.models import compat
-from mlxkv.models.tiny_families import (
-    FAMILIES, RECURRENT_FAMILIES, WINDOWED_FAMILIES, family_config, mixer_scale, mlp_layers,
+from mlxkv.models.tiny_families import (  # noqa: F401  (RECURRENT_FAMILIES: the tests take it from here)
+    FAMILIES, MIN_LAYERS, RECURRENT_FAMILIES, TEXT_CONFIG_FAMILIES, WINDOWED_FAMILIES, family_config, mixer_scale,
+    mlp_layers,
 )
 from mlxkv.system.machine import physical_memory
 from mlxkv.system.paths import cache_root
@@ -92,8 +93,9 @@ class TinyModelSpec:
                 raise MlxkvError(f"{field.name} must be an integer >= {low}, got {value!r}")
 
     def _check_shapes(self) -> None:
-        if self.family in WINDOWED_FAMILIES + RECURRENT_FAMILIES and self.num_layers < 2:
-            raise MlxkvError(f"{self.family} needs num_layers >= 2 (one full-attention layer, one other)")
+        least = MIN_LAYERS.get(self.family, 1)
+        if self.num_layers < least:
+            raise MlxkvError(f"{self.family} needs num_layers >= {least} (a full-attention layer, and others)")
         if self.num_heads % self.num_kv_heads:
             raise MlxkvError(f"num_heads ({self.num_heads}) must be a multiple of "
                              f"num_kv_heads ({self.num_kv_heads})")
@@ -143,7 +145,7 @@ TINY_SPEC = TinyModelSpec(hidden_size=128, vocab_size=1024)
 def model_config(spec: TinyModelSpec) -> dict:
     """The config.json contents; mlx-lm's ModelArgs.from_dict ignores extra keys."""
     head_dim = spec.resolved_head_dim
-    return {
+    config = {
         "model_type": spec.family,
         "hidden_size": spec.hidden_size,
         "num_hidden_layers": spec.num_layers,
@@ -165,22 +167,35 @@ def model_config(spec: TinyModelSpec) -> dict:
         "mlxkv_tiny_model": dataclasses.asdict(spec),
         **family_config(spec),
     }
+    if spec.family in TEXT_CONFIG_FAMILIES:  # the model reads its keys under text_config
+        config["text_config"] = {k: v for k, v in config.items() if k != "mlxkv_tiny_model"}
+        config.pop("rope_scaling", None)  # transformers warns of it at the top level
+    return config
 
 
 def _random_weights(config: dict, spec: TinyModelSpec) -> dict[str, mx.array]:
-    """Weights named and shaped by mlx-lm's own class, drawn from `spec.seed`.
+    """Weights named and shaped by mlx-lm's own class, drawn from `spec.seed`."""
+    model_class, args_class = compat.model_classes(spec.family)
+    return random_weights(model_class(args_class.from_dict(config)), spec.seed, DTYPES[spec.dtype])
+
+
+def random_weights(model, seed: int, dtype: mx.Dtype | None = None) -> dict[str, mx.array]:
+    """Weights for every parameter of `model` (an mlx-lm class), drawn from `seed`, in `dtype`
+    (None: each parameter's own).
 
     The class's initialisers use the global RNG; we redraw every random
     tensor from an explicit key so no global state is touched or relied on.
     """
-    model_class, args_class = compat.model_classes(spec.family)
-    params = sorted(tree_flatten(model_class(args_class.from_dict(config)).parameters()))
-    keys = mx.random.split(mx.random.key(spec.seed), len(params))
+    params = sorted(tree_flatten(model.parameters()))
+    params_dtype = {name: value.dtype for name, value in params}
+    keys = mx.random.split(mx.random.key(seed), len(params))
     weights = {}
     for key, (name, value) in zip(keys, params):
-        if value.ndim >= 2:
+        if value.dtype == mx.uint32:  # packed quantized weights: random bits
+            value = mx.random.randint(0, 2**31, value.shape, key=key).astype(mx.uint32)
+        elif value.ndim >= 2:
             # std 1/sqrt(fan_in) keeps activations O(1).
-            gain = _RESIDUAL_GAINS.get(name.split(".")[-2], 1.0)
+            gain = _RESIDUAL_GAINS.get(name.split(".")[-2] if "." in name else name, 1.0)
             value = gain * mx.random.normal(value.shape, key=key) / value.shape[-1] ** 0.5
         elif name.endswith(".bias"):
             value = 0.02 * mx.random.normal(value.shape, key=key)
@@ -189,7 +204,8 @@ def _random_weights(config: dict, spec: TinyModelSpec) -> dict[str, mx.array]:
         elif name.endswith(".A_log"):  # state decay rates (Mamba, gated delta net): the classes draw them globally
             value = mx.log(mx.random.uniform(1.0, 16.0, value.shape, key=key))
         # Other 1-D tensors are norm scales, constants in every class.
-        weights[name] = value.astype(DTYPES[spec.dtype])
+        floating = mx.issubdtype(value.dtype, mx.floating)
+        weights[name] = value.astype(dtype or params_dtype[name]) if floating else value
     mx.eval(weights)
     return weights
 

@@ -93,13 +93,17 @@ def test_windows_benchmark_rows():
     from mlxkv.benchmarks.windows import KV_GOAL, run_windows_benchmark
 
     spec = TinyModelSpec(family="gemma3_text", num_layers=6, sliding_pattern=6, sliding_window=32, seed=4)
-    rows = run_windows_benchmark(context=200, prefix=96, rounds=1, spec=spec, log=lambda _: None)
-    kv, ttft = rows
+    gemma4 = TinyModelSpec(family="gemma4_text", num_layers=5, sliding_pattern=5, sliding_window=32, seed=4)
+    rows = run_windows_benchmark(context=200, prefix=96, rounds=1, spec=spec, gemma4=gemma4, log=lambda _: None)
+    kv, ttft, kv4 = rows
     assert "gemma3_text 6 layers" in kv["model"] and "sliding32:0" in kv["model"]
     # Bytes, not speed: the sliding layers hold their window, as mlx-lm's RotatingKVCache does.
     assert kv["ratio"] <= KV_GOAL and kv["met"]
     assert kv["all_full_bytes"] > 2 * kv["ours"] * 2**20
     assert ttft["cached_tokens"] == 96
+    # Gemma 4's wider global head shares pages with the sliding layers' (two per page layer).
+    assert "sliding32[k2x16v2x16/2]:0,1" in kv4["model"] and "full[k2x32v2x32/1]:4" in kv4["model"]
+    assert kv4["ratio"] <= KV_GOAL and kv4["met"], kv4
 
 
 def test_hybrid_benchmark_rows():

@@ -51,6 +51,12 @@ def test_recurrent_slots_take_no_pages():
     assert not group_layout([ArraysCache(2), KVCache()]).is_plain
 
 
-def test_a_model_of_recurrent_layers_alone_is_refused():
-    with pytest.raises(MlxkvError, match="only recurrent state"):
-        group_layout([ArraysCache(2), ArraysCache(2)])
+def test_a_model_of_state_slots_alone_has_no_attention_groups():
+    layout = group_layout([ArraysCache(2), ArraysCache(2)])
+    assert layout.groups == () and layout.page_layers == 0 and layout.recurrent == (0, 1)
+    assert layout.describe() == "pages of 0; recurrent:0x2,1x2"
+
+
+def test_a_model_that_keeps_no_cache_is_refused():
+    with pytest.raises(MlxkvError, match="keeps no cache"):
+        group_layout([])

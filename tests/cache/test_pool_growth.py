@@ -145,3 +145,15 @@ def test_an_idle_engine_gives_memory_back_and_answers_the_same(llama):
         again = engine.generate(prompt + [7], max_tokens=6)
         assert again.tokens == reference(prompt + [7], 6)
         assert sum(again.stats.cached_tokens.values()) == len(prompt) // 16 * 16
+
+
+def test_a_model_of_states_alone_budgets_checkpoints_not_blocks():
+    from mlxkv.cache.kv_pool import KVLayout
+    from mlxkv.cache.pool_sizing import STATELESS_BLOCKS, checkpoint_budget, size_pool
+    import mlx.core as mx
+
+    layout = KVLayout(0, 1, 1, 1, 16, mx.float32)  # no page layers: blocks hold nothing
+    assert layout.bytes_per_block == 0
+    assert size_pool(CacheConfig(num_blocks=8), layout, max_context=None) == STATELESS_BLOCKS
+    assert checkpoint_budget(CacheConfig(memory_budget_bytes=1 << 30), layout, STATELESS_BLOCKS) == 1 << 30
+    assert checkpoint_budget(CacheConfig(), layout, STATELESS_BLOCKS) > 0

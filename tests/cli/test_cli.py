@@ -184,15 +184,15 @@ def test_unknown_model_and_unsupported_family(tmp_path, llama_dir, monkeypatch, 
     out = mlxkv("generate", "--model", str(tmp_path / "missing"), "--prompt", "hi")
     assert out.returncode == 2 and "model not found" in out.stderr
     from mlx_lm.models import llama
-    from mlx_lm.models.cache import ChunkedKVCache
+    from mlx_lm.models.cache import QuantizedKVCache
 
     from mlxkv.cli import main
 
-    monkeypatch.setattr(llama.Model, "make_cache", lambda self: [ChunkedKVCache(64) for _ in self.layers],
+    monkeypatch.setattr(llama.Model, "make_cache", lambda self: [QuantizedKVCache() for _ in self.layers],
                         raising=False)
     assert main(["generate", "--model", llama_dir, "--prompt", "hi"]) == 2
     (line,) = capsys.readouterr().err.strip().splitlines()
-    assert line.startswith("mlxkv: error: unsupported model family 'llama': mlxkv does not page chunked")
+    assert line.startswith("mlxkv: error: unsupported model family 'llama': mlxkv does not page quantized")
 
 
 def test_demo_model_runs_offline():

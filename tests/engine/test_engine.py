@@ -6,7 +6,7 @@ import threading
 
 import mlx.core as mx
 import pytest
-from mlx_lm.models.cache import CacheList, ChunkedKVCache, KVCache, QuantizedKVCache, RotatingKVCache
+from mlx_lm.models.cache import CacheList, ConcatenateKVCache, KVCache, QuantizedKVCache, RotatingKVCache
 
 import mlxkv.attention.dispatch
 from mlxkv.config import CacheConfig
@@ -226,8 +226,8 @@ def test_a_fitted_chat_leaves_its_reply_room_in_the_context(short_context):
 
 
 @pytest.mark.parametrize(("cache", "missing"), [
-    (lambda: ChunkedKVCache(64), "chunked local attention (ChunkedKVCache)"),
-    (lambda: CacheList(KVCache(), KVCache()), "composite caches (CacheList)"),
+    (lambda: CacheList(CacheList(KVCache()), KVCache()), "a CacheList inside a CacheList"),
+    (lambda: ConcatenateKVCache(), "ConcatenateKVCache layers"),
     (lambda: QuantizedKVCache(), "quantized KV (QuantizedKVCache)"),
     (lambda: RotatingKVCache(64, keep=4), "keeps its first 4 tokens"),
 ])

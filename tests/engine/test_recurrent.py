@@ -4,15 +4,15 @@ preemption, and after a restart from the SSD tier."""
 
 from __future__ import annotations
 
-import json
 import shutil
-import subprocess
-import sys
 
 import pytest
 import safetensors
 
-from family_support import model_with_oracle, prompt_of
+from family_support import (
+    assert_a_restart_resumes_the_chat, assert_next_turn_reuses_the_first, model_with_oracle, prompt_of,
+    run_in_new_process,
+)
 from mlxkv.cache.checkpoints import checkpoint_key
 from mlxkv.cache.hashing import extend_block_hashes, root_hash
 from mlxkv.config import CacheConfig
@@ -56,14 +56,8 @@ def test_cold_prompts_match_mlx_lm(family, length):
 
 def test_a_second_chat_turn_reuses_the_whole_first_turn(family):
     _, loaded, reference = family
-    engine = engine_for(loaded)
-    first = prompt_of(75)
-    turn1 = engine.generate(first, max_tokens=20)
-    second = first + turn1.tokens + prompt_of(9, salt=3)
-    turn2 = engine.generate(second, max_tokens=20)
     # The reply's last full block: a checkpoint taken where the first turn left.
-    assert turn2.stats.cached_tokens["pool"] == (len(first) + len(turn1.tokens)) // BLOCK * BLOCK
-    assert turn2.tokens == reference(second, 20)
+    assert_next_turn_reuses_the_first(engine_for(loaded), reference, BLOCK)
 
 
 @pytest.mark.parametrize("extra", [1, BLOCK + 3, 3 * BLOCK])
@@ -138,38 +132,10 @@ def test_evicted_checkpoints_come_back_from_the_memory_tier(family):
 
 # -- the SSD tier: restart, faults --------------------------------------------------
 
-RUN_ONCE = """
-import json, sys
-from mlxkv.config import CacheConfig
-from mlxkv.engine.engine import Engine
-path, disk, prompt = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
-config = CacheConfig(block_size=16, num_blocks=128, disk_tier=disk, checkpoint_interval=32,
-                     checkpoint_write_ratio=float(sys.argv[4]))
-with Engine.load(path, config) as engine:
-    r = engine.generate(prompt, max_tokens=16)
-print(json.dumps({"tokens": r.tokens, "cached": r.stats.cached_tokens}))
-"""
-
-
-def run_in_new_process(path: str, disk, prompt: list[int], write_ratio: float = 0.0) -> dict:
-    """One request in a new process; write_ratio 0: every checkpoint a request leaves goes to SSD."""
-    out = subprocess.run([sys.executable, "-c", RUN_ONCE, path, str(disk), json.dumps(prompt), str(write_ratio)],
-                         capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr
-    return json.loads(out.stdout.splitlines()[-1])
-
-
 @pytest.mark.slow  # three processes per family
 def test_a_new_process_restores_a_chat_from_the_ssd_tier(family, tmp_path):
     path, _, reference = family
-    first = prompt_of(75)
-    turn1 = run_in_new_process(path, tmp_path / "kv", first)
-    assert turn1["tokens"] == reference(first, 16)
-    # A restart, then the chat's next turn: the whole first turn comes from disk.
-    second = first + turn1["tokens"] + prompt_of(9, salt=3)
-    turn2 = run_in_new_process(path, tmp_path / "kv", second)
-    assert turn2["cached"]["disk"] == (len(first) + len(turn1["tokens"])) // BLOCK * BLOCK
-    assert turn2["tokens"] == reference(second, 16)
+    second, turn2 = assert_a_restart_resumes_the_chat(path, tmp_path / "kv", reference, BLOCK)
     # Restarted again, the same prompt again: the first turn's end is still on disk
     # (only the checkpoint a request leaves is written through).
     assert run_in_new_process(path, tmp_path / "kv", second) == turn2

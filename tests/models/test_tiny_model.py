@@ -18,6 +18,7 @@ from mlxkv.models import tiny as tiny_model
 from mlxkv.models.fetch import local_model
 from mlxkv.errors import MlxkvError
 from mlxkv.models.tiny import TinyModelSpec, write_tiny_model
+from mlxkv.models.tiny_families import MIN_LAYERS
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +27,17 @@ def written(tmp_path_factory):
     root = tmp_path_factory.mktemp("families")
     # Seed 0 of qwen3_next happens to say end-of-text first; seed 1 does not.
     seeds = {"qwen3_next": 1}
-    return {f: write_tiny_model(root / f, TinyModelSpec(family=f, seed=seeds.get(f, 0))) for f in tiny_model.FAMILIES}
+    return {f: write_tiny_model(root / f, spec_of(f, seed=seeds.get(f, 0))) for f in tiny_model.FAMILIES}
+
+
+def spec_of(family: str, **fields) -> TinyModelSpec:
+    """The default spec of a family, with the layers it needs (Llama 4: a full layer every fourth)."""
+    return TinyModelSpec(family=family, num_layers=max(2, MIN_LAYERS.get(family, 1)), **fields)
+
+
+# The families of the newer cache rules, and their caches' types.
+NEWER_RULES = {"deepseek_v32": {"CacheList"}, "llama4": {"ChunkedKVCache", "KVCache"}, "falcon_h1": {"CacheList"},
+               "mamba2": {"ArraysCache"}}
 
 
 def _digests(path):
@@ -60,6 +71,8 @@ def test_windowed_families_slide_some_layers_by_the_spec_window_and_the_rest_use
             assert kinds == {("KVCache", None), ("RotatingKVCache", TinyModelSpec().sliding_window)}, family
         elif family in tiny_model.RECURRENT_FAMILIES:
             assert kinds == {("KVCache", None), ("ArraysCache", None)}, family
+        elif family in NEWER_RULES:
+            assert {k for k, _ in kinds} == NEWER_RULES[family], family
         else:
             assert kinds == {("KVCache", None)}, family
 
@@ -141,7 +154,7 @@ def test_the_size_check_counts_the_parameters_the_model_has(written, family):
     on_disk = mx.load(str(written[family] / "model.safetensors"))
     actual = sum(a.size for a in on_disk.values())
     # An upper bound: gemma ties its head to the embedding, starcoder2's MLP has two matrices.
-    assert 0.95 * actual <= TinyModelSpec(family=family).approx_parameters <= 1.35 * actual
+    assert 0.95 * actual <= spec_of(family).approx_parameters <= 1.35 * actual
 
 
 def test_custom_head_dim(tmp_path):

@@ -23,6 +23,14 @@ under 1/write_ratio of the KV bytes. The newest leaving checkpoint of each
 chain that was not written is kept aside and written on a clean close or
 when the engine goes idle (`write_pending`), so a restarted short chat
 resumes at its last turn; a crash loses at most what the ratio allows.
+A model of state slots alone (Mamba, RWKV-7) has no KV to weigh a
+checkpoint against: one is written through once `write_ratio` checkpoint
+intervals of tokens have passed since the anchor, so a crash recomputes
+at most that many.
+
+The states are mlx-lm's `ArraysCache` arrays, or deepseek_v41's
+`LayerCache` fields: their lengths grow with the context, so such rows
+are never stacked (the layout runs them one at a time).
 """
 
 from __future__ import annotations
@@ -143,15 +151,26 @@ class RecurrentManager:
     def batch_states(self, request_ids: list[int]) -> list[list[mx.array | None]]:
         """Per slot, per state array: the rows' states stacked along the batch."""
         rows = [self._running[r].states for r in request_ids]
-        return [[_stacked([row[j][e] if row is not None else None for row in rows]) for e in range(size)]
+        return [[_stacked([_array(row, j, e) for row in rows]) for e in range(size)]
                 for j, size in enumerate(self.state_sizes)]
 
-    def record(self, seqs: list[Sequence], new_states: list[list[mx.array | None]]) -> None:
-        """Take back each row's new states after a step, keeping a snapshot at a block boundary."""
-        one = len(seqs) == 1
-        for i, seq in enumerate(seqs):
+    def stackable(self, request_ids: list[int]) -> bool:
+        """Whether the rows' states stack along the batch: every array of a slot the same shape
+        in every row, or None in all. A state that grows (an n-gram context) or has not started
+        beside one that has would be misread if padded or zero-filled, so such rows run apart."""
+        rows = [self._running[r].states for r in request_ids]
+        for j, size in enumerate(self.state_sizes):
+            for e in range(size):
+                shapes = {None if a is None else a.shape for a in (_array(row, j, e) for row in rows)}
+                if len(shapes) > 1:
+                    return False
+        return True
+
+    def record(self, seqs: list[Sequence], new_states: list[States]) -> None:
+        """Take back each row's new states (batch of one each) after a step, keeping a snapshot at a block boundary."""
+        for seq, states in zip(seqs, new_states):
             run = self._running[seq.request_id]
-            run.states = tuple(tuple(a if one or a is None else a[i : i + 1] for a in slot) for slot in new_states)
+            run.states = states
             if seq.num_computed % self.block_size == 0:
                 run.snapshots[seq.num_computed] = run.states
                 while len(run.snapshots) > SNAPSHOTS_KEPT:
@@ -196,8 +215,12 @@ class RecurrentManager:
         self.store.set_anchor(checkpoint.key, run.anchor)
 
     def _worth_writing(self, checkpoint: Checkpoint, anchor: int) -> bool:
-        kv_since = (checkpoint.boundary - anchor) * self.kv_bytes_per_token
-        return self.write_ratio <= 0 or kv_since >= self.write_ratio * checkpoint.nbytes
+        since = checkpoint.boundary - anchor
+        if self.write_ratio <= 0:
+            return True
+        if not self.kv_bytes_per_token:  # state alone (Mamba): one write per `write_ratio` intervals
+            return since >= self.write_ratio * self.interval
+        return since * self.kv_bytes_per_token >= self.write_ratio * checkpoint.nbytes
 
     def _write(self, checkpoint: Checkpoint) -> bool:
         try:
@@ -218,11 +241,15 @@ class RecurrentManager:
         return len(self._unwritten)
 
 
-def _stacked(arrays: list) -> mx.array | None:
-    """Rows stacked along the batch; a row not started yet is zeros, as a fresh state is."""
-    if len(arrays) == 1:
-        return arrays[0]
-    first = next((a for a in arrays if a is not None), None)
-    if first is None:
+def _array(row: States | None, slot: int, i: int) -> mx.array | None:
+    """Array i of a row's state slot; a state read back from a file drops trailing None arrays."""
+    if row is None or i >= len(row[slot]):
         return None
-    return mx.concatenate([a if a is not None else mx.zeros_like(first) for a in arrays])
+    return row[slot][i]
+
+
+def _stacked(arrays: list) -> mx.array | None:
+    """Rows stacked along the batch (they are `stackable`: all arrays of one shape, or all None)."""
+    if len(arrays) == 1 or arrays[0] is None:
+        return arrays[0]
+    return mx.concatenate(arrays)

@@ -91,11 +91,12 @@ class DiskKVCacheConnector:
         max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES,
         tier_name: str = DISK,
         read_io=None,
+        page: tuple[int, int, int, int] | None = None,
     ):
         if not isinstance(fingerprint, bytes) or len(fingerprint) != cache_dir.HASH_LEN:
             raise ValueError("the model fingerprint must be 32 bytes")
-        if block_size < 1 or num_layers < 1:
-            raise ValueError("block_size and num_layers must be positive")
+        if block_size < 1 or num_layers < 0:  # no layers: a model of state slots alone (checkpoints)
+            raise ValueError("block_size must be positive and num_layers not negative")
         if budget_bytes is not None and budget_bytes < 0:
             raise ValueError("budget_bytes must be >= 0 (or None for no budget)")
         self.root = Path(directory).expanduser()
@@ -104,7 +105,7 @@ class DiskKVCacheConnector:
         self.num_layers = num_layers
         self.dtype = _normalize_dtype(dtype)
         self._mx_dtype, np_dtype = _DTYPES[self.dtype]
-        self.spec = FileSpec(fingerprint, block_size, num_layers, self.dtype, np_dtype)
+        self.spec = FileSpec(fingerprint, block_size, num_layers, self.dtype, np_dtype, page)
         self.budget_bytes = budget_bytes
         self.max_pending_bytes = max_pending_bytes
         self.tier_name = tier_name
@@ -307,7 +308,7 @@ class DiskKVCacheConnector:
             shape = tuple(a.shape)
             if len(shape) != 5 or shape[0] != self.num_layers or shape[3] != self.block_size:
                 raise ValueError(f"expected KV of shape {self._shape_hint}, got {[shape[0], *shape[2:]]}")
-        if keys.shape[:4] != values.shape[:4]:
+        if keys.shape[:2] != values.shape[:2]:
             raise ValueError(f"keys {keys.shape} and values {values.shape} do not match")
         return self._numpy(keys), self._numpy(values)
 

@@ -61,6 +61,7 @@ class FileSpec:
     num_layers: int
     dtype: str  # the real dtype (bfloat16 is stored as uint16 bits)
     np_dtype: np.dtype
+    page: tuple[int, int, int, int] | None = None  # a page layer's (K heads, K dim, V heads, V dim); None: any
 
     def fixed_metadata(self) -> dict[str, str]:
         """The fields every file of the tier has in common."""
@@ -290,8 +291,12 @@ def decode(spec: FileSpec, data: np.ndarray, name: bytes) -> RunData:
         raise CorruptBlockError(f"stored dtype {keys.dtype}/{values.dtype}")
     if len(shape) != 5 or shape[0] != spec.num_layers or shape[1] != len(hashes) or shape[3] != spec.block_size:
         raise CorruptBlockError(f"shape {shape} for {len(hashes)} blocks")
-    if values.shape[:4] != shape[:4]:
+    # K and V apart: their head counts and dims may differ, never their layers, blocks or block size.
+    if len(values.shape) != 5 or values.shape[:2] != shape[:2] or values.shape[3] != shape[3]:
         raise CorruptBlockError(f"values shape {values.shape} does not match keys shape {shape}")
+    if spec.page is not None and (shape[2], shape[4], values.shape[2], values.shape[4]) != spec.page:
+        raise CorruptBlockError(f"pages of {shape[2]}x{shape[4]} / {values.shape[2]}x{values.shape[4]}, "
+                                f"expected {spec.page}")
     group = meta.get("group", "0")  # files written before layer groups hold group 0's
     if not (isinstance(group, str) and group.isdigit()):
         raise CorruptBlockError(f"metadata group={group!r}")

@@ -7,6 +7,7 @@ import pytest
 
 from mlxkv.cache.block_pool import BlockPool
 from mlxkv.cache.groups.base import Presence
+from mlxkv.cache.groups.chunked import ChunkedAttentionManager
 from mlxkv.cache.groups.full import FullAttentionManager
 from mlxkv.cache.groups.sliding import SlidingWindowManager
 from mlxkv.cache.hashing import group_hash
@@ -136,3 +137,39 @@ def test_a_sliding_group_lets_go_of_registered_blocks_its_window_passed():
     assert not manager.slots_ahead()
     assert manager.peak_blocks(1000, chunk=64) == 7  # window + chunk (6 blocks), and a partial one
     assert manager.peak_blocks(40, chunk=64) == 3
+
+
+# -- chunked local attention ------------------------------------------------------
+
+
+def chunked(chunk, index=1, pool=None):
+    return ChunkedAttentionManager(KVGroup(index, None, (0,), chunk=chunk), pool or BlockPool(64), BLOCK)
+
+
+@pytest.mark.parametrize(("chunk", "position", "first_block"), [
+    (64, 0, 0), (64, 63, 0), (64, 64, 4), (64, 100, 4),
+    (24, 47, 1), (24, 48, 3),  # a chunk that ends inside a block: from the block holding its start
+])
+def test_a_chunked_query_needs_the_blocks_from_its_chunk_start(chunk, position, first_block):
+    assert chunked(chunk).first_needed(position) == first_block
+
+
+def test_a_chunked_hit_needs_its_chunk_so_far_and_nothing_at_a_chunk_start():
+    manager = chunked(64)
+    cache(manager, [5])  # half the chunk 64..127 so far, before token 6 * 16: block 4 is missing
+    assert manager.longest_hit(HASHES, 6, Presence(manager.pool)) == 4  # 64 starts the chunk: nothing needed
+    cache(manager, [4])
+    assert manager.longest_hit(HASHES, 6, Presence(manager.pool)) == 6
+    assert manager.longest_hit(HASHES, 7, Presence(manager.pool)) == 6  # 7 needs 4..6: 6 is missing
+    assert manager.needs(HASHES, 8).pool == [] and manager.needs(HASHES, 8).tiers == []  # 8 * 16 starts a chunk
+    assert manager.longest_hit(HASHES, 8, Presence(BlockPool(4))) == 8  # so it hits with nothing cached
+
+
+def test_a_chunked_group_lets_go_of_the_blocks_before_its_chunk():
+    manager = chunked(32)
+    blocks = manager.pool.allocate(5)
+    manager.start(4, 0, [])
+    manager.extend(4, blocks)
+    assert manager.passed(4, num_computed=70, registered=5) == [0, 1, 2, 3]  # 70's chunk starts at 64
+    assert manager.passed(4, num_computed=63, registered=5) == [0, 1]
+    assert manager.peak_blocks(1000, chunk=64) == 7 and manager.peak_blocks(40, chunk=64) == 3

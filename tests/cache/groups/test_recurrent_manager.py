@@ -72,7 +72,7 @@ def run_prefill(m, seq, stops):
     m.start(seq.request_id, None, 0)
     for stop in stops:
         seq.num_computed = stop
-        m.record([seq], [[mx.full((1, 2), float(stop)), None], [mx.full((1, 3), float(stop))]])
+        m.record([seq], [((mx.full((1, 2), float(stop)), None), (mx.full((1, 3), float(stop)),))])
         m.register(seq, min(seq.num_computed, len(seq.prompt)), every=True)
 
 
@@ -131,32 +131,45 @@ def test_a_tiers_own_checkpoints_are_learned_and_loaded_into_the_store():
     assert m.batch_states([5])[0][0].tolist() == [[1.5, 1.5]]
 
 
-def test_batch_states_stack_rows_and_a_fresh_row_is_zeros():
+def test_batch_states_stack_rows_of_one_shape_and_other_rows_run_apart():
     m = manager()
     m.start(0, None, 0)
     m.start(1, Checkpoint(CheckpointRef(b"x" * 32, 4), states(2.0)), 4)
-    slot0, slot1 = m.batch_states([0, 1])
-    assert slot0[0].tolist() == [[0, 0], [2, 2]] and slot0[1] is None and slot1[0].shape == (2, 3)
-    a, b = seq_of(0, tokens(9), computed=8), seq_of(1, tokens(9), computed=6)
-    m.record([a, b], [[mx.array([[1.0, 1.0], [3.0, 3.0]]), None], [mx.ones((2, 3))]])
-    assert m.batch_states([1])[0][0].tolist() == [[3.0, 3.0]]
-    assert 8 in m._running[0].snapshots and not m._running[1].snapshots  # only a block boundary
+    m.start(2, Checkpoint(CheckpointRef(b"y" * 32, 4), states(5.0)), 4)
+    # A row not started beside one that has: zeros need not be a fresh state (an n-gram context).
+    assert not m.stackable([0, 1]) and m.stackable([1, 2])
+    slot0, slot1 = m.batch_states([1, 2])
+    assert slot0[0].tolist() == [[2, 2], [5, 5]] and slot0[1] is None and slot1[0].shape == (2, 3)
+    a, b = seq_of(1, tokens(9), computed=8), seq_of(2, tokens(9), computed=6)
+    m.record([a, b], [((mx.array([[1.0, 1.0]]), None), (mx.ones((1, 3)),)),
+                      ((mx.array([[3.0, 3.0]]), None), (mx.ones((1, 4)),))])
+    assert m.batch_states([2])[0][0].tolist() == [[3.0, 3.0]]
+    assert not m.stackable([1, 2])  # a state that grew in one row
+    assert 8 in m._running[1].snapshots and not m._running[2].snapshots  # only a block boundary
+
+
+def chat_turns(m: RecurrentManager, tiers: FakeTiers, turns: int, step: int):
+    """A chat of `turns` turns, each leaving its checkpoint `step` tokens after the last;
+    the last checkpoint and how many were written after each turn."""
+    chat, last, written = tokens(step + 1), None, []
+    for turn in range(turns):
+        seq = seq_of(turn, chat)
+        m.start(turn, last and m.store.get(last.key), last.boundary if last else 0)
+        seq.num_computed = len(chat) // BLOCK * BLOCK
+        m.record([seq], [((mx.zeros((1, 2)), None), (mx.zeros((1, 3)),))])
+        m.register(seq, seq.num_computed, every=False)
+        last = m._running[turn].last
+        m.leave(seq)
+        written.append(tiers.written)
+        chat = chat + tokens(step, salt=turn + 1)
+    return last, written
 
 
 def test_a_leaving_checkpoint_is_written_once_the_kv_since_the_anchor_outweighs_it():
     tiers = FakeTiers()
     nbytes = Checkpoint(CheckpointRef(b"y" * 32, 4), states(0)).nbytes
     m = manager(tiers, interval=1 << 20, ratio=1.0, per_token=nbytes // 12 + 1)  # worth it from 12 tokens
-    chat, last = tokens(9), None
-    for turn in range(3):  # each turn leaves a checkpoint 8 tokens on: at 8, 16, 24
-        seq = seq_of(turn, chat)
-        m.start(turn, last and m.store.get(last.key), last.boundary if last else 0)
-        seq.num_computed = len(chat) // BLOCK * BLOCK
-        m.record([seq], [[mx.zeros((1, 2)), None], [mx.zeros((1, 3))]])
-        m.register(seq, seq.num_computed, every=False)
-        last = m._running[turn].last
-        m.leave(seq)
-        chat = chat + tokens(8, salt=turn + 1)
+    last, _ = chat_turns(m, tiers, turns=3, step=8)  # checkpoints at 8, 16, 24
     # 8: 8 tokens since 0, kept aside; 16: 16 since 0, written (and supersedes 8); 24: 8 since 16, kept.
     assert tiers.written == 1 and m.pending == 1
     assert m.write_pending() == 1 and tiers.written == 2 and m.pending == 0  # a clean close, or idle
@@ -171,3 +184,12 @@ def test_the_index_forgets_its_oldest_past_its_limit():
         index.add(ref)
     hashes = [r.block_hash for r in refs]
     assert [r.boundary for r in index.candidates(hashes, 3, BLOCK)] == [12, 8]
+
+
+def test_with_no_kv_to_weigh_a_checkpoint_against_one_is_written_per_ratio_intervals():
+    """A model of states alone (Mamba): a leaving checkpoint goes to SSD once ratio x interval
+    tokens have passed since its chain's anchor."""
+    tiers = FakeTiers()
+    m = manager(tiers, interval=8, ratio=2.0, per_token=0)  # one write per 16 tokens
+    _, written = chat_turns(m, tiers, turns=4, step=4)  # checkpoints at 4, 8, 12, 16
+    assert written == [0, 0, 0, 1]  # 16 tokens since 0: written
