@@ -240,10 +240,6 @@ class ServingBackend:
     def close(self) -> None:
         self.reply_ids.close()
 
-    def pool_usage(self) -> dict | None:
-        """The pool as of the engine's last step or idle (never waits for a step)."""
-        stats = self.thread.published
-        return None if stats is None else stats["pool"]
-
     def stats(self) -> dict:
+        """engine.stats() as of the engine's last step or idle (never waits for a step)."""
         return dict(self.thread.published or {})
