@@ -52,3 +52,23 @@ def tmpfs(tmp_path):
     yield mount
     for d in reversed(mounted):
         subprocess.run(["umount", "-l", str(d)], capture_output=True)
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    """`redis_server(**options)` starts a real redis-server on a free loopback port, with its own
+    config and data directory (LocalRedisServer's options: password, settings), stopped after the test."""
+    from mlxkv.connectors.remote.local_server import LocalRedisServer, server_binary
+
+    if server_binary() is None:
+        pytest.skip("redis-server is not installed (.ci/run installs Debian's)")
+    started = []
+
+    def start(**options):
+        server = LocalRedisServer(tmp_path / f"redis{len(started)}", **options).start()
+        started.append(server)
+        return server
+
+    yield start
+    for server in started:
+        server.stop()
