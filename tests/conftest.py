@@ -44,8 +44,8 @@ def tmpfs(tmp_path):
     """`tmpfs(size)` mounts a small tmpfs (a real full disk, a real read-only mount)."""
     mounted = []
 
-    def mount(size: str = "1m"):
-        d = mount_tmpfs(tmp_path / f"tmpfs{len(mounted)}", size)
+    def mount(size: str = "1m", inodes: int | None = None):
+        d = mount_tmpfs(tmp_path / f"tmpfs{len(mounted)}", size, inodes)
         mounted.append(d)
         return d
 

@@ -115,13 +115,16 @@ class DiskKVCacheConnector:
     # -- start-up ------------------------------------------------------------
 
     def _open_directory(self, min_free_bytes: int | None) -> None:
+        self.writer.min_free_bytes = self._floor(min_free_bytes)
         try:
             make_private_dirs(self.dir)
         except OSError as e:
             if not self.dir.is_dir():
-                self._degrade(e, disabled=True)
+                if write_trouble(e, self.root)[0] == DROPPING:  # full: the writer makes it once there is room
+                    self._probe_failed(e)
+                else:
+                    self._degrade(e, disabled=True)
                 return
-        self.writer.min_free_bytes = self._floor(min_free_bytes)
         try:
             self._probe_write()
         except OSError as e:
@@ -139,8 +142,9 @@ class DiskKVCacheConnector:
         """The free-space floor: as given, else scaled to the disk."""
         if min_free_bytes is not None:
             return min_free_bytes
+        there = next((p for p in (self.dir, *self.dir.parents) if p.exists()), self.dir)
         try:
-            total = shutil.disk_usage(self.dir).total
+            total = shutil.disk_usage(there).total
         except OSError:
             return MAX_MIN_FREE_BYTES
         return min(MAX_MIN_FREE_BYTES, int(total * MIN_FREE_SHARE))

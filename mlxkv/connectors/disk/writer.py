@@ -206,8 +206,9 @@ def write_trouble(e: OSError, directory: Path) -> tuple[str, str]:
     if code in (errno.EROFS, errno.EACCES, errno.EPERM):
         return READ_ONLY, f"{e.strerror or e}: {directory}"
     if code == errno.ENOSPC:
+        there = next((p for p in (directory, *directory.parents) if p.exists()), directory)
         try:
-            st = os.statvfs(directory)
+            st = os.statvfs(there)
             inodes = st.f_files > 0 and st.f_favail == 0
         except OSError:
             inodes = False
