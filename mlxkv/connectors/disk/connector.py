@@ -14,6 +14,7 @@ each with its own thread rule:
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import warnings
@@ -120,7 +121,7 @@ class DiskKVCacheConnector:
             make_private_dirs(self.dir)
         except OSError as e:
             if not self.dir.is_dir():
-                if write_trouble(e, self.root)[0] == DROPPING:  # full: the writer makes it once there is room
+                if e.errno in (errno.ENOSPC, errno.EDQUOT):  # full: the writer makes it once there is room
                     self._probe_failed(e)
                 else:
                     self._degrade(e, disabled=True)
@@ -153,7 +154,7 @@ class DiskKVCacheConnector:
         """A directory we cannot write to: read-only if the disk says no for good, else
         (full, out of inodes, over quota) writable, dropping writes until there is room."""
         state, reason = write_trouble(error, self.root)
-        if state == READ_ONLY:
+        if error.errno not in (errno.ENOSPC, errno.EDQUOT):
             self._degrade(error, disabled=False)
             return
         self.tier_health.start(state, reason)
