@@ -84,6 +84,8 @@ def _add_bench(sub) -> None:
     p.add_argument("--efficiency", action="store_true",
                    help="kernels: how the decode kernel reads the KV pools (coalescing, bytes read), "
                         "through the MSL harness of a source checkout; needs clang-19")
+    p.add_argument("--remote-tier", default=None, metavar="URL",
+                   help="tiers: the server of the remote rows (default: a redis-server of the bench's own)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_bench)
 

@@ -374,3 +374,27 @@ def test_no_fault_reaches_the_caller_as_an_exception(redis_server):
         assert tier.checkpoint_refs() == []
         assert tier.flush(timeout=10)
         tier.close()
+
+
+def test_the_documented_acl_user_works_and_a_read_only_one_makes_the_tier_read_only(redis_server, caplog):
+    server = redis_server()
+    admin = redis.Redis.from_url(server.url)
+    # docs/tiers.md's user line, then one that may only read.
+    admin.execute_command("ACL", "SETUSER", "mlxkv", "on", ">pw", "~mlxkv:*", *(
+        "+ping +info +exists +get +mget +set +del +unlink +expire +xadd +xrange +scan +strlen +xlen "
+        "+config|get").split())
+    admin.execute_command("ACL", "SETUSER", "reader", "on", ">pw", "~mlxkv:*",
+                          *"+ping +exists +get +mget +xrange".split())
+    url = server.url.replace("redis://", "redis://{}:pw@")
+    hashes = chain(4)
+    written(url.format("mlxkv"), hashes[:2], checkpoints=True)
+    reader = open_remote(url.format("reader"))
+    kvs = pool_read(4)
+    reader.cache_blocks(hashes, lambda: kvs)
+    assert reader.flush(timeout=30)
+    stats = reader.stats()["remote"]
+    assert stats["state"] == "read-only" and "ACL" in stats["reason"] and stats["stores"] == 0
+    assert reader.get_computed_blocks(hashes) == 2 and len(reader.load_blocks(hashes)) == 2
+    lines = health_lines(caplog)
+    assert len(lines) == 1 and lines[0].startswith("remote tier read-only: refused by the server's ACL")
+    reader.close()
