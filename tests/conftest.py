@@ -37,6 +37,9 @@ def _private_cache_dir(tmp_path_factory, monkeypatch):
     # never the user's real cache or data dir (the chat app's conversations).
     monkeypatch.setenv("MLXKV_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "mlxkv-cache"))
     monkeypatch.setenv("MLXKV_DATA_DIR", str(tmp_path_factory.getbasetemp() / "mlxkv-data"))
+    # A developer's team server is never a test's.
+    monkeypatch.delenv("MLXKV_REMOTE_TIER", raising=False)
+    monkeypatch.delenv("MLXKV_REMOTE_TIER_SALT", raising=False)
 
 
 @pytest.fixture

@@ -73,6 +73,10 @@ def _model_info(name: str, engine) -> ModelInfo:
         tiers.append(f"memory tier {cache.memory_tier_bytes >> 20} MiB")
     if disk is not None:
         tiers.append(f"SSD tier {disk}")
+    if cache.remote_tier is not None:
+        from mlxkv.connectors.remote.url import redact
+
+        tiers.append(f"remote tier {redact(cache.remote_tier)}")
     return ModelInfo(short_name(name), engine.tokenizer, engine.limits, engine.loaded.max_context, log_path,
                      cache.block_size, ", ".join(tiers))
 

@@ -9,6 +9,7 @@ bound itself is tested.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 import warnings
@@ -398,3 +399,38 @@ def test_the_documented_acl_user_works_and_a_read_only_one_makes_the_tier_read_o
     lines = health_lines(caplog)
     assert len(lines) == 1 and lines[0].startswith("remote tier read-only: refused by the server's ACL")
     reader.close()
+
+
+def test_cache_info_verify_and_clear_on_a_remote_tier(redis_server, capsys):
+    from mlxkv.cli import main as cli_main
+
+    server = redis_server(settings={"maxmemory-policy": "noeviction"})
+    hashes = chain(3)
+    written(server.url, hashes)
+    client = redis.Redis.from_url(server.url)
+    client.set("someone-else", b"kept")
+    key = f"mlxkv:{FP.hex()}:v3:kv:{hashes[1].hex()}"
+    client.setrange(key, client.strlen(key) - 1, b"\xff")
+    assert cli_main(["cache", "info", "--remote-tier", server.url, "--verify"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["fingerprints"] == {FP.hex(): {"blocks": 3, "checkpoints": 0, "bytes": info["bytes"]}}
+    assert info["verified"] == 3 and info["corrupt"] == 1 and info["corrupt_keys"] == [f"{key}: checksum mismatch"]
+    assert any("noeviction" in line for line in info["advice"]) and any("maxmemory" in a for a in info["advice"])
+    assert cli_main(["cache", "clear", "--remote-tier", server.url]) == 0
+    assert "removed 3 keys" in capsys.readouterr().out
+    assert list(client.scan_iter()) == [b"someone-else"]
+    assert cli_main(["cache", "info", "--remote-tier", "redis://127.0.0.1:1/0"]) == 2
+    assert capsys.readouterr().err.startswith("mlxkv: error: remote tier redis://127.0.0.1:1/0: ")
+
+
+def test_doctor_says_whether_the_remote_tier_answers_and_what_its_settings_mean(redis_server):
+    from mlxkv.connectors.doctor import remote_report, tier_lines
+
+    server = redis_server(password="pw", settings={"maxmemory": "100mb", "maxmemory-policy": "allkeys-lru"})
+    good = remote_report(server.url)
+    assert good["state"] == "ok" and good["advice"] == [] and good["url"] == "redis://:***@127.0.0.1:" \
+        f"{server.port}/0"
+    assert tier_lines({"remote": good})[0][1].startswith("ok: redis://:***@")
+    wrong = remote_report(server.url_with("nope"))
+    assert wrong["state"] == "down" and "authentication failed" in wrong["reason"]
+    assert remote_report("redis://127.0.0.1:1/0")["state"] == "down"

@@ -102,7 +102,8 @@ class ScriptedThread:
         pool = SimpleNamespace(budget=1024, usage=lambda: {"in_use": 0, "num_blocks": 16, "budget_blocks": 1024})
         self.engine = SimpleNamespace(tokenizer=tokenizer, limits=limits, block_pool=pool,
                                       loaded=SimpleNamespace(max_context=4096), stats=lambda: {"scripted": True},
-                                      cache_config=SimpleNamespace(disk_tier=None, block_size=16, memory_tier_bytes=0), fingerprint=bytes(32))
+                                      cache_config=SimpleNamespace(disk_tier=None, remote_tier=None, block_size=16,
+                                                                   memory_tier_bytes=0), fingerprint=bytes(32))
         self.published = {"scripted": True, "pool": pool.usage()}
         self.submitted: list[tuple[list[int], dict]] = []
         self.alive = True
