@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -72,3 +73,13 @@ def use_up_inodes(directory: Path) -> list[Path]:
             made.append(path)
     except OSError:
         return made
+
+
+def wait_until(predicate, timeout: float = 20.0) -> bool:
+    """Whether `predicate()` came true within `timeout` seconds (a tier recovering, a state changing)."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return predicate()

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 import redis
 
+from faults import wait_until
 from mlxkv.cache.block_kv import BlockKV, KVRun
 from mlxkv.cache.checkpoints import Checkpoint, CheckpointRef
 from mlxkv.cache.hashing import hash_block, root_hash
@@ -78,26 +79,8 @@ def written(url: str, hashes, dtype: str = "float32", **kw) -> list[BlockKV]:
     return kvs
 
 
-def wait_until(predicate, timeout: float = 20.0) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return predicate()
-
-
 def health_lines(caplog) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.name == HEALTH_LOG]
-
-
-@pytest.fixture
-def fast_backoff(monkeypatch):
-    """Probes after 50 ms, at most 200 ms apart: recoveries within a test's patience."""
-    from mlxkv.connectors.remote import link
-
-    monkeypatch.setattr(link, "BACKOFF_MIN_S", 0.05)
-    monkeypatch.setattr(link, "BACKOFF_MAX_S", 0.2)
 
 
 # -- round trips and the format ------------------------------------------------------

@@ -8,12 +8,12 @@ import json
 import logging
 import subprocess
 import sys
-import time
 
 import pytest
 import redis
 
 from family_support import model_with_oracle, prompt_of
+from faults import wait_until
 from mlxkv.config import CacheConfig
 from mlxkv.connectors.remote.connector import RemoteTierWarning
 from mlxkv.engine.engine import Engine
@@ -38,23 +38,6 @@ def remote_engine(model, url, **fields) -> Engine:
 def cold(model_dirs):
     engine = Engine.load(model_dirs["llama"], CacheConfig(block_size=BLOCK, num_blocks=64, memory_tier_bytes=0))
     return lambda prompt, n=6: engine.generate(prompt, max_tokens=n).tokens
-
-
-def wait_until(predicate, timeout: float = 20.0) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return predicate()
-
-
-@pytest.fixture
-def fast_backoff(monkeypatch):
-    from mlxkv.connectors.remote import link
-
-    monkeypatch.setattr(link, "BACKOFF_MIN_S", 0.05)
-    monkeypatch.setattr(link, "BACKOFF_MAX_S", 0.2)
 
 
 @pytest.mark.slow
