@@ -236,7 +236,7 @@ class RemoteKVCacheConnector:
         counted = self.counters.as_dict()
         stats = self._stats.as_dict()
         stats.update(stores=counted.pop("stores"), write_errors=counted.pop("write_errors"))
-        return {self.tier_name: {**stats, **counted, **self.health.as_dict()}}
+        return {self.tier_name: {**stats, **counted, "timeouts": self.link.timeouts, **self.health.as_dict()}}
 
     def health_report(self) -> dict:
         jobs, nbytes = self.writer.pending

@@ -10,8 +10,9 @@ Every call goes through `read` or `write`, one round trip each (a command
 or a pipeline), which turn the client's errors into the tier's health
 (health.py) and return None:
 
-- connection refused or reset, a timeout: down; the writer thread's
-  `probe` tries again after a backoff that doubles up to BACKOFF_MAX_S;
+- connection refused or reset, TIMEOUTS_TO_DOWN reads in a row that time
+  out (one alone is a miss): down; the writer thread's `probe` tries again
+  after a backoff that doubles up to BACKOFF_MAX_S;
 - a wrong password: down, and the reason says so;
 - an ACL refusal: down for reads, read-only for writes;
 - `OOM command not allowed` (maxmemory with noeviction): dropping writes;
@@ -38,6 +39,10 @@ WRITE_TIMEOUT_S = 2.0  # a SET's whole send: a few MB on a slow network
 PROBE_TIMEOUT_S = 1.0
 BACKOFF_MIN_S = 0.25
 BACKOFF_MAX_S = 8.0
+# Reads in a row that time out before the tier is marked down: one slow
+# moment is a miss, a server that stopped answering is down (each of those
+# reads waited its timeout, so a hung server costs a few lookups that much).
+TIMEOUTS_TO_DOWN = 3
 
 
 def classify(error: Exception, write: bool) -> tuple[str, str]:
@@ -79,6 +84,8 @@ class RemoteLink:
         self._backoff = self.backoff_min
         self._retry_at = 0.0  # down: when the writer thread probes; writes refused: when writes try again
         self.round_trips = 0  # calls made: each is one request/reply exchange
+        self.timeouts = 0  # reads that waited their whole timeout (each a miss)
+        self._late_reads = 0  # such reads in a row
 
     # -- state -----------------------------------------------------------------
 
@@ -150,16 +157,23 @@ class RemoteLink:
         return True
 
     def _call(self, fn: Callable, client, write: bool):
-        from redis.exceptions import RedisError
+        from redis.exceptions import RedisError, TimeoutError
 
         self.round_trips += 1
         try:
-            return fn(client)
+            result = fn(client)
         except (RedisError, OSError) as e:
+            if isinstance(e, TimeoutError) and not write and self._late_reads < TIMEOUTS_TO_DOWN - 1:
+                self._late_reads += 1  # a slow moment (Wi-Fi, a busy server): a miss, not yet down
+                self.timeouts += 1
+                return None
+            self.timeouts += isinstance(e, TimeoutError)
             state, reason = classify(e, write)
             self.health.trouble(state, f"{reason} ({self.where})")
             self._later()
             return None
+        self._late_reads = 0
+        return result
 
     def _later(self) -> None:
         self._retry_at = self._clock() + self._backoff
