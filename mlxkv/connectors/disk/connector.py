@@ -46,7 +46,7 @@ DEFAULT_MAX_PENDING_BYTES = 256 << 20
 BUDGET_SHARE = 4  # a file is at most a quarter of the byte budget
 
 class DiskCacheWarning(MlxkvWarning):
-    """The disk tier could not use its directory and runs read-only or disabled."""
+    """The disk tier could not use its directory: it drops writes (a full disk), runs read-only, or is off."""
 
 
 def _consecutive(indices: list[int], limit: int, groups: list[int]) -> list[list[int]]:
@@ -108,15 +108,15 @@ class DiskKVCacheConnector:
         self.scanner = DirectoryScanner(self.dir, self.index, self._readers, lambda: self.read_only)
         self.reader = RunReader(self.spec, self._mx_dtype, self.index, self.scanner, self._readers, tier_name,
                                 read_io)
-        self.writer = RunWriter(self.root, self.spec, self.index, self.scanner, budget_bytes, 0, self.tier_health)
-        self._open_directory(min_free_bytes)
+        self.writer = RunWriter(self.root, self.spec, self.index, self.scanner, budget_bytes,
+                                self._floor(min_free_bytes), self.tier_health)
+        self._open_directory()
         if self.writable:
             self.writer.start()
 
     # -- start-up ------------------------------------------------------------
 
-    def _open_directory(self, min_free_bytes: int | None) -> None:
-        self.writer.min_free_bytes = self._floor(min_free_bytes)
+    def _open_directory(self) -> None:
         try:
             make_private_dirs(self.dir)
         except OSError as e:
