@@ -440,3 +440,13 @@ def test_behind_memory_and_ssd_a_remote_hit_is_promoted_into_the_ssd_tier(redis_
     assert all(disk.contains(h) for h in hashes)  # the remote hits now survive a restart without the network
     assert tiers.stats()["remote"]["stores"] == 3 and tiers.stats()["remote"]["already_there"] == 0
     tiers.close()
+
+
+def test_health_says_where_and_what_is_queued_never_the_password(redis_server):
+    server = redis_server(password="s3cret")
+    tier = open_remote(server.url)
+    health = tier.health()
+    assert health["url"] == server.url.replace("s3cret", "***") and health["state"] == "ok"
+    assert health["pending_writes"] == 0 and health["round_trips"] >= 1
+    assert "s3cret" not in json.dumps(tier.stats())
+    tier.close()

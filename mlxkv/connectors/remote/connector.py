@@ -25,7 +25,7 @@ from mlxkv.cache.tiers import REMOTE
 from mlxkv.connectors.disk import state_file
 from mlxkv.connectors.disk.kv_arrays import file_spec, to_numpy
 from mlxkv.connectors.disk.run_file import CorruptBlockError
-from mlxkv.connectors.health import OK, TierHealth
+from mlxkv.connectors.health import TierHealth
 from mlxkv.connectors.remote import values as remote_values
 from mlxkv.connectors.remote.keys import DEFAULT_PREFIX, KeySpace
 from mlxkv.connectors.remote.link import DEFAULT_TIMEOUT_S, RemoteLink
@@ -81,8 +81,8 @@ class RemoteKVCacheConnector:
         self.block_size = block_size
         self.block_nbytes = block_nbytes
         self.tier_name = tier_name
-        self.health = TierHealth("remote tier")
-        self.link = RemoteLink(url, self.health, timeout_s)
+        self.tier_health = TierHealth("remote tier")
+        self.link = RemoteLink(url, self.tier_health, timeout_s)
         self.space = KeySpace(prefix, fingerprint)
         self.counters = Counters()
         self._stats = TierStats()  # the engine thread's counts: lookups, hits, hydrations, corrupt
@@ -97,7 +97,7 @@ class RemoteKVCacheConnector:
     def _open(self) -> None:
         problem = self.link.open()
         if problem is not None:
-            warnings.warn(RemoteTierWarning(f"mlxkv: remote tier {self.health.state}: {problem}; "
+            warnings.warn(RemoteTierWarning(f"mlxkv: remote tier {self.tier_health.state}: {problem}; "
                                             "the engine runs without it until it answers"), stacklevel=4)
             return
         self.writer.poll(self.link.fetch)  # checkpoints other processes left, before the first lookup
@@ -236,16 +236,14 @@ class RemoteKVCacheConnector:
         counted = self.counters.as_dict()
         stats = self._stats.as_dict()
         stats.update(stores=counted.pop("stores"), write_errors=counted.pop("write_errors"))
-        return {self.tier_name: {**stats, **counted, "timeouts": self.link.timeouts, **self.health.as_dict()}}
+        return {self.tier_name: {**stats, **counted, "timeouts": self.link.timeouts,
+                                 **self.tier_health.as_dict()}}
 
-    def health_report(self) -> dict:
+    def health(self) -> dict:
+        """What stats() has no field for: where, the queue, round trips (as the SSD tier's health())."""
         jobs, nbytes = self.writer.pending
-        return {"url": self.link.where, **self.health.as_dict(), "pending_writes": jobs,
+        return {"url": self.link.where, **self.tier_health.as_dict(), "pending_writes": jobs,
                 "pending_bytes": nbytes, "round_trips": self.link.round_trips}
-
-    @property
-    def ok(self) -> bool:
-        return self.health.state == OK
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait for the queued writes (done or dropped); False on timeout."""
