@@ -47,6 +47,10 @@ def add_cache_flags(p: argparse.ArgumentParser, model_help: str | None = None) -
                    help="free space the SSD tier leaves on its disk (default: 5%% of the disk, at most 1024)")
     p.add_argument("--no-disk-tier", action="store_true", help="turn the SSD tier off")
     add_remote_tier_flags(p)
+    p.add_argument("--speculative", choices=["lookup", "draft"], default=None,
+                   help="speculative decoding: proposals from the prompt (lookup) or a draft model")
+    p.add_argument("--draft-model", default=None, metavar="PATH_OR_ID", help="the draft model for --speculative draft")
+    p.add_argument("--speculative-tokens", type=number(int, 1, 7), default=4, help="most tokens proposed per step")
 
 
 def add_remote_tier_flags(p: argparse.ArgumentParser) -> None:
@@ -82,6 +86,7 @@ def cache_config(args):
         remote_tier_prefix=args.remote_tier_prefix,
         remote_tier_ttl_s=args.remote_tier_ttl,
         remote_tier_timeout_ms=args.remote_tier_timeout_ms,
+        speculative=args.speculative, draft_model=args.draft_model, speculative_tokens=args.speculative_tokens,
     )
 
 

@@ -28,6 +28,11 @@ DEFAULT_CHECKPOINT_WRITE_RATIO = 2.0
 DEFAULT_IDLE_CHECKPOINT_S = 5.0
 # ...and this long gives the pool's memory back (cached blocks spill to the tiers).
 DEFAULT_IDLE_SHRINK_S = 300.0
+# Speculative decoding: the most tokens a row proposes per step (MLX's
+# sdpa_vector serves queries of up to 8 tokens: the last one and 7 proposals).
+DEFAULT_SPECULATIVE_TOKENS = 4
+MAX_SPECULATIVE_TOKENS = 7
+SPECULATIVE_MODES = ("lookup", "draft")
 
 
 @dataclass(slots=True)
@@ -70,6 +75,11 @@ class CacheConfig:
     idle_shrink_s: once the engine has been idle this long, the pool keeps
         about what its last busy spell used and gives the rest of its
         memory back (its other cached blocks spill to the tiers).
+    speculative: None (off), "lookup" (prompt lookup: proposals copied from
+        what followed the newest tokens earlier in the prompt and reply) or
+        "draft" (a smaller draft model of the same tokenizer proposes).
+    speculative_tokens: the most tokens a decoding row proposes per step.
+    draft_model: the draft model (a path or Hugging Face id) for "draft".
     """
 
     block_size: int = 16
@@ -93,6 +103,9 @@ class CacheConfig:
     checkpoint_write_ratio: float = DEFAULT_CHECKPOINT_WRITE_RATIO
     idle_checkpoint_s: float = DEFAULT_IDLE_CHECKPOINT_S
     idle_shrink_s: float = DEFAULT_IDLE_SHRINK_S
+    speculative: str | None = None
+    speculative_tokens: int = DEFAULT_SPECULATIVE_TOKENS
+    draft_model: str | None = None
 
     def __post_init__(self):
         bs = self.block_size
@@ -119,6 +132,7 @@ class CacheConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
                 raise MlxkvError(f"{name} must be a number of seconds >= 0, got {value!r}")
+        self._check_speculation()
         if self.attention not in (None, "auto", "reference", "kernel"):
             raise MlxkvError(
                 f"attention must be auto, reference or kernel, got {self.attention!r}"
@@ -142,3 +156,13 @@ class CacheConfig:
         timeout = self.remote_tier_timeout_ms
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= 60_000:
             raise MlxkvError(f"remote tier timeout must be between 0 and 60000 ms, got {timeout!r}")
+
+    def _check_speculation(self) -> None:
+        if self.speculative not in (None, *SPECULATIVE_MODES):
+            raise MlxkvError(f"speculative must be lookup or draft, got {self.speculative!r}")
+        k = self.speculative_tokens
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise MlxkvError(f"speculative tokens must be a whole number from 1 to {MAX_SPECULATIVE_TOKENS}, got {k!r}")
+        if (self.speculative == "draft") != (self.draft_model is not None):
+            raise MlxkvError("a draft model goes with speculative decoding by draft: give both or neither "
+                             "(--speculative draft --draft-model PATH_OR_ID)")

@@ -7,7 +7,9 @@ may start on prefix hits) and then appended in place, as mlx-lm's KVCache
 is, so a step copies only its new tokens. The pool is still written on every
 step: it stays the source of truth for prefix caching and the tiers, and
 the mirror is dropped when the request ends. The Metal kernels read the pool
-directly and need no mirror.
+directly and need no mirror. A step writes at the sequence's offset, not
+after the mirror's end: after a speculative step's rollback the mirror holds
+rejected tokens past the offset, which the next step overwrites.
 """
 
 from __future__ import annotations
@@ -23,18 +25,18 @@ class KVMirror:
         self.values: list[mx.array | None] = [None] * num_layers
         self.lengths = [0] * num_layers
 
-    def holds(self, layer: int, length: int) -> bool:
-        return self.keys[layer] is not None and self.lengths[layer] == length
+    def covers(self, layer: int, length: int) -> bool:
+        """Whether the layer's copy holds the first `length` tokens (maybe more: rolled-back ones)."""
+        return self.keys[layer] is not None and self.lengths[layer] >= length
 
     def reset(self, layer: int, keys: mx.array, values: mx.array):
         """Start the layer's copy from gathered K/V `[1, H, T, D]`; returns views of it."""
         self.keys[layer] = self.values[layer] = None
         self.lengths[layer] = 0
-        return self.append(layer, keys, values)
+        return self.write(layer, 0, keys, values)
 
-    def append(self, layer: int, keys: mx.array, values: mx.array):
-        """Write `[1, H, L, D]` after the layer's current length; returns views of the whole."""
-        start = self.lengths[layer]
+    def write(self, layer: int, start: int, keys: mx.array, values: mx.array):
+        """Write `[1, H, L, D]` at token `start`; returns views of the copy up to its end."""
         end = start + keys.shape[2]
         self._reserve(layer, end, keys, values)
         self.keys[layer][..., start:end, :] = keys

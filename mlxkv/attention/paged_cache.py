@@ -127,11 +127,11 @@ class PagedKVCache(BaseCache):
 
     def _fetch_mirrored(self, keys, values):
         mirror, offset = self.batch.mirror, self.batch.offsets[0]
-        if not mirror.holds(self.slot, offset):
+        if not mirror.covers(self.slot, offset):
             # First step of a request (maybe on prefix hits): copy once from the pool.
             k, v = self.pool.gather(self.layer, self.tables.block_tables, self.batch.context_lens[0])
             return mirror.reset(self.slot, k, v)
-        return mirror.append(self.slot, keys, values)
+        return mirror.write(self.slot, offset, keys, values)
 
     def make_mask(self, N: int, return_array: bool = False, window_size=None):
         b, t = self.batch, self.tables

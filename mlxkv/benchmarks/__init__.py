@@ -68,6 +68,7 @@ SUITES = {
     "memory": _at_defaults("memory", "run_memory_benchmark"),
     "serve": _at_defaults("serve", "run_serve_benchmark"),
     "agents": _at_defaults("agents", "run_agents_benchmark"),
+    "speculative": _at_defaults("speculative", "run_speculative_benchmark"),
 }
 
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from mlxkv.cache.block_pool import Block, BlockPool
 from mlxkv.cache.connector import KVCacheConnector, NoopKVCacheConnector
-from mlxkv.cache.groups.base import AttentionManager, GroupNeeds, Presence
+from mlxkv.cache.groups.base import AttentionManager, GroupNeeds, Presence, blocks_for
 from mlxkv.cache.groups.full import FullAttentionManager
 from mlxkv.cache.groups.recurrent import CheckpointNeed, RecurrentManager
 from mlxkv.cache.groups.sliding import SlidingWindowManager
@@ -258,6 +258,20 @@ class KVCacheCoordinator:
             seq.num_computed += num_new
         if new_states is not None:
             self.recurrent.record(seqs, new_states)
+
+    def rollback(self, seq: Sequence, num_computed: int) -> None:
+        """Keep only the first `num_computed` tokens' KV (a speculative step's rejected
+        tokens go), and free the blocks past them. Never below what is registered: a
+        rejected token's block was never registered, and now never will be."""
+        if self.recurrent is not None:
+            raise ValueError("a recurrent state cannot be rolled back")
+        if not seq.num_cached_blocks * self.block_size <= num_computed <= seq.num_computed:
+            raise ValueError(f"cannot roll back to {num_computed} tokens: {seq.num_computed} computed, "
+                             f"{seq.num_cached_blocks} blocks registered")
+        seq.num_computed = num_computed
+        keep = blocks_for(num_computed, self.block_size)
+        for manager in self.attention:
+            self.pool.free(manager.trim(seq.request_id, keep)[::-1])
 
     def register_computed(self, seq: Sequence, *, store_now: bool = True) -> None:
         """Register the blocks now full of computed, known tokens (and a prefill's checkpoints).

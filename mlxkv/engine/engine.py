@@ -26,6 +26,9 @@ from mlxkv.engine.records import GenerationChunk, GenerationResult, RequestFaile
 from mlxkv.engine.request import Request
 from mlxkv.engine.results import collect, failed_result
 from mlxkv.engine.sampling import make_request_sampler, whole
+from mlxkv.engine.speculation import Speculation
+from mlxkv.speculative.draft import DraftProposer, check_same_tokenizer
+from mlxkv.speculative.proposer import LookupProposer
 from mlxkv.errors import MlxkvError, error_line
 from mlxkv.system.wired import Device, WiredLimit
 from mlxkv.models.loader import LoadedModel, load_model, probe_kv_layout
@@ -53,6 +56,7 @@ class Engine:
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
         self.cache_config = cache
+        self.draft: Engine | None = None  # the draft model's own engine, under speculative="draft"
         self.kv_layout = probe_kv_layout(loaded, cache.block_size)
         groups = self.kv_layout.group_layout
         self.fingerprint = model_fingerprint(self.model, loaded.config, self.kv_layout.dtype, cache.block_size,
@@ -72,7 +76,7 @@ class Engine:
         self.runner = ModelRunner(self.model, self.kv_pool, self.cache, self.attention)
         model_bytes = sum(v.nbytes for _, v in tree_flatten(self.model.parameters()))
         self.loop = BatchLoop(self.cache, self.runner, self.tokenizer.eos_token_ids, prefill_chunk, max_running,
-                              WiredLimit(model_bytes, device))
+                              WiredLimit(model_bytes, device), self._speculation())
         peak = None if groups.is_plain else (lambda n: self.cache.peak_blocks(n, prefill_chunk))
         self.limits = RequestLimits(loaded.vocab_size, loaded.max_context, budget,
                                     cache.block_size, peak)
@@ -134,7 +138,8 @@ class Engine:
         """Yield one `GenerationChunk` per generated token; the last carries stats.
 
         Options: max_tokens (256), temperature, top_p, top_k, min_p, seed,
-        cache_salt. The request runs on the engine's batch loop, so streams
+        cache_salt, speculative (False: this request decodes without
+        proposals, when the engine speculates). The request runs on the engine's batch loop, so streams
         consumed side by side decode as one batch. `should_stop` is asked
         after each token; when it says yes the reply ends there with
         finish_reason "cancelled" (before the first token: no chunks).
@@ -184,13 +189,17 @@ class Engine:
         except MlxkvError:
             return []
 
-    def make_request(self, prompt, sink, should_stop: Callable[[], bool] | None = None, **options) -> Request:
+    def make_request(self, prompt, sink, should_stop: Callable[[], bool] | None = None, speculative: bool = True,
+                     **options) -> Request:
         """A checked `Request` for the batch loop (options as for `stream`); raises MlxkvError on bad input."""
+        if not isinstance(speculative, bool):
+            raise MlxkvError(f"speculative must be true or false, got {speculative!r}")
         prompt_tokens, sampler, root = self._prepare(prompt, **options)
         max_tokens = self.limits.reply_room(len(prompt_tokens), options.get("max_tokens", DEFAULT_MAX_TOKENS))
         return Request(
             next(self._request_ids), prompt_tokens, max_tokens, sampler,
             root, sink, self.tokenizer.detokenizer, should_stop,
+            speculative=speculative and self.loop.speculation is not None,
         )
 
     def _prepare(
@@ -233,7 +242,30 @@ class Engine:
             "pool": self.block_pool.usage(),
             "connector": self.connector.stats(),
             **({"checkpoints": self.checkpoints.stats()} if self.checkpoints is not None else {}),
+            "speculative": self._speculation_stats(),
         }
+
+    def _speculation_stats(self) -> dict:
+        speculation = self.loop.speculation
+        if speculation is None:
+            return {"mode": None}
+        return {"mode": self.cache_config.speculative, "max_tokens": speculation.max_tokens,
+                **speculation.stats.as_dict()}
+
+    def _speculation(self) -> Speculation | None:
+        """The loop's speculative decoding, as configured; none for a hybrid model, whose
+        recurrent state cannot be rolled back past rejected tokens (one log line says so)."""
+        config = self.cache_config
+        if config.speculative is None:
+            return None
+        if self.cache.recurrent is not None:
+            log.warning("speculative decoding is off for this model: its recurrent layers' state cannot be "
+                        "rolled back past rejected proposals; it decodes one token at a time")
+            return None
+        if config.speculative == "lookup":
+            return Speculation(LookupProposer(), config.speculative_tokens)
+        self.draft = load_draft(config, self)
+        return Speculation(DraftProposer(self.draft, self.loaded.vocab_size), config.speculative_tokens)
 
     def idle(self, seconds: float) -> None:
         """Use a pause: whoever drives the engine (EngineThread) says how long it has had no request.
@@ -264,9 +296,28 @@ class Engine:
         finish the connector's pending work (its writes)."""
         self.cache.write_pending_checkpoints()
         self.connector.close()
+        if self.draft is not None:
+            self.draft.close()
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc):
         self.close()
+
+
+def load_draft(config: CacheConfig, target: Engine) -> Engine:
+    """The draft model on an engine of its own: its pool as many blocks as the target's
+    (a draft's blocks are smaller), no tiers; it must read tokens as the target does."""
+    from mlxkv.models.fetch import fetch_model
+
+    loaded = load_model(fetch_model(config.draft_model, lambda text, fraction=None: None))
+    loaded.name = config.draft_model
+    draft_config = CacheConfig(block_size=config.block_size, num_blocks=target.block_pool.budget,
+                               prefix_cache=config.prefix_cache, memory_tier_bytes=0, attention=config.attention)
+    draft = Engine(loaded, draft_config)
+    check_same_tokenizer(target, draft)
+    if draft.cache.recurrent is not None:
+        raise MlxkvError(f"the draft model {config.draft_model!r} has recurrent layers, whose state cannot be "
+                         "rolled back past rejected proposals; choose a draft of attention layers only")
+    return draft

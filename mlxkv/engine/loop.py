@@ -21,7 +21,8 @@ from mlxkv.engine.model_runner import ModelRunner
 from mlxkv.engine.postprocess import postprocess, register_prefill
 from mlxkv.engine.records import RequestFailed
 from mlxkv.engine.request import Request, RequestState
-from mlxkv.engine.run import run_step
+from mlxkv.engine.run import run_step, run_verify
+from mlxkv.engine.speculation import Speculation
 from mlxkv.engine.scheduler import Scheduler, StepPlan
 from mlxkv.errors import MlxkvError
 from mlxkv.system.wired import WiredLimit
@@ -42,8 +43,9 @@ class BatchLoop:
     running now, and how many requests it has served."""
 
     def __init__(self, cache: KVCacheCoordinator, runner: ModelRunner, eos, prefill_chunk: int,
-                 max_running: int = 64, wired: WiredLimit | None = None):
+                 max_running: int = 64, wired: WiredLimit | None = None, speculation: Speculation | None = None):
         self.cache = cache
+        self.speculation = speculation
         self.runner = runner
         self.wired = wired or WiredLimit(device=_NoDevice())
         self.eos = eos
@@ -90,18 +92,24 @@ class BatchLoop:
         finished: list[Request] = []
         self.wired.hold()  # from the first step after idle (system/wired.py)
         try:
-            if self._in_flight is not None and not self.scheduler.decode_fits():
+            speculate = self.speculation is not None and self.speculation.wants_step(self.scheduler.decoding())
+            if self._in_flight is not None and (speculate or not self.scheduler.decode_fits()):
                 finished += self._read_in_flight()
                 self._last_sampled = {}
-            plan = self.scheduler.schedule()
-            flight = self._queue(plan)
-            finished += register_prefill(plan, self.cache)
-            finished += self._read_in_flight()
-            self._in_flight = flight
+            if speculate:
+                finished += self._verify_step()
+            else:
+                plan = self.scheduler.schedule()
+                flight = self._queue(plan)
+                finished += register_prefill(plan, self.cache)
+                finished += self._read_in_flight()
+                self._in_flight = flight
         except Exception as e:  # a bug or a failed step ends the requests in it, not the loop
             log.exception("a step failed; ending the requests in it")
             finished += self.fail_all(f"{type(e).__name__}: {e}")
         self.requests_served += len(finished)
+        for request in finished if self.speculation is not None else ():
+            self.speculation.forget(request)
         if not self.has_work:
             self.wired.release()
         return finished
@@ -131,7 +139,24 @@ class BatchLoop:
         flight, self._in_flight = self._in_flight, None
         if flight is None:
             return []
-        return postprocess(flight.plan, flight.sampled.tolist(), self.scheduler, self.eos)
+        return postprocess(flight.plan, [[t] for t in flight.sampled.tolist()], self.scheduler, self.eos)
+
+    def _verify_step(self) -> list[Request]:
+        """A speculative step, not pipelined: proposals need each row's newest token, and
+        the next step the tokens this one kept (speculation.py)."""
+        proposals = self.speculation.propose(self.scheduler.decoding())
+        plan = self.scheduler.schedule(1 + max((len(p.tokens) for p in proposals.values()), default=0))
+        logprobs = run_verify(plan, self.runner, self.cache, proposals)
+        finished = register_prefill(plan, self.cache)
+        if logprobs is None:
+            return finished
+        kept = self.speculation.accept(plan.decode, logprobs, proposals)
+        mx.async_eval(*self.runner.kv_pool.arrays)
+        for request, tokens in zip(plan.decode, kept):
+            seq = request.seq
+            self.cache.rollback(seq, seq.num_computed - plan.decode_len + len(tokens))
+            request.issued += len(tokens)
+        return finished + postprocess(plan, kept, self.scheduler, self.eos)
 
     def abort(self, request: Request) -> None:
         """End an unfinished request without more records (its stream was closed)."""

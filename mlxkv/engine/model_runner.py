@@ -25,7 +25,7 @@ from mlxkv.models.compat import ArraysCache
 
 @dataclass
 class StepOutput:
-    logits: mx.array  # [B, vocab] at each row's last position
+    logits: mx.array  # [B, vocab] at each row's last position (or [B, L, vocab]: every position)
     states: list | None  # per recurrent slot, per state array: the rows' new states stacked; None: no such slots
 
     @property
@@ -106,8 +106,10 @@ class ModelRunner:
         if self._prefix is not None and self._prefix.release(seq.request_id):
             self._prefix = None
 
-    def forward(self, seqs: list[Sequence], tokens: mx.array, mirror: bool = True) -> StepOutput:
-        """The logits at the last position of `tokens [B, L]`, and the recurrent slots' new states.
+    def forward(self, seqs: list[Sequence], tokens: mx.array, mirror: bool = True,
+                every_position: bool = False) -> StepOutput:
+        """The logits at the last position of `tokens [B, L]` (`every_position`: `[B, L, vocab]`,
+        a speculative step's), and the recurrent slots' new states.
 
         `mirror=False` keeps a lone sequence off its contiguous mirror (a
         batch's prefill chunks: the values are the same, without the copy).
@@ -130,7 +132,7 @@ class ModelRunner:
             caches[slot] = cache
         logits = self.model(tokens, cache=caches)
         states = [list(c.cache) for c in recurrent] if recurrent else None
-        return StepOutput(logits[:, -1, :], states)
+        return StepOutput(logits if every_position else logits[:, -1, :], states)
 
     def _recurrent_caches(self, seqs: list[Sequence]) -> list:
         """An ArraysCache per recurrent slot, its arrays the rows' states stacked."""

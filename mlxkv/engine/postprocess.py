@@ -38,31 +38,38 @@ def register_prefill(plan: StepPlan, cache) -> list[Request]:
     return list(plan.cancelled)
 
 
-def postprocess(plan: StepPlan, sampled: list[int], scheduler: Scheduler, eos) -> list[Request]:
-    """Hand out the tokens of the plan's decode rows; returns the requests that finished."""
-    cache = scheduler.cache
+def postprocess(plan: StepPlan, sampled: list[list[int]], scheduler: Scheduler, eos) -> list[Request]:
+    """Hand out the tokens of the plan's decode rows (one each, or what a speculative step
+    kept), in order, until a row finishes; returns the requests that finished."""
     finished = []
     now = time.perf_counter()
-    for request, token in zip(plan.decode, sampled):
-        if request.state != RequestState.RUNNING:
-            continue  # it ended on its previous token; this row was speculative
-        request.append_token(token)
-        cache.register_computed(request.seq, store_now=False)
-        if request.first_token_at is None:
-            _first_token(request, now)
-        finish = _finish_reason(request, token, eos)
-        detok = request.detokenizer
-        if finish != "stop":
-            detok.add_token(token)
-        if finish is None:
-            request.sink(GenerationChunk(detok.last_segment, token))
-            continue
-        detok.finalize()
-        _finish_stats(request, now)
-        scheduler.finish(request)  # blocks are back before the last record is seen
-        finished.append(request)
-        request.sink(GenerationChunk(detok.last_segment, token, finish, request.stats))
+    for request, tokens in zip(plan.decode, sampled):
+        for token in tokens:
+            if request.state != RequestState.RUNNING:
+                break  # it ended on an earlier token; the rest were computed ahead and are dropped
+            if _hand_out(request, token, scheduler, eos, now):
+                finished.append(request)
     return finished
+
+
+def _hand_out(request: Request, token: int, scheduler: Scheduler, eos, now: float) -> bool:
+    """Record one token and send its record; True if the request finished on it."""
+    request.append_token(token)
+    scheduler.cache.register_computed(request.seq, store_now=False)
+    if request.first_token_at is None:
+        _first_token(request, now)
+    finish = _finish_reason(request, token, eos)
+    detok = request.detokenizer
+    if finish != "stop":
+        detok.add_token(token)
+    if finish is None:
+        request.sink(GenerationChunk(detok.last_segment, token))
+        return False
+    detok.finalize()
+    _finish_stats(request, now)
+    scheduler.finish(request)  # blocks are back before the last record is seen
+    request.sink(GenerationChunk(detok.last_segment, token, finish, request.stats))
+    return True
 
 
 def _finish_reason(request: Request, token: int, eos) -> str | None:

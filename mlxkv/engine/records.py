@@ -27,6 +27,9 @@ class RequestStats:
     queued_s: float = 0.0
     preempted_s: float = 0.0
     preemptions: int = 0
+    # Speculative decoding: tokens proposed for this reply, and accepted.
+    proposed_tokens: int = 0
+    accepted_tokens: int = 0
 
     @classmethod
     def unknown(cls, prompt_tokens: int, generation_tokens: int = 0) -> RequestStats:

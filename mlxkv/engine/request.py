@@ -50,6 +50,7 @@ class Request:
     sink: Sink
     detokenizer: object
     should_stop: Callable[[], bool] | None = None
+    speculative: bool = False  # its decode may take proposals (the engine speculates, it did not opt out)
     output: list[int] = field(default_factory=list)
     seq: Sequence | None = None
     state: RequestState = RequestState.WAITING

@@ -3,9 +3,11 @@
 Each prefill chunk is its own forward of one sequence, the same shapes a
 solo run computes, so a batched request's KV equals its solo run's. All
 requests ready to decode then go through one forward of B rows, one new
-token each, with per-row RoPE offsets, block tables and context lengths
-(paged_cache.PagedBatch); the kernel path serves batch x heads. The runner
-returns what each forward computed; the cache coordinator records it.
+token each (or, in a speculative step, each row's last token and its
+proposals, padded to one length L), with per-row RoPE offsets, block
+tables and context lengths (paged_cache.PagedBatch); the kernel path
+serves batch x heads. The runner returns what each forward computed; the
+cache coordinator records it.
 """
 
 from __future__ import annotations
@@ -17,6 +19,15 @@ from mlxkv.engine.model_runner import ModelRunner
 from mlxkv.engine.scheduler import StepPlan
 
 
+def run_prefill(plan: StepPlan, runner: ModelRunner, cache: KVCacheCoordinator) -> None:
+    for request, n in plan.prefill:
+        seq = request.seq
+        chunk = seq.prompt[seq.num_computed : seq.num_computed + n]
+        out = runner.forward([seq], mx.array([chunk]), mirror=False)
+        cache.computed([seq], n, out.states)
+        mx.eval(runner.kv_pool.arrays, out.state_arrays)
+
+
 def run_step(plan: StepPlan, runner: ModelRunner, cache: KVCacheCoordinator,
              decode_inputs: mx.array | None) -> mx.array | None:
     """Queue the plan's work; returns the lazy token sampled for each decode request, in order.
@@ -24,12 +35,7 @@ def run_step(plan: StepPlan, runner: ModelRunner, cache: KVCacheCoordinator,
     `decode_inputs [B, 1]` are the decode requests' last tokens, which may
     themselves be lazy (sampled by a step still in flight).
     """
-    for request, n in plan.prefill:
-        seq = request.seq
-        chunk = seq.prompt[seq.num_computed : seq.num_computed + n]
-        out = runner.forward([seq], mx.array([chunk]), mirror=False)
-        cache.computed([seq], n, out.states)
-        mx.eval(runner.kv_pool.arrays, out.state_arrays)
+    run_prefill(plan, runner, cache)
     if not plan.decode:
         return None
     seqs = [r.seq for r in plan.decode]
@@ -39,3 +45,21 @@ def run_step(plan: StepPlan, runner: ModelRunner, cache: KVCacheCoordinator,
     logprobs = out.logits - mx.logsumexp(out.logits, axis=-1, keepdims=True)
     sampled = [r.sampler(logprobs[i : i + 1]).reshape(-1) for i, r in enumerate(plan.decode)]
     return mx.concatenate(sampled) if len(sampled) > 1 else sampled[0]
+
+
+def run_verify(plan: StepPlan, runner: ModelRunner, cache: KVCacheCoordinator,
+               proposals: dict) -> mx.array | None:
+    """A speculative step: the prefill chunks, then one forward of every decode row's last
+    token and proposals (padded to the plan's decode_len); returns logprobs `[B, L, vocab]`."""
+    run_prefill(plan, runner, cache)
+    if not plan.decode:
+        return None
+    seqs = [r.seq for r in plan.decode]
+    rows = []
+    for request in plan.decode:
+        proposal = proposals.get(request)
+        row = [request.seq.last_token, *(proposal.tokens if proposal else [])]
+        rows.append(row + [row[-1]] * (plan.decode_len - len(row)))  # padding: computed, never kept
+    out = runner.forward(seqs, mx.array(rows), mirror=len(seqs) == 1, every_position=True)
+    cache.computed(seqs, plan.decode_len, out.states)
+    return out.logits - mx.logsumexp(out.logits, axis=-1, keepdims=True)

@@ -22,12 +22,10 @@ from mlxkv.errors import MlxkvError
 
 def make_request_sampler(
     temperature: float, top_p: float, min_p: float, top_k: int, seed: int | None
-) -> Callable[[mx.array], mx.array]:
+) -> Sampler:
     """logprobs `[1, vocab]` -> token `[1]`: greedy at temperature 0."""
     check_sampling(temperature, top_p, min_p, top_k, seed)
-    if temperature == 0 or seed is None:
-        return make_sampler(temp=temperature, top_p=top_p, min_p=min_p, top_k=top_k)
-    return SeededSampler(temperature, top_p, min_p, top_k, seed)
+    return Sampler(temperature, top_p, min_p, top_k, seed)
 
 
 MAX_SEED = 2**64 - 1  # MLX keys are 64 bits
@@ -58,19 +56,47 @@ def whole(value) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
-class SeededSampler:
-    """mlx-lm's sampler chain (top-p, min-p, top-k, then categorical) on a key of its own."""
+class Sampler:
+    """A request's sampling: mlx-lm's chain (top-p, min-p, top-k, then a categorical draw
+    at the temperature), on a key of its own when it has a seed.
 
-    def __init__(self, temperature: float, top_p: float, min_p: float, top_k: int, seed: int):
+    Calling it samples a token as mlx-lm would. A speculative step also needs
+    the distribution it draws from (`scores`) and draws of its own
+    (`uniform`, `categorical`), on the same key.
+    """
+
+    def __init__(self, temperature: float, top_p: float, min_p: float, top_k: int, seed: int | None):
         self.temperature, self.top_p, self.min_p, self.top_k = temperature, top_p, min_p, top_k
-        self.key = mx.random.key(int(seed))
+        self.key = None if seed is None or temperature == 0 else mx.random.key(int(seed))
+        self._mlx_lm = make_sampler(temp=temperature, top_p=top_p, min_p=min_p, top_k=top_k)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
 
     def __call__(self, logprobs: mx.array) -> mx.array:
+        if self.key is None:
+            return self._mlx_lm(logprobs)  # the global key, as mlx-lm draws
+        return self.categorical(self.scores(logprobs))
+
+    def scores(self, logprobs: mx.array) -> mx.array:
+        """The logits a draw is categorical over: the filtered logprobs at the temperature."""
         if 0 < self.top_p < 1:
             logprobs = apply_top_p(logprobs, self.top_p)
         if self.min_p != 0:
             logprobs = apply_min_p(logprobs, self.min_p)
         if self.top_k > 0:
             logprobs = apply_top_k(logprobs, self.top_k)
+        return logprobs * (1 / self.temperature)
+
+    def categorical(self, logits: mx.array) -> mx.array:
+        return mx.random.categorical(logits, key=self._draw_key())
+
+    def uniform(self, n: int) -> mx.array:
+        return mx.random.uniform(shape=(n,), key=self._draw_key())
+
+    def _draw_key(self):
+        if self.key is None:
+            return None
         self.key, draw = mx.random.split(self.key)  # the order MLX's global key uses
-        return mx.random.categorical(logprobs * (1 / self.temperature), key=draw)
+        return draw

@@ -38,6 +38,7 @@ class StepPlan:
     prefill: list[tuple[Request, int]] = field(default_factory=list)  # request, tokens to prefill
     decode: list[Request] = field(default_factory=list)  # each computes one token
     cancelled: list[Request] = field(default_factory=list)  # dropped while waiting or prefilling
+    decode_len: int = 1  # tokens each decode request computes (more in a speculative step)
 
     @property
     def empty(self) -> bool:
@@ -70,12 +71,18 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> StepPlan:
-        plan = StepPlan(cancelled=self._drop_cancelled())
+    def schedule(self, decode_len: int = 1) -> StepPlan:
+        """This step's work; each decoding request computes `decode_len` tokens (a
+        speculative step's last token and proposals, padded to one length)."""
+        plan = StepPlan(cancelled=self._drop_cancelled(), decode_len=decode_len)
         self._admit()
-        plan.decode = self._decode_slots()
+        plan.decode = self._decode_slots(decode_len)
         plan.prefill = self._prefill_chunks()
         return plan
+
+    def decoding(self) -> list[Request]:
+        """Running requests whose prompt is done: next step's decode rows, unless preempted."""
+        return [r for r in self.running if r.state == RequestState.RUNNING and r.remaining_prefill <= 0]
 
     # -- admission ----------------------------------------------------------
 
@@ -145,15 +152,15 @@ class Scheduler:
 
     # -- decode and prefill ---------------------------------------------------
 
-    def _decode_slots(self) -> list[Request]:
-        """Requests ready to decode, oldest first, each with a slot for its token."""
+    def _decode_slots(self, num_new: int) -> list[Request]:
+        """Requests ready to decode, oldest first, each with slots for its tokens."""
         decode = []
         for request in list(self.running):
             if request.state != RequestState.RUNNING or request.remaining_prefill > 0:
                 continue
             if request.issued >= request.max_tokens:
                 continue  # its last token is in flight
-            if self._slots_or_preempt(request, 1):
+            if self._slots_or_preempt(request, num_new):
                 decode.append(request)
         return decode
 

@@ -68,6 +68,8 @@ class PoolWatcher:
 
     def snapshot(self) -> PoolSnapshot:
         pool = self.pool
+        if len(pool.blocks) < len(self._marks):  # the pool shrank while idle: its blocks moved, marks start over
+            self.begin()
         grown = len(pool.blocks) - len(self._marks)
         if grown > 0:  # the pool grew (block_pool.py): its new blocks held nothing at begin()
             self._marks += MARK_NONE.encode() * grown

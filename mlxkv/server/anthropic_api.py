@@ -65,6 +65,7 @@ class MessagesRequest(CountRequest):
     top_k: int | None = Field(None, ge=0)
     stop_sequences: list[str] | None = None
     stream: bool = False
+    speculative: bool = True  # mlxkv's own: false decodes this reply without proposals
 
 
 def template_messages(body: CountRequest) -> list[dict]:
@@ -142,7 +143,7 @@ async def messages(request: Request):
     max_tokens = backend.reply_limit(tokens, body.max_tokens, anthropic=True)
     temperature = request.app.state.temperature if body.temperature is None else body.temperature
     handle = backend.submit(tokens, max_tokens=max_tokens, temperature=temperature, top_p=body.top_p or 0.0,
-                            top_k=body.top_k or 0)
+                            top_k=body.top_k or 0, speculative=body.speculative)
     reply = request.state.reply = Reply(backend, handle, tokens, body.stop_sequences, tools)
     head = {"id": new_id("msg_"), "type": "message", "role": "assistant", "model": backend.info.name}
     if body.stream:

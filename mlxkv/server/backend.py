@@ -227,6 +227,20 @@ class ServingBackend:
         except MlxkvError as e:  # the engine is closing
             raise ApiError(503, str(e), headers=retry) from None
 
+    # -- a reply's end: the backend owns the metrics and the reply ids ----------
+
+    def reply_ended(self, prompt: list[int], text: str, ids: list[int], stats) -> None:
+        """A reply came to its end: count it, say where its prompt's reuse stopped, keep its ids."""
+        self.metrics.reply_done(stats)
+        self.log_reuse(prompt, stats)
+        self.reply_ids.remember(text, ids)
+
+    def reply_cancelled(self) -> None:
+        self.metrics.request_cancelled()
+
+    def request_done(self, path: str, status: int) -> None:
+        self.metrics.request_done(path, status)
+
     def log_reuse(self, tokens: list[int], stats) -> None:
         """At DEBUG: where the prompt stopped matching the cache, with a few tokens each side."""
         if not log.isEnabledFor(logging.DEBUG) or stats is None:

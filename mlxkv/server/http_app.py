@@ -62,7 +62,7 @@ def endpoint(fn: Callable[[Request], Awaitable[Response]]):
         except Exception as e:
             log.exception("%s %s failed", request.method, request.url.path)
             response = error_response(request.url.path, ApiError(500, f"internal error: {type(e).__name__}: {e}"))
-        request.app.state.backend.metrics.request_done(request.url.path, response.status_code)
+        request.app.state.backend.request_done(request.url.path, response.status_code)
         return response
 
     return run
@@ -165,7 +165,8 @@ async def cache_stats(request: Request) -> Response:
 async def metrics(request: Request) -> Response:
     backend = request.app.state.backend
     stats = backend.stats()  # as the engine thread last published it
-    text = backend.metrics.render(backend.thread.open_requests, stats.get("pool"), stats.get("connector"))
+    text = backend.metrics.render(backend.thread.open_requests, stats.get("pool"), stats.get("speculative"),
+                                  tiers=stats.get("connector"))
     return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
 

@@ -70,9 +70,11 @@ class ServerMetrics:
             if stats.generation_tokens > 1 and stats.decode_tokens_per_s > 0:
                 self.tpot.observe(1.0 / stats.decode_tokens_per_s)
 
-    def render(self, open_requests: int, pool: dict | None, tiers: dict | None = None) -> str:
-        """The text exposition; `pool`: BlockPool.usage(), `tiers`: the connector's stats per
-        tier; None before the model is ready."""
+    def render(self, open_requests: int, pool: dict | None, speculative: dict | None = None,
+               tiers: dict | None = None) -> str:
+        """The text exposition; `pool`: BlockPool.usage(), or None before the model is ready;
+        `speculative`: Engine.stats()'s speculative decoding counters; `tiers`: the connector's
+        stats per tier."""
         with self._lock:
             lines = _metric("mlxkv_requests_total", "counter", "HTTP requests by endpoint and status",
                             [f'{{endpoint="{e}",status="{s}"}} {n}' for (e, s), n in sorted(self.requests.items())])
@@ -94,9 +96,24 @@ class ServerMetrics:
                                                                      "budget_blocks") if k in pool])
             lines += _metric("mlxkv_pool_evictions_total", "counter", "cached blocks evicted from the pool",
                              [f" {pool.get('evictions', 0)}"])
+        if speculative and speculative.get("mode"):
+            lines += _speculation_lines(speculative)
         if tiers:
             lines += tier_lines(tiers)
         return "\n".join(lines) + "\n"
+
+
+def _speculation_lines(stats: dict) -> list[str]:
+    lines = []
+    for key, help_text in (("proposed", "tokens proposed by speculative decoding"),
+                           ("accepted", "proposed tokens the model accepted"),
+                           ("steps", "speculative verify steps")):
+        lines += _metric(f"mlxkv_speculative_{key}_total", "counter", help_text, [f" {stats.get(key, 0)}"])
+    lines += _metric("mlxkv_speculative_acceptance_rate", "gauge", "accepted / proposed",
+                     [f" {_number(stats.get('acceptance_rate', 0.0))}"])
+    lines += _metric("mlxkv_speculative_tokens_per_step", "gauge", "tokens a proposing row produced per step",
+                     [f" {_number(stats.get('tokens_per_step', 0.0))}"])
+    return lines
 
 
 # Per tier: the counters of its stats() (TierStats and the health counts) that a dashboard plots.

@@ -48,10 +48,11 @@ class _Sampling(Lenient):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=1, description="one choice per request")
+    speculative: bool = True  # mlxkv's own: false decodes this reply without proposals
 
     def options(self, default_temperature: float) -> dict:
         temperature = default_temperature if self.temperature is None else self.temperature
-        return dict(temperature=temperature, top_p=self.top_p or 0.0, seed=self.seed)
+        return dict(temperature=temperature, top_p=self.top_p or 0.0, seed=self.seed, speculative=self.speculative)
 
     def stops(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

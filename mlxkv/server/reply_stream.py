@@ -91,7 +91,7 @@ class Reply:
         finally:
             if self._reader.close():  # the client left (a cancelled task), or a stop or failure cut it
                 self.cancelled = True
-                self.backend.metrics.request_cancelled()
+                self.backend.reply_cancelled()
 
     async def collect(self) -> WholeReply:
         text, calls, last = [], [], ReplyEvent()
@@ -138,9 +138,7 @@ class Reply:
         self._content.append(rest)
         stats = stats or RequestStats.unknown(self.prompt_len, len(self._ids))
         self.stats = stats
-        self.backend.metrics.reply_done(stats)
-        self.backend.log_reuse(self.prompt, stats)
-        self.backend.reply_ids.remember("".join(self._content), self._ids)
+        self.backend.reply_ended(self.prompt, "".join(self._content), self._ids, stats)
         made_calls = self._splitter is not None and bool(self._splitter.calls)
         if self._stops.matched is not None:
             reason = "stop_sequence"

@@ -41,6 +41,7 @@ class ResponsesRequest(Lenient):
     stream: bool = False
     store: bool = True
     previous_response_id: str | None = None
+    speculative: bool = True  # mlxkv's own: false decodes this reply without proposals
 
 
 def usage(stats) -> dict:
@@ -64,7 +65,8 @@ async def responses(request: Request):
     tokens = await off_loop(backend.chat_tokens, system + history + new, tools)
     max_tokens = backend.reply_limit(tokens, body.max_output_tokens, param="input")
     temperature = request.app.state.temperature if body.temperature is None else body.temperature
-    handle = backend.submit(tokens, max_tokens=max_tokens, temperature=temperature, top_p=body.top_p or 0.0)
+    handle = backend.submit(tokens, max_tokens=max_tokens, temperature=temperature, top_p=body.top_p or 0.0,
+                            speculative=body.speculative)
     reply = request.state.reply = Reply(backend, handle, tokens, None, tools)
     shape = _Shape(body, backend.info.name)
     kept = (lambda message: store.put(shape.id, history + new + [message])) if body.store else (lambda m: None)

@@ -165,3 +165,17 @@ def test_serve_benchmark_rows(llama_dir):
     for row in rows:
         assert KEYS <= row.keys() and row["ours"] > 0 and row["baseline"] > 0, row
     assert rows[0]["first_replies_identical"]
+
+
+@pytest.mark.slow
+def test_speculative_benchmark_rows(llama_dir, monkeypatch):
+    from mlxkv.benchmarks import speculative
+
+    monkeypatch.setattr(speculative, "EDIT_LINES", 25)  # the tiny model reads bytes: a short file
+    monkeypatch.setattr(speculative, "EDIT_TOKENS", 24)
+    monkeypatch.setattr(speculative, "CHAT_TOKENS", 12)
+    rows = speculative.run_speculative_benchmark(llama_dir, rounds=1, log=lambda message: None)
+    assert [r["name"] for r in rows] == ["code edit (lookup)", "free chat (lookup)",
+                                         "batch of 8 code edits (lookup)", "code edit (draft: itself)"]
+    assert all(r["tokens_identical"] for r in rows)
+    assert rows[3]["acceptance"] == 1.0  # a model drafting for itself is always right

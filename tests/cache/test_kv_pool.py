@@ -77,7 +77,7 @@ def test_writes_are_in_place_unless_the_pool_is_aliased():
     assert _peak_during_writes(pool, keep_alias=True) >= one_pool
 
 
-def test_mirror_appends_in_place_and_grows_in_steps():
+def test_mirror_writes_in_place_at_the_offset_and_grows_in_steps():
     from mlxkv.attention.mirror import STEP, KVMirror
 
     mirror = KVMirror(num_layers=1)
@@ -85,11 +85,16 @@ def test_mirror_appends_in_place_and_grows_in_steps():
     k, _ = mirror.reset(0, first, first)
     assert k.shape == (1, 2, 5, 8) and mirror.keys[0].shape[2] == STEP
     new = mx.random.normal((1, 2, STEP, 8))
-    k, v = mirror.append(0, new, new)
+    k, v = mirror.write(0, 5, new, new)
     assert k.shape == (1, 2, 5 + STEP, 8) and mirror.keys[0].shape[2] == 2 * STEP
     np.testing.assert_array_equal(np.array(k[:, :, :5]), np.array(first))
     np.testing.assert_array_equal(np.array(v[:, :, 5:]), np.array(new))
-    assert mirror.holds(0, 5 + STEP) and not mirror.holds(0, 5)
+    assert mirror.covers(0, 5 + STEP) and mirror.covers(0, 5) and not mirror.covers(0, 6 + STEP)
+    # A rolled-back step: the next write lands at the offset, over the rejected tokens.
+    again = mx.random.normal((1, 2, 2, 8))
+    k, _ = mirror.write(0, 7, again, again)
+    assert k.shape == (1, 2, 9, 8) and mirror.lengths[0] == 9
+    np.testing.assert_array_equal(np.array(k[:, :, 7:]), np.array(again))
 
 
 def test_engine_drops_a_sequence_mirror_when_it_ends(model_dirs):

@@ -188,6 +188,17 @@ def test_pool_watcher_marks_hydration_from_memory_and_spills(llama_dir):
     assert snap.tiers["memory"]["hydrations"] > 0
 
 
+
+def test_a_snapshot_after_the_pool_shrank_is_the_pool_s_size(llama_dir):
+    engine = Engine.load(llama_dir, CacheConfig(block_size=8, num_blocks=512, idle_shrink_s=0))
+    watcher = PoolWatcher.of(engine)
+    for start in (3, 4, 5):
+        engine.generate(tokens(120, start=start), max_tokens=2)
+    watcher.snapshot()
+    engine.idle(1)  # shrinks while the watcher's marks are of the bigger pool
+    snap = watcher.snapshot()
+    assert len(snap.marks) == len(snap.states) == engine.block_pool.size < 512
+
 EXITER = """
 import sys
 import mlxkv

@@ -103,14 +103,18 @@ def test_metrics_render_prometheus_text():
     metrics.request_done("/v1/messages", 200)
     metrics.reply_done(RequestStats(100, {"pool": 64, "memory": 0, "disk": 16}, 20, 10, ttft_s=0.2,
                                     decode_tokens_per_s=50.0))
-    text = metrics.render(open_requests=1, pool={"in_use": 3, "cached_free": 4, "free": 5, "num_blocks": 12,
-                                                 "budget_blocks": 64, "evictions": 2})
+    speculative = {"mode": "lookup", "proposed": 40, "accepted": 30, "steps": 9, "acceptance_rate": 0.75,
+                   "tokens_per_step": 3.5}
+    text = metrics.render(open_requests=1, pool={"in_use": 3, "cached_free": 4, "free": 5, "size_blocks": 12,
+                                                 "budget_blocks": 64, "evictions": 2}, speculative=speculative)
     assert 'mlxkv_requests_total{endpoint="/v1/messages",status="200"} 1' in text
     assert 'mlxkv_cached_tokens_total{tier="disk"} 16' in text
     assert 'mlxkv_time_to_first_token_seconds_bucket{le="0.25"} 1' in text
     assert 'mlxkv_time_to_first_token_seconds_bucket{le="0.1"} 0' in text
     assert "mlxkv_time_per_output_token_seconds_sum 0.02" in text
     assert 'mlxkv_pool_blocks{state="budget_blocks"} 64' in text and "mlxkv_open_requests 1" in text
+    assert "mlxkv_speculative_accepted_total 30" in text and "mlxkv_speculative_tokens_per_step 3.5" in text
+    assert "mlxkv_speculative" not in metrics.render(0, None, {"mode": None})
 
 
 def test_a_record_for_a_closed_server_loop_never_raises_on_the_engine_thread():

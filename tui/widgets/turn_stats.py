@@ -46,4 +46,8 @@ class TurnStats(PanelText):
         if kind == "reply":
             rows.append(_row("reply tokens", f"{stats['generation_tokens']:,}"))
             rows.append(_row("decode", f"{stats['decode_tokens_per_s']:,.1f} tok/s"))
+            proposed = stats.get("proposed_tokens", 0)
+            if proposed:
+                accepted = stats["accepted_tokens"]
+                rows.append(_row("  speculated", f"{accepted:,}/{proposed:,}", f"{accepted / proposed:.0%}"))
         self.show_text("\n".join(rows))

@@ -147,6 +147,13 @@ class AttentionManager:
     def extend(self, request_id: int, blocks: list[Block]) -> None:
         self._tables[request_id].extend(blocks)
 
+    def trim(self, request_id: int, num_blocks: int) -> list[Block]:
+        """Cut the table to `num_blocks` entries; returns the held blocks cut, for the pool to free."""
+        table = self._tables[request_id]
+        cut = [b for b in table[num_blocks:] if b is not None]
+        del table[num_blocks:]
+        return cut
+
     def passed(self, request_id: int, num_computed: int, registered: int) -> list[int]:
         """Indices of held blocks the next token no longer needs (registered ones only)."""
         table = self._tables[request_id]

@@ -1,0 +1,1 @@
+"""Speculative decoding: proposals checked by the target model inside the batch."""
