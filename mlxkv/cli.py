@@ -9,63 +9,23 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import math
 import os
 import sys
 import warnings
 
+from mlxkv.cli_flags import REMOTE_TIER_ENV, add_cache_flags, cache_config, number, persistent_cache_config
 from mlxkv.errors import MlxkvError, MlxkvWarning, warning_text
-
-
-def _number(kind: type, low: float, high: float | None = None):
-    """An argparse type: an int or a finite float from `low` (to `high`), or
-    argparse's one-line error naming the flag."""
-    if high is not None:
-        wanted = f"between {low} and {high}"
-    else:
-        wanted = f"at least {low}" if low > 0 else f"{low} or more"
-
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"expected {'a whole number' if kind is int else 'a number'}, got {text!r}") from None
-        if not math.isfinite(value):
-            raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
-        if not (low <= value and (high is None or value <= high)):
-            raise argparse.ArgumentTypeError(f"must be {wanted}, got {text}")
-        return value
-
-    return parse
-
-
-def _add_cache_flags(p: argparse.ArgumentParser, model_help: str | None = None) -> None:
-    p.add_argument("--model", default="demo" if model_help is None else None,
-                   help=model_help or 'model directory, GGUF file, Hugging Face id, "demo" (default) or "tiny"')
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (power of two)")
-    p.add_argument("--num-blocks", type=int, default=None, help="KV pool size in blocks (default: a share of memory)")
-    p.add_argument("--no-prefix-cache", action="store_true", help="do not share blocks between prompts")
-    p.add_argument("--memory-tier-mb", type=_number(int, 0), default=256, help="unified-memory tier budget (0 turns it off)")
-    p.add_argument("--memory-tier-bits", type=int, default=None, choices=[4, 8], help="quantize memory-tier blocks")
-    p.add_argument("--disk-tier", default=None, metavar="DIR", help="SSD tier directory (persists across runs)")
-    p.add_argument("--disk-tier-mb", type=_number(int, 1), default=None, help="SSD tier budget")
-    p.add_argument("--no-disk-tier", action="store_true", help="turn the SSD tier off")
-    p.add_argument("--speculative", choices=["lookup", "draft"], default=None,
-                   help="speculative decoding: proposals from the prompt (lookup) or a draft model")
-    p.add_argument("--draft-model", default=None, metavar="PATH_OR_ID", help="the draft model for --speculative draft")
-    p.add_argument("--speculative-tokens", type=_number(int, 1, 7), default=4, help="most tokens proposed per step")
 
 
 def _add_generate(sub) -> None:
     p = sub.add_parser("generate", help="generate replies to one or more prompts")
-    _add_cache_flags(p)
+    add_cache_flags(p)
     p.add_argument("--prompt", action="append", default=[], help="a prompt; repeat to run several in order")
     p.add_argument("--prompt-file", action="append", default=[], help="read a prompt from a file (- for stdin)")
     p.add_argument("--raw", action="store_true", help="send prompts as-is, without the chat template")
-    p.add_argument("--max-tokens", type=_number(int, 1), default=256)
-    p.add_argument("--temp", type=_number(float, 0), default=0.0, help="sampling temperature (0 = greedy)")
-    p.add_argument("--top-p", type=_number(float, 0, 1), default=0.0, help="nucleus sampling (0 = off)")
+    p.add_argument("--max-tokens", type=number(int, 1), default=256)
+    p.add_argument("--temp", type=number(float, 0), default=0.0, help="sampling temperature (0 = greedy)")
+    p.add_argument("--top-p", type=number(float, 0, 1), default=0.0, help="nucleus sampling (0 = off)")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     p.add_argument("--concurrent", action="store_true",
@@ -77,24 +37,24 @@ def _add_chat(sub) -> None:
     from mlxkv.models.fetch import DEFAULT_CHAT_MODEL
 
     p = sub.add_parser("chat", help="chat in a terminal app with a live view of the KV cache")
-    _add_cache_flags(p, model_help=f'model directory, GGUF file, Hugging Face id, or "demo" (offline); default: '
+    add_cache_flags(p, model_help=f'model directory, GGUF file, Hugging Face id, or "demo" (offline); default: '
                                    f'{DEFAULT_CHAT_MODEL}, downloaded once')
-    p.add_argument("--max-tokens", type=_number(int, 1), default=1024, help="longest reply")
-    p.add_argument("--temp", type=_number(float, 0), default=0.0, help="sampling temperature (0 = greedy)")
+    p.add_argument("--max-tokens", type=number(int, 1), default=1024, help="longest reply")
+    p.add_argument("--temp", type=number(float, 0), default=0.0, help="sampling temperature (0 = greedy)")
     p.set_defaults(func=cmd_chat)
 
 
 def _add_serve(sub) -> None:
     p = sub.add_parser("serve", help="an OpenAI- and Anthropic-compatible server on one shared KV pool")
-    _add_cache_flags(p)
+    add_cache_flags(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: this machine only)")
-    p.add_argument("--port", type=_number(int, 0, 65535), default=8000)
+    p.add_argument("--port", type=number(int, 0, 65535), default=8000)
     p.add_argument("--api-key", default=None, help="require this key (default: $MLXKV_API_KEY, else none)")
-    p.add_argument("--max-tokens", type=_number(int, 1), default=2048, help="reply length when a request says none")
-    p.add_argument("--temp", type=_number(float, 0), default=0.0, help="temperature when a request says none")
-    p.add_argument("--max-open", type=_number(int, 1), default=256, help="requests queued or running before 429s")
-    p.add_argument("--max-body-mb", type=_number(int, 1), default=32, help="largest request body")
-    p.add_argument("--reply-cap", type=_number(int, 1), default=None,
+    p.add_argument("--max-tokens", type=number(int, 1), default=2048, help="reply length when a request says none")
+    p.add_argument("--temp", type=number(float, 0), default=0.0, help="temperature when a request says none")
+    p.add_argument("--max-open", type=number(int, 1), default=256, help="requests queued or running before 429s")
+    p.add_argument("--max-body-mb", type=number(int, 1), default=32, help="largest request body")
+    p.add_argument("--reply-cap", type=number(int, 1), default=None,
                    help="cut every reply to at most this many tokens (agents ask for 32000)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="info: a start-up line and one line per request; debug: where each prompt "
@@ -118,31 +78,30 @@ def _add_bench(sub) -> None:
     p.add_argument("suite", nargs="?", default="engine", choices=[*SUITES, "all", "mac"],
                    help="a suite, all of them, or mac: the report of every ratio promised for Apple GPUs")
     p.add_argument("--report", metavar="FILE", default=None, help="mac: write FILE.json and FILE.md")
-    p.add_argument("--context", type=_number(int, 1), default=2048, help="context length for the engine benchmark")
-    p.add_argument("--decode-tokens", type=_number(int, 2), default=64)
-    p.add_argument("--prefix", type=_number(int, 0), default=1024, help="shared prefix length for the batch benchmark")
+    p.add_argument("--context", type=number(int, 1), default=2048, help="context length for the engine benchmark")
+    p.add_argument("--decode-tokens", type=number(int, 2), default=64)
+    p.add_argument("--prefix", type=number(int, 0), default=1024, help="shared prefix length for the batch benchmark")
     p.add_argument("--efficiency", action="store_true",
                    help="kernels: how the decode kernel reads the KV pools (coalescing, bytes read), "
                         "through the MSL harness of a source checkout; needs clang-19")
+    p.add_argument("--remote-tier", default=None, metavar="URL",
+                   help="tiers: the server of the remote rows (default: a redis-server of the bench's own)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_bench)
 
 
-def _add_cache(sub) -> None:
-    p = sub.add_parser("cache", help="inspect or clear an SSD tier directory")
-    p.add_argument("action", choices=["info", "clear"])
-    p.add_argument("--disk-tier", default=None, metavar="DIR", help="SSD tier directory (default: the user cache dir)")
-    p.set_defaults(func=cmd_cache)
-
-
 def _add_doctor(sub) -> None:
-    p = sub.add_parser("doctor", help="BLAS, Metal, and which attention path decode takes")
+    p = sub.add_parser("doctor", help="BLAS, Metal, which attention path decode takes, and the cache tiers")
     p.add_argument("--json", action="store_true", help="the same report as one JSON object")
+    p.add_argument("--disk-tier", default=None, metavar="DIR", help="SSD tier directory (default: the user cache dir)")
+    p.add_argument("--remote-tier", default=os.environ.get(REMOTE_TIER_ENV), metavar="URL",
+                   help=f"a remote tier's server to check (default: ${REMOTE_TIER_ENV})")
     p.set_defaults(func=cmd_doctor)
 
 
 def build_parser() -> argparse.ArgumentParser:
     from mlxkv import __version__
+    from mlxkv.connectors.commands import add_cache_parser
     from mlxkv.models.commands import add_models_parser
 
     parser = argparse.ArgumentParser(prog="mlxkv", description=__doc__.splitlines()[0])
@@ -153,44 +112,17 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve(sub)
     _add_tiny_model(sub)
     _add_bench(sub)
-    _add_cache(sub)
+    add_cache_parser(sub)
     add_models_parser(sub)
     _add_doctor(sub)
     parser.set_defaults(version_string=__version__)
     return parser
 
 
-def _cache_config(args):
-    from mlxkv.config import CacheConfig
-
-    disk_tier = None if args.no_disk_tier else args.disk_tier
-    return CacheConfig(
-        block_size=args.block_size,
-        num_blocks=args.num_blocks,
-        prefix_cache=not args.no_prefix_cache,
-        memory_tier_bytes=args.memory_tier_mb << 20,
-        memory_tier_bits=args.memory_tier_bits,
-        disk_tier=disk_tier,
-        disk_tier_bytes=None if args.disk_tier_mb is None else args.disk_tier_mb << 20,
-        speculative=args.speculative, draft_model=args.draft_model, speculative_tokens=args.speculative_tokens,
-    )
-
-
 def cmd_generate(args) -> int:
     from mlxkv.generate_command import generate
 
-    return generate(args, _cache_config(args))
-
-
-def _persistent_cache_config(args):
-    """The cache flags, with the SSD tier on in the user cache dir unless turned off:
-    chats and clients come back, so their KV should be there too."""
-    from mlxkv.system.paths import default_disk_tier_dir
-
-    config = _cache_config(args)
-    if not args.no_disk_tier and args.disk_tier is None:
-        config.disk_tier = str(default_disk_tier_dir())
-    return config
+    return generate(args, cache_config(args))
 
 
 def cmd_serve(args) -> int:
@@ -199,7 +131,7 @@ def cmd_serve(args) -> int:
     log_serving("warning" if args.quiet else args.log_level)
     options = ServerOptions(args.host, args.port, api_key_from(args.api_key), args.max_open,
                             args.max_body_mb << 20, args.max_tokens, args.temp, reply_cap=args.reply_cap)
-    Server.load(args.model, _persistent_cache_config(args), options).serve_forever()
+    Server.load(args.model, persistent_cache_config(args), options).serve_forever()
     return 0
 
 
@@ -213,7 +145,7 @@ def cmd_chat(args) -> int:
                          "for scripts: mlxkv generate or mlxkv serve")
     from mlxkv.tui.app import run
 
-    config = _persistent_cache_config(args)
+    config = persistent_cache_config(args)
     return run(model, config, max_tokens=args.max_tokens, temperature=args.temp)
 
 
@@ -231,27 +163,19 @@ def cmd_bench(args) -> int:
     return run_suite(args)
 
 
-def cmd_cache(args) -> int:
-    from mlxkv.connectors.disk.cache_dir import cache_clear, cache_info
-    from mlxkv.system.paths import default_disk_tier_dir
-
-    directory = args.disk_tier or str(default_disk_tier_dir())
-    if args.action == "clear":
-        print(f"removed {cache_clear(directory)} block files from {directory}")
-    else:
-        print(json.dumps(cache_info(directory), indent=2))
-    return 0
-
-
 def cmd_doctor(args) -> int:
     from mlxkv.attention.doctor import attention_lines, attention_report
+    from mlxkv.connectors.doctor import tier_lines, tier_report
     from mlxkv.system.blas import blas_report, format_doctor
+    from mlxkv.system.paths import default_disk_tier_dir
 
-    report = {**blas_report(), "attention": attention_report()}
+    tiers = tier_report(getattr(args, "disk_tier", None) or str(default_disk_tier_dir()),
+                        getattr(args, "remote_tier", None))
+    report = {**blas_report(), "attention": attention_report(), "tiers": tiers}
     if getattr(args, "json", False):
         print(json.dumps(report, indent=2))
     else:
-        print(format_doctor(report, attention_lines(report["attention"])))
+        print(format_doctor(report, attention_lines(report["attention"]) + tier_lines(tiers)))
     return 0
 
 

@@ -48,6 +48,18 @@ class CacheConfig:
     memory_tier_bits: store memory-tier blocks 8-bit (or 4-bit) quantized.
     disk_tier: directory of the SSD tier; None (the Python API default) turns it off.
     disk_tier_bytes: budget of the SSD tier (None: the tier's default).
+    disk_tier_min_free_bytes: free space the SSD tier leaves on its disk,
+        deleting its least recently used files to keep it (None: 5% of the
+        disk, at most 1 GiB).
+    remote_tier: URL of a Redis or Valkey server shared by many processes
+        (`redis://[user:password@]host:port/db`, `rediss://` for TLS);
+        None turns the remote tier off.
+    remote_tier_salt: a secret that goes into the root of every block
+        chain, so only engines holding it share blocks (docs/tiers.md).
+    remote_tier_prefix: the prefix of every key mlxkv writes on the server.
+    remote_tier_ttl_s: keys expire this long after they are written (None: never).
+    remote_tier_timeout_ms: the longest a read from the server waits per
+        socket operation; a slower server is a miss, and marked down.
     attention: "auto", "reference" or "kernel" (attention/dispatch.py); None:
         MLXKV_ATTENTION, else "auto".
     checkpoint_interval: for models with recurrent layers, tokens between
@@ -79,6 +91,12 @@ class CacheConfig:
     memory_tier_bits: int | None = None
     disk_tier: str | None = None
     disk_tier_bytes: int | None = None
+    disk_tier_min_free_bytes: int | None = None
+    remote_tier: str | None = None
+    remote_tier_salt: str | None = None
+    remote_tier_prefix: str = "mlxkv:"
+    remote_tier_ttl_s: int | None = None
+    remote_tier_timeout_ms: float = 50.0
     attention: str | None = None
     checkpoint_interval: int = DEFAULT_CHECKPOINT_INTERVAL
     checkpoint_share: float = DEFAULT_CHECKPOINT_SHARE
@@ -102,6 +120,7 @@ class CacheConfig:
             raise MlxkvError(f"memory tier budget must be >= 0, got {self.memory_tier_bytes}")
         if self.disk_tier_bytes is not None and self.disk_tier_bytes <= 0:
             raise MlxkvError(f"disk tier budget must be positive, got {self.disk_tier_bytes}")
+        self._check_tiers()
         if not isinstance(self.checkpoint_interval, int) or self.checkpoint_interval < 1:
             raise MlxkvError(f"checkpoint interval must be a whole number of tokens >= 1, got {self.checkpoint_interval!r}")
         if not 0 < self.checkpoint_share < 1:
@@ -118,6 +137,25 @@ class CacheConfig:
             raise MlxkvError(
                 f"attention must be auto, reference or kernel, got {self.attention!r}"
             )
+
+    def _check_tiers(self) -> None:
+        floor = self.disk_tier_min_free_bytes
+        if floor is not None and (not isinstance(floor, int) or floor < 0):
+            raise MlxkvError(f"disk tier free-space floor must be a whole number of bytes >= 0, got {floor!r}")
+        if self.remote_tier is not None:
+            from mlxkv.connectors.remote.url import check_url
+
+            check_url(self.remote_tier)
+        if self.remote_tier_salt is not None and not isinstance(self.remote_tier_salt, str):
+            raise MlxkvError(f"remote tier salt must be a string, got {type(self.remote_tier_salt).__name__}")
+        if not isinstance(self.remote_tier_prefix, str) or any(c.isspace() for c in self.remote_tier_prefix):
+            raise MlxkvError(f"remote tier key prefix must be a string without spaces, got {self.remote_tier_prefix!r}")
+        ttl = self.remote_tier_ttl_s
+        if ttl is not None and (isinstance(ttl, bool) or not isinstance(ttl, int) or ttl < 1):
+            raise MlxkvError(f"remote tier TTL must be a whole number of seconds >= 1, got {ttl!r}")
+        timeout = self.remote_tier_timeout_ms
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= 60_000:
+            raise MlxkvError(f"remote tier timeout must be between 0 and 60000 ms, got {timeout!r}")
 
     def _check_speculation(self) -> None:
         if self.speculative not in (None, *SPECULATIVE_MODES):

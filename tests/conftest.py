@@ -37,6 +37,9 @@ def _private_cache_dir(tmp_path_factory, monkeypatch):
     # never the user's real cache or data dir (the chat app's conversations).
     monkeypatch.setenv("MLXKV_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "mlxkv-cache"))
     monkeypatch.setenv("MLXKV_DATA_DIR", str(tmp_path_factory.getbasetemp() / "mlxkv-data"))
+    # A developer's team server is never a test's.
+    monkeypatch.delenv("MLXKV_REMOTE_TIER", raising=False)
+    monkeypatch.delenv("MLXKV_REMOTE_TIER_SALT", raising=False)
 
 
 @pytest.fixture
@@ -44,11 +47,31 @@ def tmpfs(tmp_path):
     """`tmpfs(size)` mounts a small tmpfs (a real full disk, a real read-only mount)."""
     mounted = []
 
-    def mount(size: str = "1m"):
-        d = mount_tmpfs(tmp_path / f"tmpfs{len(mounted)}", size)
+    def mount(size: str = "1m", inodes: int | None = None):
+        d = mount_tmpfs(tmp_path / f"tmpfs{len(mounted)}", size, inodes)
         mounted.append(d)
         return d
 
     yield mount
     for d in reversed(mounted):
         subprocess.run(["umount", "-l", str(d)], capture_output=True)
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    """`redis_server(**options)` starts a real redis-server on a free loopback port, with its own
+    config and data directory (LocalRedisServer's options: password, settings), stopped after the test."""
+    from mlxkv.connectors.remote.local_server import LocalRedisServer, server_binary
+
+    if server_binary() is None:
+        pytest.skip("redis-server is not installed (.ci/run installs Debian's)")
+    started = []
+
+    def start(**options):
+        server = LocalRedisServer(tmp_path / f"redis{len(started)}", **options).start()
+        started.append(server)
+        return server
+
+    yield start
+    for server in started:
+        server.stop()

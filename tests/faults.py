@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -29,16 +30,56 @@ def remount_read_only(mountpoint: Path) -> None:
         pytest.skip(f"cannot remount the tmpfs read-only: {r.stderr.strip()}")
 
 
-def mount_tmpfs(directory: Path, size: str) -> Path:
-    """Mount a tmpfs of `size` on a new `directory`, or skip saying why not."""
+def mount_tmpfs(directory: Path, size: str, inodes: int | None = None) -> Path:
+    """Mount a tmpfs of `size` (and at most `inodes` files and directories) on a new `directory`,
+    or skip saying why not."""
     if os.geteuid() != 0:
         pytest.skip("mounting a tmpfs needs root")
     directory.mkdir()
+    options = f"size={size},mode=0755" + (f",nr_inodes={inodes}" if inodes else "")
     r = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={size},mode=0755", "tmpfs", str(directory)],
+        ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(directory)],
         capture_output=True,
         text=True,
     )
     if r.returncode != 0:
         pytest.skip(f"mount -t tmpfs is not permitted here: {r.stderr.strip()}")
     return directory
+
+
+def fill_disk(directory: Path) -> Path:
+    """Fill the file system of `directory` with one file of other data, to its last byte."""
+    ballast = directory / "other-data"
+    fd = os.open(ballast, os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        for chunk in (1 << 16, 512, 1):
+            try:
+                while os.write(fd, b"\0" * chunk):
+                    pass
+            except OSError:
+                pass
+    finally:
+        os.close(fd)
+    return ballast
+
+
+def use_up_inodes(directory: Path) -> list[Path]:
+    """Create empty files in `directory` until its file system has no inode left."""
+    made = []
+    try:
+        while True:
+            path = directory / f"inode-{len(made)}"
+            path.touch()
+            made.append(path)
+    except OSError:
+        return made
+
+
+def wait_until(predicate, timeout: float = 20.0) -> bool:
+    """Whether `predicate()` came true within `timeout` seconds (a tier recovering, a state changing)."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return predicate()

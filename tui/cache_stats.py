@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from mlxkv.cache.tiers import DISK, MEMORY, POOL, TIERS
+from mlxkv.cache.tiers import DISK, MEMORY, POOL, REMOTE, TIERS
 from mlxkv.engine.records import RequestStats
 
 # Where a prompt token can come from, in the order the engine looks.
 SOURCES = TIERS
-SOURCE_LABELS = {POOL: "pool", MEMORY: "memory tier", DISK: "SSD tier"}
+SOURCE_LABELS = {POOL: "pool", MEMORY: "memory tier", DISK: "SSD tier", REMOTE: "remote tier"}
 
 
 def as_dict(stats) -> dict:

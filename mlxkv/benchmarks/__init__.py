@@ -39,6 +39,13 @@ def _kernels(args) -> tuple[list[dict], str]:
     return rows, format_rows(rows)
 
 
+def _tiers(args) -> tuple[list[dict], str]:
+    from mlxkv.benchmarks.tiers import format_rows, run_tiers_benchmark
+
+    rows = run_tiers_benchmark(remote_tier=getattr(args, "remote_tier", None))
+    return rows, format_rows(rows)
+
+
 def _at_defaults(module: str, run: str):
     """A suite that takes no flags: its module's `run` at its defaults, printed by its `format_rows`."""
 
@@ -53,7 +60,7 @@ def _at_defaults(module: str, run: str):
 SUITES = {
     "engine": _engine,
     "batch": _batch,
-    "tiers": _at_defaults("tiers", "run_tiers_benchmark"),
+    "tiers": _tiers,
     "kernels": _kernels,
     "blas": _at_defaults("blas", "run_blas_benchmark"),
     "windows": _at_defaults("windows", "run_windows_benchmark"),

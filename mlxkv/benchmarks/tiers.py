@@ -19,6 +19,8 @@
 - 8-bit memory tier: a prefix's KV through the quantized tier against the
   exact KV, continued by mlx-lm's own generate_step: how far the next-token
   log-probs move and how many greedy tokens stay the same.
+- remote restore and remote read (remote_rows.py): the same on a Redis or
+  Valkey server on loopback, against recompute and a raw client GET.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlxkv.benchmarks.engine import _tokens, bench_model_path, describe_model
+from mlxkv.benchmarks.remote_rows import remote_rows
 from mlxkv.benchmarks.rows import format_rows, row  # noqa: F401  (format_rows: the suite's printer)
 from mlxkv.config import DEFAULT_MEMORY_TIER_BYTES, CacheConfig
 from mlxkv.connectors.memory import InMemoryKVCacheConnector
@@ -52,7 +55,9 @@ QUANT_TOKENS = 32
 
 
 def run_tiers_benchmark(model: str | None = None, restore_tokens: int = RESTORE_TOKENS,
-                        read_blocks: int = READ_BLOCKS, directory: str | None = None, log=print) -> list[dict]:
+                        read_blocks: int = READ_BLOCKS, directory: str | None = None, log=print,
+                        remote_tier: str | None = None) -> list[dict]:
+    """`remote_tier`: the server of the remote rows (None: a redis-server of the bench's own, if installed)."""
     model = model or str(bench_model_path(log=log))
     with tempfile.TemporaryDirectory(prefix="mlxkv-bench-tiers-", dir=directory) as tmp:
         loaded = load_model(model)
@@ -62,6 +67,7 @@ def run_tiers_benchmark(model: str | None = None, restore_tokens: int = RESTORE_
         rows.append(_ssd_read_row(engine, blocks, Path(tmp) / "read", log))
         rows.append(_memory_hydrate_row(engine, blocks, log))
         rows.append(_quantized_row(engine, blocks, log))
+        rows += remote_rows(loaded, engine, blocks, restore_tokens, remote_tier, Path(tmp), log)
         for r in rows:
             r["model"] = describe_model(engine)
         return rows

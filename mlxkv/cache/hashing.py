@@ -17,11 +17,15 @@ from collections.abc import Sequence
 BlockHash = bytes
 
 
-def root_hash(fingerprint: bytes, cache_salt: str | None = None) -> BlockHash:
+def root_hash(fingerprint: bytes, cache_salt: str | None = None, namespace: str | None = None) -> BlockHash:
+    """`namespace`: a secret every chain of an engine starts from (the remote
+    tier's salt), so only holders of it share blocks; `cache_salt` a request's own."""
     h = hashlib.sha256(b"mlxkv-root\0")
     h.update(fingerprint)
     if cache_salt:
         h.update(b"\0salt\0" + cache_salt.encode())
+    if namespace:
+        h.update(b"\0namespace\0" + namespace.encode())
     return h.digest()
 
 

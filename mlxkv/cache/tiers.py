@@ -10,7 +10,8 @@ from __future__ import annotations
 POOL = "pool"
 MEMORY = "memory"
 DISK = "disk"
-TIERS = (POOL, MEMORY, DISK)  # in the order a lookup tries them
+REMOTE = "remote"  # a Redis or Valkey server many processes share
+TIERS = (POOL, MEMORY, DISK, REMOTE)  # in the order a lookup tries them
 
 
 def no_reuse() -> dict[str, int]:

@@ -8,28 +8,65 @@ from mlxkv.connectors.tiered import TieredKVCacheConnector
 
 
 def build_connector(cache_config, fingerprint: bytes, layout):
-    """The connector a CacheConfig asks for: explicit, tiers, or the no-op."""
+    """The connector a CacheConfig asks for: explicit, tiers (memory, SSD, remote), or the no-op."""
     if cache_config.connector is not None:
         return cache_config.connector
-    disk = None
-    if cache_config.disk_tier is not None:
-        from mlxkv.connectors.disk.connector import DiskKVCacheConnector
-
-        disk = DiskKVCacheConnector(
-            cache_config.disk_tier,
-            fingerprint,
-            block_size=layout.block_size,
-            num_layers=layout.num_layers,
-            dtype=str(layout.dtype).removeprefix("mlx.core."),
-            budget_bytes=cache_config.disk_tier_bytes,
-            page=(layout.n_kv_heads, layout.head_dim, layout.num_v_heads, layout.v_head_dim),
-        )
-        if disk.disabled:  # it warned why; left in, it would show as an empty tier
-            disk.close()
-            disk = None
+    disk, remote = _disk_tier(cache_config, fingerprint, layout), _remote_tier(cache_config, fingerprint, layout)
     memory_bytes, bits = cache_config.memory_tier_bytes, cache_config.memory_tier_bits
-    if memory_bytes and disk:
-        return TieredKVCacheConnector(disk, memory_bytes, layout.block_size, bits)
+    behind = [t for t in (disk, remote) if t is not None]
+    if memory_bytes and behind or len(behind) > 1:
+        return TieredKVCacheConnector(disk, memory_bytes, layout.block_size, bits, remote=remote)
     if memory_bytes:
         return InMemoryKVCacheConnector(memory_bytes, layout.block_size, bits)
-    return disk or NoopKVCacheConnector()
+    return behind[0] if behind else NoopKVCacheConnector()
+
+
+def _dtype(layout) -> str:
+    return str(layout.dtype).removeprefix("mlx.core.")
+
+
+def _page(layout) -> tuple[int, int, int, int]:
+    """A page layer's shape, so a tier never returns pages of another format."""
+    return (layout.n_kv_heads, layout.head_dim, layout.num_v_heads, layout.v_head_dim)
+
+
+def _disk_tier(cache_config, fingerprint: bytes, layout):
+    if cache_config.disk_tier is None:
+        return None
+    from mlxkv.connectors.disk.connector import DiskKVCacheConnector
+
+    disk = DiskKVCacheConnector(
+        cache_config.disk_tier,
+        fingerprint,
+        block_size=layout.block_size,
+        num_layers=layout.num_layers,
+        dtype=_dtype(layout),
+        budget_bytes=cache_config.disk_tier_bytes,
+        min_free_bytes=cache_config.disk_tier_min_free_bytes,
+        page=_page(layout),
+    )
+    if disk.disabled:  # it warned why; left in, it would show as an empty tier
+        disk.close()
+        return None
+    return disk
+
+
+def _remote_tier(cache_config, fingerprint: bytes, layout):
+    """The remote tier, even when its server is down at start: it warned, and it comes back by itself."""
+    if cache_config.remote_tier is None:
+        return None
+    from mlxkv.connectors.remote.connector import RemoteKVCacheConnector
+
+    return RemoteKVCacheConnector(
+        cache_config.remote_tier,
+        fingerprint,
+        block_size=layout.block_size,
+        num_layers=layout.num_layers,
+        dtype=_dtype(layout),
+        block_nbytes=layout.bytes_per_block,
+        prefix=cache_config.remote_tier_prefix,
+        ttl_s=cache_config.remote_tier_ttl_s,
+        timeout_s=cache_config.remote_tier_timeout_ms / 1000,
+        checkpoints=layout.group_layout.has_recurrent,
+        page=_page(layout),
+    )

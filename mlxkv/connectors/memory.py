@@ -26,6 +26,7 @@ from mlxkv.cache.connector import LoadedBlock, LoadedCheckpoint, TierStats
 from mlxkv.errors import MlxkvError
 from mlxkv.cache.hashing import BlockHash
 from mlxkv.cache.tiers import MEMORY
+from mlxkv.connectors.health import OK
 
 QUANT_GROUP = 32
 # Evicted blocks packed per run. Each run costs one slice update per layer
@@ -279,8 +280,8 @@ class InMemoryKVCacheConnector:
         k, v, _ = stored
         return k.nbytes + v.nbytes
 
-    def stats(self) -> dict[str, dict[str, int]]:
-        return {self.tier_name: self._stats.as_dict()}
+    def stats(self) -> dict[str, dict]:
+        return {self.tier_name: {**self._stats.as_dict(), "state": OK, "reason": None}}  # never degrades
 
     def close(self) -> None:
         pass

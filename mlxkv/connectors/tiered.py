@@ -1,10 +1,19 @@
-"""The memory tier in front of the SSD tier.
+"""The tiers behind the pool, in the order a lookup tries them: memory, SSD, remote.
 
-What the memory tier pushes out goes to SSD; an SSD hit is promoted into
-memory. Newly full blocks are written through to SSD at registration, so a
-restart finds everything the previous process computed, not only what it
-happened to evict. This connector makes its memory tier, so the tier's
-hooks into the SSD tier are set by their owner when it is made.
+Each is optional; build.py makes this connector when more than one is on.
+
+- Lookup and hydrate: each tier is asked for what the ones before it
+  lacked. An SSD hit is promoted into memory; a remote hit into the SSD
+  tier (or memory, with no SSD tier), so it survives a restart without the
+  network.
+- Writes: newly full blocks are written through to the SSD and remote
+  tiers, read from the pool once for both. What memory pushes out goes to
+  SSD and is offered to the remote tier too: whatever the SSD tier is
+  given, the remote one is also offered (it skips what it sent already).
+- Checkpoints go the same ways.
+
+This connector makes its memory tier, so the memory tier's hooks into the
+tiers behind it are set by their owner when it is made.
 """
 
 from __future__ import annotations
@@ -12,61 +21,125 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from mlxkv.cache.checkpoints import Checkpoint
-from mlxkv.cache.connector import LoadedBlock, LoadedCheckpoint
+from mlxkv.cache.connector import LoadedBlock, LoadedCheckpoint, ReadKV
 from mlxkv.cache.hashing import BlockHash
 from mlxkv.connectors.memory import InMemoryKVCacheConnector
 
 
+def _once(read: ReadKV) -> ReadKV:
+    """`read`, but the pool is read at most once however many tiers ask."""
+    got = []
+
+    def read_once():
+        if not got:
+            got.append(read())
+        return got[0]
+
+    return read_once
+
+
 class TieredKVCacheConnector:
-    def __init__(self, disk, memory_bytes: int, block_size: int, memory_bits: int | None = None):
-        self.disk = disk
-        self.memory = InMemoryKVCacheConnector(memory_bytes, block_size, memory_bits, on_evict=self._spill_to_disk,
-                                               on_evict_checkpoint=disk.evict_checkpoint)
+    def __init__(self, disk, memory_bytes: int, block_size: int, memory_bits: int | None = None, *, remote=None):
+        self.disk, self.remote = disk, remote
+        self.memory = None
+        if memory_bytes:
+            self.memory = InMemoryKVCacheConnector(memory_bytes, block_size, memory_bits, on_evict=self._spill,
+                                                   on_evict_checkpoint=self._spill_checkpoint)
+        self.tiers = [t for t in (self.memory, disk, remote) if t is not None]
+        self._behind = [t for t in (disk, remote) if t is not None]  # what keeps blocks past this process
 
-    def _spill_to_disk(self, block_hash: BlockHash, kv) -> None:
-        if not self.disk.contains(block_hash):
+    # -- spills from memory --------------------------------------------------------
+
+    def _spill(self, block_hash: BlockHash, kv) -> None:
+        if self.disk is not None and not self.disk.contains(block_hash):
             self.disk.store(block_hash, kv, spill=True)
+        if self.remote is not None:
+            self.remote.evict_blocks([block_hash], lambda: [kv])
 
-    def has_checkpoint(self, key: BlockHash) -> bool:
-        return self.memory.has_checkpoint(key) or self.disk.has_checkpoint(key)
+    def _spill_checkpoint(self, checkpoint: Checkpoint) -> None:
+        for tier in self._behind:
+            tier.evict_checkpoint(checkpoint)
 
-    def load_checkpoint(self, key: BlockHash) -> LoadedCheckpoint | None:
-        return self.memory.load_checkpoint(key) or self.disk.load_checkpoint(key)
-
-    def cache_checkpoint(self, checkpoint: Checkpoint) -> None:
-        self.disk.cache_checkpoint(checkpoint)  # written through, as blocks are
-
-    def evict_checkpoint(self, checkpoint: Checkpoint) -> None:
-        self.memory.evict_checkpoint(checkpoint)
-
-    def checkpoint_refs(self):
-        return self.disk.checkpoint_refs()
+    # -- lookup and hydrate --------------------------------------------------------
 
     def get_computed_blocks(self, block_hashes: Sequence[BlockHash]) -> int:
-        n = self.memory.get_computed_blocks(block_hashes)
-        return n + self.disk.get_computed_blocks(block_hashes[n:])
+        n = 0
+        for tier in self.tiers:
+            if n == len(block_hashes):
+                break
+            n += tier.get_computed_blocks(block_hashes[n:])
+        return n
 
     def load_blocks(self, block_hashes: Sequence[BlockHash]) -> list[LoadedBlock]:
-        loaded = self.memory.load_blocks(block_hashes)
-        if len(loaded) < len(block_hashes):
-            from_disk = self.disk.load_blocks(block_hashes[len(loaded):])
-            for block in from_disk:
-                self.memory.store(block.block_hash, block.kv)  # promote
-            loaded += from_disk
+        loaded: list[LoadedBlock] = []
+        for tier in self.tiers:
+            if len(loaded) == len(block_hashes):
+                break
+            found = tier.load_blocks(block_hashes[len(loaded):])
+            if found:
+                self._promote(tier, found)
+            loaded += found
         return loaded
 
+    def _promote(self, tier, found: list[LoadedBlock]) -> None:
+        if tier is self.disk and self.memory is not None:
+            for block in found:
+                self.memory.store(block.block_hash, block.kv)
+        elif tier is self.remote:
+            into = self.disk or self.memory
+            if into is self.disk:
+                self.disk.cache_blocks([b.block_hash for b in found], lambda: [b.kv for b in found])
+            elif into is not None:
+                for block in found:
+                    into.store(block.block_hash, block.kv)
+
+    def has_checkpoint(self, key: BlockHash) -> bool:
+        return any(tier.has_checkpoint(key) for tier in self.tiers)
+
+    def load_checkpoint(self, key: BlockHash) -> LoadedCheckpoint | None:
+        for tier in self.tiers:
+            loaded = tier.load_checkpoint(key)
+            if loaded is not None:
+                return loaded
+        return None
+
+    def checkpoint_refs(self):
+        return [ref for tier in self._behind for ref in tier.checkpoint_refs()]
+
+    # -- writes --------------------------------------------------------------------
+
     def cache_blocks(self, block_hashes, read) -> None:
-        self.disk.cache_blocks(block_hashes, read)
+        read = _once(read)
+        for tier in self._behind:
+            tier.cache_blocks(block_hashes, read)
 
     def evict_blocks(self, block_hashes, read) -> None:
-        self.memory.evict_blocks(block_hashes, read)
+        if self.memory is not None:
+            self.memory.evict_blocks(block_hashes, read)
+            return
+        read = _once(read)
+        for tier in self._behind:
+            tier.evict_blocks(block_hashes, read)
 
-    def stats(self) -> dict[str, dict[str, int]]:
-        return {**self.memory.stats(), **self.disk.stats()}
+    def cache_checkpoint(self, checkpoint: Checkpoint) -> None:
+        for tier in self._behind:  # written through, as blocks are
+            tier.cache_checkpoint(checkpoint)
+
+    def evict_checkpoint(self, checkpoint: Checkpoint) -> None:
+        if self.memory is not None:
+            self.memory.evict_checkpoint(checkpoint)
+        else:
+            self._spill_checkpoint(checkpoint)
+
+    # -- state ---------------------------------------------------------------------
+
+    def stats(self) -> dict[str, dict]:
+        return {name: s for tier in self.tiers for name, s in tier.stats().items()}
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait for the disk tier's queued writes; False on timeout."""
-        return self.disk.flush(timeout)
+        """Wait for the SSD and remote tiers' queued writes; False on timeout."""
+        return all([tier.flush(timeout) for tier in self._behind])
 
     def close(self) -> None:
-        self.disk.close()
+        for tier in self._behind:
+            tier.close()

@@ -222,7 +222,8 @@ class Engine:
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise MlxkvError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
         self.limits.check(prompt_tokens, max_tokens)
-        root = root_hash(self.fingerprint, cache_salt) if self.cache_config.prefix_cache else None
+        root = (root_hash(self.fingerprint, cache_salt, self.cache_config.remote_tier_salt)
+                if self.cache_config.prefix_cache else None)
         return prompt_tokens, sampler, root
 
     # -- state ------------------------------------------------------------

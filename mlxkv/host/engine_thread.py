@@ -240,6 +240,8 @@ class EngineThread:
             self._ready.set()
             self.on_event(EngineEvent("failed", self.error))
             return False
+        for w in caught:  # shown by a UI from the ready event; logged for `mlxkv serve` and the chat app's log
+            log.warning("%s", warning_text(w.message))
         self._publish()
         self._ready.set()
         self.on_event(EngineEvent("ready", self.model, info=self.engine.stats(), snapshot=self.watcher.snapshot(),

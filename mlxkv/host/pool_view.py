@@ -6,8 +6,8 @@ tiers' counters. `PoolWatcher` makes snapshots; it runs on the engine thread,
 the only thread that may read the pool.
 
 Marks say what happened to a block since `PoolWatcher.begin()` (the start of
-a turn): a prefix hit in the pool, a block hydrated from the memory or SSD
-tier, a block computed new, or a cached block evicted to make room (spilled
+a turn): a prefix hit in the pool, a block hydrated from the memory, SSD or
+remote tier, a block computed new, or a cached block evicted to make room (spilled
 to a tier when one is on).
 """
 
@@ -16,18 +16,19 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from mlxkv.cache.block_pool import BlockPool
-from mlxkv.cache.tiers import DISK, MEMORY, POOL
+from mlxkv.cache.tiers import DISK, MEMORY, POOL, REMOTE
 from mlxkv.engine.loop import BatchLoop
 
 MARK_NONE = " "
 MARK_POOL_HIT = "p"
 MARK_MEMORY = "m"
 MARK_DISK = "d"
+MARK_REMOTE = "r"
 MARK_NEW = "n"
 MARK_SPILL = "x"
 # Where a sequence's blocks came from, in block-table order: the cache
 # manager takes pool hits first, then hydrates from memory, then from disk.
-_SOURCES = ((POOL, MARK_POOL_HIT), (MEMORY, MARK_MEMORY), (DISK, MARK_DISK))
+_SOURCES = ((POOL, MARK_POOL_HIT), (MEMORY, MARK_MEMORY), (DISK, MARK_DISK), (REMOTE, MARK_REMOTE))
 
 
 @dataclass(frozen=True)
@@ -84,7 +85,8 @@ class PoolWatcher:
             tiers=self.connector.stats(),
             block_size=self.block_size,
             requests=self.loop.requests_served,
-            mark_counts={m: marks.count(m) for m in (MARK_POOL_HIT, MARK_MEMORY, MARK_DISK, MARK_NEW, MARK_SPILL)},
+            mark_counts={m: marks.count(m) for m in (MARK_POOL_HIT, MARK_MEMORY, MARK_DISK, MARK_REMOTE, MARK_NEW,
+                                                     MARK_SPILL)},
         )
 
     def _mark_spills(self, blocks) -> None:

@@ -73,6 +73,10 @@ def _model_info(name: str, engine) -> ModelInfo:
         tiers.append(f"memory tier {cache.memory_tier_bytes >> 20} MiB")
     if disk is not None:
         tiers.append(f"SSD tier {disk}")
+    if cache.remote_tier is not None:
+        from mlxkv.connectors.remote.url import redact
+
+        tiers.append(f"remote tier {redact(cache.remote_tier)}")
     return ModelInfo(short_name(name), engine.tokenizer, engine.limits, engine.loaded.max_context, log_path,
                      cache.block_size, ", ".join(tiers))
 
@@ -254,10 +258,6 @@ class ServingBackend:
     def close(self) -> None:
         self.reply_ids.close()
 
-    def pool_usage(self) -> dict | None:
-        """The pool as of the engine's last step or idle (never waits for a step)."""
-        stats = self.thread.published
-        return None if stats is None else stats["pool"]
-
     def stats(self) -> dict:
+        """engine.stats() as of the engine's last step or idle (never waits for a step)."""
         return dict(self.thread.published or {})

@@ -164,8 +164,9 @@ async def cache_stats(request: Request) -> Response:
 
 async def metrics(request: Request) -> Response:
     backend = request.app.state.backend
-    text = backend.metrics.render(backend.thread.open_requests, backend.pool_usage(),
-                                  backend.stats().get("speculative"))
+    stats = backend.stats()  # as the engine thread last published it
+    text = backend.metrics.render(backend.thread.open_requests, stats.get("pool"), stats.get("speculative"),
+                                  tiers=stats.get("connector"))
     return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 from collections import defaultdict
 
+from mlxkv.connectors.health import STATES
 from mlxkv.engine.records import RequestStats
 
 # Seconds. TTFT spans a cached turn (milliseconds) to a cold long prompt (minutes).
@@ -69,9 +70,11 @@ class ServerMetrics:
             if stats.generation_tokens > 1 and stats.decode_tokens_per_s > 0:
                 self.tpot.observe(1.0 / stats.decode_tokens_per_s)
 
-    def render(self, open_requests: int, pool: dict | None, speculative: dict | None = None) -> str:
+    def render(self, open_requests: int, pool: dict | None, speculative: dict | None = None,
+               tiers: dict | None = None) -> str:
         """The text exposition; `pool`: BlockPool.usage(), or None before the model is ready;
-        `speculative`: Engine.stats()'s speculative decoding counters."""
+        `speculative`: Engine.stats()'s speculative decoding counters; `tiers`: the connector's
+        stats per tier."""
         with self._lock:
             lines = _metric("mlxkv_requests_total", "counter", "HTTP requests by endpoint and status",
                             [f'{{endpoint="{e}",status="{s}"}} {n}' for (e, s), n in sorted(self.requests.items())])
@@ -95,6 +98,8 @@ class ServerMetrics:
                              [f" {pool.get('evictions', 0)}"])
         if speculative and speculative.get("mode"):
             lines += _speculation_lines(speculative)
+        if tiers:
+            lines += tier_lines(tiers)
         return "\n".join(lines) + "\n"
 
 
@@ -108,6 +113,32 @@ def _speculation_lines(stats: dict) -> list[str]:
                      [f" {_number(stats.get('acceptance_rate', 0.0))}"])
     lines += _metric("mlxkv_speculative_tokens_per_step", "gauge", "tokens a proposing row produced per step",
                      [f" {_number(stats.get('tokens_per_step', 0.0))}"])
+    return lines
+
+
+# Per tier: the counters of its stats() (TierStats and the health counts) that a dashboard plots.
+TIER_COUNTERS = {
+    "hit_blocks": "blocks a lookup found in the tier",
+    "hydrations": "blocks (and checkpoints) read back from the tier",
+    "stores": "blocks (and checkpoints) written to the tier",
+    "spills": "blocks the pool (or the tier in front) pushed into the tier",
+    "dropped_writes": "writes the tier dropped (queue full, down, refused)",
+    "write_errors": "writes that failed",
+    "corrupt": "blocks that failed verification on a read",
+}
+
+
+def tier_lines(tiers: dict) -> list[str]:
+    """Each tier's state (1 for the one it is in, see connectors/health.py), bytes and counters."""
+    names = sorted(tiers)
+    lines = _metric("mlxkv_tier_state", "gauge", "the state each tier is in (1) and is not in (0)",
+                    [f'{{tier="{t}",state="{state}"}} {int(tiers[t].get("state") == state)}'
+                     for t in names for state in STATES])
+    lines += _metric("mlxkv_tier_bytes", "gauge", "bytes the tier holds",
+                     [f'{{tier="{t}"}} {tiers[t].get("bytes_held", 0)}' for t in names])
+    for key, help_text in TIER_COUNTERS.items():
+        lines += _metric(f"mlxkv_tier_{key}_total", "counter", help_text,
+                         [f'{{tier="{t}"}} {tiers[t].get(key, 0)}' for t in names])
     return lines
 
 

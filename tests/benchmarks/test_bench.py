@@ -7,6 +7,7 @@ import math
 import os
 
 import pytest
+import redis
 
 from mlxkv import cli
 from mlxkv.benchmarks import engine as bench
@@ -70,18 +71,21 @@ def _has_direct_io(directory) -> bool:
     return True
 
 
-def test_tiers_benchmark_rows(tmp_path):
+def test_tiers_benchmark_rows(tmp_path, redis_server):
     from mlxkv.benchmarks.tiers import run_tiers_benchmark
     from mlxkv.models.tiny import TinyModelSpec, write_tiny_model
 
     model = write_tiny_model(tmp_path / "hd32", TinyModelSpec(head_dim=32, seed=3))
+    server = redis_server()
     rows = run_tiers_benchmark(model=str(model), restore_tokens=64, read_blocks=8, directory=str(tmp_path),
-                               log=lambda *_: None)
+                               log=lambda *_: None, remote_tier=server.url)
     assert [r["name"] for r in rows] == ["restore 64 tok from SSD", "SSD tier read", "memory tier hydrate",
-                                         "memory tier 8-bit"]
+                                         "memory tier 8-bit", "restore 64 tok from remote", "remote tier read"]
     for r in rows:
         assert math.isfinite(r["ratio"]) and r["ratio"] > 0
     assert "64 tokens hydrated from disk" in rows[0]["note"]
+    assert "64 tokens hydrated from the server" in rows[4]["note"]
+    assert list(redis.Redis.from_url(server.url).scan_iter()) == []  # the bench's keys are gone after it
     read = rows[1]
     # The O_DIRECT raw read is measured where the directory's file system has O_DIRECT.
     assert (read["raw_direct_mb_s"] > 0) == ("O_DIRECT read" in read["note"])

@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import anthropic
 import openai
 
+from faults import wait_until as wait_for  # noqa: F401  (the server tests' name for it)
 from mlxkv.config import CacheConfig
 from mlxkv.engine.engine import Engine
 from mlxkv.engine.limits import RequestLimits
@@ -26,13 +27,6 @@ from mlxkv.server.server import Server, ServerOptions
 CACHE = dict(block_size=8, num_blocks=512, memory_tier_bytes=0)
 
 
-def wait_for(predicate, timeout: float = 20.0) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if predicate():
-            return True
-        time.sleep(0.01)
-    return predicate()
 
 
 class SlowSteps:
@@ -102,7 +96,8 @@ class ScriptedThread:
         pool = SimpleNamespace(budget=1024, usage=lambda: {"in_use": 0, "num_blocks": 16, "budget_blocks": 1024})
         self.engine = SimpleNamespace(tokenizer=tokenizer, limits=limits, block_pool=pool,
                                       loaded=SimpleNamespace(max_context=4096), stats=lambda: {"scripted": True},
-                                      cache_config=SimpleNamespace(disk_tier=None, block_size=16, memory_tier_bytes=0), fingerprint=bytes(32))
+                                      cache_config=SimpleNamespace(disk_tier=None, remote_tier=None, block_size=16,
+                                                                   memory_tier_bytes=0), fingerprint=bytes(32))
         self.published = {"scripted": True, "pool": pool.usage()}
         self.submitted: list[tuple[list[int], dict]] = []
         self.alive = True

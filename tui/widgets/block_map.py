@@ -2,7 +2,7 @@
 
 A cell's glyph and color show the block's state (free, cached, in use,
 shared) or, stronger, what the current turn did to it: a prefix hit, a
-block hydrated from the memory or SSD tier, a new block, a spill.
+block hydrated from the memory, SSD or remote tier, a new block, a spill.
 """
 
 from __future__ import annotations
@@ -19,12 +19,14 @@ MAX_ROWS = 8
 # (character in the snapshot, glyph, component class, legend label), strongest first.
 MARKS = [
     ("x", "×", "spill", "spill"),
+    ("r", "◆", "remote", "net"),
     ("d", "◆", "disk", "ssd"),
     ("m", "◆", "memory", "mem"),
     ("p", "●", "hit", "hit"),
     ("n", "+", "new", "new"),
 ]
-MARK_LEGEND = "pmdnx"  # reading order: hits, hydrations, new, spills
+MARK_LEGEND = "pmdrnx"  # reading order: hits, hydrations, new, spills
+OPTIONAL_MARKS = "r"  # in the legend only when a turn has them (most setups have no remote tier)
 STATES = [
     ("s", "■", "shared", "shared"),
     ("u", "■", "in-use", "in use"),
@@ -97,7 +99,8 @@ class BlockMap(Widget):
             text.append("\n")
         text.append("\n")
         by_char = {item[0]: item for item in MARKS}
-        text.append_text(self._legend([by_char[c] for c in MARK_LEGEND], snap.mark_counts))
+        shown = [c for c in MARK_LEGEND if c not in OPTIONAL_MARKS or snap.mark_counts.get(c)]
+        text.append_text(self._legend([by_char[c] for c in shown], snap.mark_counts))
         text.append("\n")
         text.append_text(self._legend(STATES))
         return text

@@ -115,8 +115,9 @@ def _pid_alive(pid: int) -> bool:
 # -- mlxkv cache info | clear ---------------------------------------------------
 
 
-def cache_info(directory: str | os.PathLike) -> dict:
-    """Files, blocks and bytes per model fingerprint under a disk cache directory."""
+def cache_info(directory: str | os.PathLike, verify: bool = False) -> dict:
+    """Files, blocks and bytes per model fingerprint under a disk cache directory;
+    with `verify`, every file's checksum too, and the corrupt ones counted."""
     root = Path(directory).expanduser()
     if root.exists() and not root.is_dir():
         raise MlxkvError(f"{root} is not a directory")
@@ -126,6 +127,10 @@ def cache_info(directory: str | os.PathLike) -> dict:
         return info
     try:
         _count_into(info, root)
+        if verify:
+            from mlxkv.connectors.disk.verify import verify_files
+
+            info.update(verify_files([p for fp_dir in _fingerprint_dirs(root) for p, _ in block_files(fp_dir)]))
     except OSError as e:
         raise MlxkvError(f"cannot read {root}: {e.strerror or e}") from None
     return info

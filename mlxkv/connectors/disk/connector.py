@@ -14,50 +14,39 @@ each with its own thread rule:
 
 from __future__ import annotations
 
+import errno
 import os
+import shutil
 import warnings
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import mlx.core as mx
 import numpy as np
 
-from mlxkv.cache.block_kv import BlockKV, KVRun
+from mlxkv.cache.block_kv import BlockKV
 from mlxkv.cache.hashing import BlockHash
 from mlxkv.cache.tiers import DISK
 from mlxkv.cache.connector import LoadedBlock, LoadedCheckpoint, ReadKV
 from mlxkv.connectors.disk import cache_dir, run_file, state_file
 from mlxkv.connectors.disk.index import DiskIndex
+from mlxkv.connectors.disk.kv_arrays import file_spec, to_numpy
 from mlxkv.connectors.disk.reader import READ_THREADS, RunReader
-from mlxkv.connectors.disk.run_file import FileSpec
 from mlxkv.connectors.disk.scan import DirectoryScanner
-from mlxkv.connectors.disk.writer import RunWriter, WriteJob
+from mlxkv.connectors.disk.writer import RunWriter, WriteJob, write_trouble
+from mlxkv.connectors.health import DOWN, DROPPING, READ_ONLY, TierHealth
 from mlxkv.errors import MlxkvWarning
 from mlxkv.system.private_files import make_private_dirs
 
-DEFAULT_MIN_FREE_BYTES = 1 << 30
+# The free-space floor, when none is given: this share of the disk, at
+# most MAX_MIN_FREE_BYTES (so a 20 MB disk keeps 1 MB free, not 1 GiB).
+MIN_FREE_SHARE = 0.05
+MAX_MIN_FREE_BYTES = 1 << 30
 DEFAULT_MAX_PENDING_BYTES = 256 << 20
 BUDGET_SHARE = 4  # a file is at most a quarter of the byte budget
 
-# Real dtype -> (mx dtype, numpy dtype it is stored as). numpy has no
-# bfloat16, so bfloat16 is stored as its raw uint16 bit patterns.
-_DTYPES = {
-    "float32": (mx.float32, np.dtype(np.float32)),
-    "float16": (mx.float16, np.dtype(np.float16)),
-    "bfloat16": (mx.bfloat16, np.dtype(np.uint16)),
-}
-
-
 class DiskCacheWarning(MlxkvWarning):
-    """The disk tier could not use its directory and runs read-only or disabled."""
-
-
-def _normalize_dtype(dtype) -> str:
-    name = str(dtype).removeprefix("mlx.core.")
-    if name not in _DTYPES:
-        raise ValueError(f"unsupported KV dtype {dtype!r}; use one of {sorted(_DTYPES)}")
-    return name
+    """The disk tier could not use its directory: it drops writes (a full disk), runs read-only, or is off."""
 
 
 def _consecutive(indices: list[int], limit: int, groups: list[int]) -> list[list[int]]:
@@ -87,7 +76,7 @@ class DiskKVCacheConnector:
         num_layers: int,
         dtype: str,
         budget_bytes: int | None = None,
-        min_free_bytes: int = DEFAULT_MIN_FREE_BYTES,
+        min_free_bytes: int | None = None,
         max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES,
         tier_name: str = DISK,
         read_io=None,
@@ -103,9 +92,8 @@ class DiskKVCacheConnector:
         self.fingerprint = fingerprint
         self.block_size = block_size
         self.num_layers = num_layers
-        self.dtype = _normalize_dtype(dtype)
-        self._mx_dtype, np_dtype = _DTYPES[self.dtype]
-        self.spec = FileSpec(fingerprint, block_size, num_layers, self.dtype, np_dtype, page)
+        self.spec, self._mx_dtype = file_spec(fingerprint, block_size, num_layers, dtype, page)
+        self.dtype = self.spec.dtype
         self.budget_bytes = budget_bytes
         self.max_pending_bytes = max_pending_bytes
         self.tier_name = tier_name
@@ -114,13 +102,15 @@ class DiskKVCacheConnector:
         self.disabled = False
         self.reason: str | None = None
         self._closed = False
+        self.tier_health = TierHealth("SSD tier")
 
         self.index = DiskIndex()
         self._readers = ThreadPoolExecutor(max_workers=READ_THREADS, thread_name_prefix="mlxkv-disk-read")
         self.scanner = DirectoryScanner(self.dir, self.index, self._readers, lambda: self.read_only)
         self.reader = RunReader(self.spec, self._mx_dtype, self.index, self.scanner, self._readers, tier_name,
                                 read_io)
-        self.writer = RunWriter(self.root, self.spec, self.index, self.scanner, budget_bytes, min_free_bytes)
+        self.writer = RunWriter(self.root, self.spec, self.index, self.scanner, budget_bytes,
+                                self._floor(min_free_bytes), self.tier_health)
         self._open_directory()
         if self.writable:
             self.writer.start()
@@ -132,12 +122,15 @@ class DiskKVCacheConnector:
             make_private_dirs(self.dir)
         except OSError as e:
             if not self.dir.is_dir():
-                self._degrade(e, disabled=True)
+                if e.errno in (errno.ENOSPC, errno.EDQUOT):  # full: the writer makes it once there is room
+                    self._probe_failed(e)
+                else:
+                    self._degrade(e, disabled=True)
                 return
         try:
             self._probe_write()
         except OSError as e:
-            self._degrade(e, disabled=False)
+            self._probe_failed(e)
         try:
             self.scanner.scan()
         except OSError as e:
@@ -147,6 +140,27 @@ class DiskKVCacheConnector:
             cache_dir.write_marker(self.root)
             self.writer.enforce_budget()
 
+    def _floor(self, min_free_bytes: int | None) -> int:
+        """The free-space floor: as given, else scaled to the disk."""
+        if min_free_bytes is not None:
+            return min_free_bytes
+        there = next((p for p in (self.dir, *self.dir.parents) if p.exists()), self.dir)
+        try:
+            total = shutil.disk_usage(there).total
+        except OSError:
+            return MAX_MIN_FREE_BYTES
+        return min(MAX_MIN_FREE_BYTES, int(total * MIN_FREE_SHARE))
+
+    def _probe_failed(self, error: OSError) -> None:
+        """A directory we cannot write to: read-only if the disk says no for good, else
+        (full, out of inodes, over quota) writable, dropping writes until there is room."""
+        state, reason = write_trouble(error, self.root)
+        if error.errno not in (errno.ENOSPC, errno.EDQUOT):
+            self._degrade(error, disabled=False)
+            return
+        self.tier_health.start(state, reason)
+        warnings.warn(f"mlxkv: SSD tier dropping writes: {reason}", DiskCacheWarning, stacklevel=5)
+
     def _degrade(self, error: OSError, *, disabled: bool) -> None:
         self.read_only = True
         self.disabled = disabled
@@ -155,6 +169,7 @@ class DiskKVCacheConnector:
         # the chat app's notification.
         self.reason = f"{error.strerror or error}: {self.root}"
         mode = "disabled" if disabled else "read-only"
+        self.tier_health.start(DOWN if disabled else READ_ONLY, self.reason)
         warnings.warn(f"mlxkv: SSD tier {mode}: {self.reason}", DiskCacheWarning, stacklevel=4)
 
     def _probe_write(self) -> None:
@@ -256,9 +271,21 @@ class DiskKVCacheConnector:
         job = state_file.state_job(checkpoint, spill)
         if self.index.reserve(job.block_hashes, job.nbytes, self.max_pending_bytes):
             self.writer.submit(job)
+        else:
+            self._if_queue_full()
 
     def _wants(self, block_hash: BlockHash) -> bool:
-        return self.writable and self.index.wants(block_hash, self.max_pending_bytes)
+        if not self.writable:
+            return False
+        if self.index.wants(block_hash, self.max_pending_bytes):
+            return True
+        self._if_queue_full()
+        return False
+
+    def _if_queue_full(self) -> None:
+        if self.index.pending_bytes >= self.max_pending_bytes:
+            self.tier_health.trouble(DROPPING, f"the write queue is full ({self.max_pending_bytes >> 20} MiB): "
+                                               f"the disk is slower than the engine: {self.root}")
 
     def store(self, block_hash: BlockHash, kv: BlockKV, *, spill: bool = False) -> bool:
         """Queue a background write of one block's K/V; False if it was not queued."""
@@ -282,44 +309,13 @@ class DiskKVCacheConnector:
         fresh = self.index.fresh(block_hashes)
         if not fresh:
             return False
-        keys, values = self._to_numpy([kvs[i] for i in fresh])
+        keys, values = to_numpy([kvs[i] for i in fresh], self.spec, self._mx_dtype)
         job = WriteJob(tuple(block_hashes[i] for i in fresh), keys, values, spill, kvs[0].group)
         if not self.index.reserve(job.block_hashes, job.nbytes, self.max_pending_bytes):
+            self._if_queue_full()
             return False
         self.writer.submit(job)
         return True
-
-    def _to_numpy(self, kvs: list[BlockKV]) -> tuple[np.ndarray, np.ndarray]:
-        """Layer-major numpy copies `[num_layers, n, heads, block_size, head_dim]` of the blocks."""
-        first, n = kvs[0], len(kvs)
-        if first.run is not None and all(kv.run is first.run and kv.index == first.index + j
-                                         for j, kv in enumerate(kvs)):
-            keys = first.run.keys[:, first.index : first.index + n]
-            values = first.run.values[:, first.index : first.index + n]
-        else:
-            for kv in kvs:
-                if kv.keys.ndim != 4 or kv.values.ndim != 4:
-                    raise ValueError(f"expected KV of shape {self._shape_hint}, got {list(kv.keys.shape)}")
-            run = KVRun.stack(kvs)
-            keys, values = run.keys, run.values
-        for a in (keys, values):
-            if a.dtype != self._mx_dtype:
-                raise ValueError(f"disk tier holds {self.dtype} KV, got {a.dtype}")
-            shape = tuple(a.shape)
-            if len(shape) != 5 or shape[0] != self.num_layers or shape[3] != self.block_size:
-                raise ValueError(f"expected KV of shape {self._shape_hint}, got {[shape[0], *shape[2:]]}")
-        if keys.shape[:2] != values.shape[:2]:
-            raise ValueError(f"keys {keys.shape} and values {values.shape} do not match")
-        return self._numpy(keys), self._numpy(values)
-
-    @property
-    def _shape_hint(self) -> str:
-        return f"[{self.num_layers}, heads, {self.block_size}, head_dim]"
-
-    def _numpy(self, a: mx.array) -> np.ndarray:
-        if self.dtype == "bfloat16":
-            a = a.view(mx.uint16)
-        return np.array(a, copy=True)
 
     # -- lifecycle and stats -------------------------------------------------
 
@@ -340,8 +336,15 @@ class DiskKVCacheConnector:
     def __exit__(self, *exc):
         self.close()
 
-    def stats(self) -> dict[str, dict[str, int]]:
-        return {self.tier_name: self.index.stats_dict()}
+    @property
+    def min_free_bytes(self) -> int:
+        return self.writer.min_free_bytes
+
+    def stats(self) -> dict[str, dict]:
+        health = self.index.health()
+        return {self.tier_name: {**self.index.stats_dict(), **self.tier_health.as_dict(),
+                                 "dropped_writes": health["dropped_writes"],
+                                 "low_space_skips": health["low_space_skips"]}}
 
     def health(self) -> dict:
         """What `stats()` has no field for: mode, drops and the last error."""
@@ -351,5 +354,7 @@ class DiskKVCacheConnector:
             "read_only": self.read_only,
             "disabled": self.disabled,
             "reason": self.reason,
+            "state": self.tier_health.state,
+            "min_free_bytes": self.writer.min_free_bytes,
             **self.index.health(),
         }

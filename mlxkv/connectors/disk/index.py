@@ -113,6 +113,15 @@ class DiskIndex:
             victim = next(iter(self.files))
             return victim, self._drop(victim)
 
+    def pop_lru(self) -> tuple[BlockHash, int, int] | None:
+        """Unindex the least recently used file: (its name, its blocks, its size), or None if there is none."""
+        with self.lock:
+            if not self.files:
+                return None
+            victim = next(iter(self.files))
+            size = self.files[victim].size
+            return victim, self._drop(victim), size
+
     # -- writes in flight -------------------------------------------------------
 
     def wants(self, block_hash: BlockHash, max_pending: int) -> bool:

@@ -136,6 +136,9 @@ def checksum(keys: np.ndarray, values: np.ndarray, algo: str = CHECKSUM_ALGO) ->
 
 
 def encode(spec: FileSpec, block_hashes, keys: np.ndarray, values: np.ndarray, group: int = 0) -> bytes:
+    # safetensors saves a view's underlying buffer as is: a strided view (one
+    # block of a run) must be made contiguous first, or the file holds other bytes.
+    keys, values = np.ascontiguousarray(keys), np.ascontiguousarray(values)
     meta = spec.metadata(block_hashes, keys.shape, group)
     meta["checksum_algo"] = CHECKSUM_ALGO
     meta["checksum"] = checksum(keys, values)

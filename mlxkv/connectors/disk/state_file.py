@@ -54,7 +54,7 @@ class StateJob:
             "boundary": str(self.ref.boundary),
             "dtypes": json.dumps(self.dtypes, sort_keys=True),
             "checksum_algo": CHECKSUM_ALGO,
-            "checksum": _checksum(self.tensors, CHECKSUM_ALGO),
+            "checksum": tensors_checksum(self.tensors, CHECKSUM_ALGO),
         }
         return safetensors.numpy.save(self.tensors, metadata=meta)
 
@@ -101,7 +101,7 @@ def decode_state(spec: FileSpec, data: np.ndarray, name: bytes) -> States:
     if not isinstance(dtypes, dict) or set(dtypes) != set(tensors):
         raise CorruptBlockError("dtypes do not list the tensors")
     algo = meta.get("checksum_algo")
-    if algo not in CHECKSUMS or meta.get("checksum") != _checksum(tensors, algo):
+    if algo not in CHECKSUMS or meta.get("checksum") != tensors_checksum(tensors, algo):
         raise CorruptBlockError("checksum mismatch")
     return _states(tensors, dtypes)
 
@@ -123,6 +123,6 @@ def _states(tensors: dict[str, np.ndarray], dtypes: dict[str, str]) -> States:
     return tuple(tuple(arrays.get(i) for i in range(max(arrays) + 1)) for _, arrays in sorted(slots.items()))
 
 
-def _checksum(tensors: dict[str, np.ndarray], algo: str) -> str:
+def tensors_checksum(tensors: dict[str, np.ndarray], algo: str) -> str:
     ordered = [tensors[name] for name in sorted(tensors)]
     return CHECKSUMS[algo](np.ascontiguousarray(t).reshape(-1).view(np.uint8) for t in ordered)

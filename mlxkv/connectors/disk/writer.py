@@ -8,8 +8,14 @@ its file's rename is done. Atomic renames plus the checksum are what make
 two processes sharing one directory safe.
 
 Then the budget: least recently used files are deleted until the tier's
-bytes fit. A write that would leave less than `min_free_bytes` free on
-the disk is skipped and counted.
+bytes fit. The free-space floor (`min_free_bytes`) is kept the same way: a
+write that would leave less free first deletes least recently used files,
+and is skipped and counted only when none are left to delete.
+
+Health (connectors/health.py): a write that fails or is skipped makes the
+tier read-only (EROFS, EACCES) or dropping writes (a full disk, out of
+inodes, over quota, the floor), with the reason, in one WARNING line; a
+write that works later makes it ok again.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from mlxkv.connectors.disk import cache_dir, run_file
 from mlxkv.connectors.disk.index import DiskIndex
 from mlxkv.connectors.disk.run_file import FileSpec
 from mlxkv.connectors.disk.scan import DirectoryScanner
+from mlxkv.connectors.health import DROPPING, READ_ONLY, TierHealth
 from mlxkv.system.private_files import FILE_MODE, make_private_dirs
 
 log = logging.getLogger(__name__)
@@ -53,8 +60,9 @@ class WriteJob:
 
 class RunWriter:
     def __init__(self, root: Path, spec: FileSpec, index: DiskIndex, scanner: DirectoryScanner,
-                 budget_bytes: int | None, min_free_bytes: int):
+                 budget_bytes: int | None, min_free_bytes: int, health: TierHealth):
         self.root = root
+        self.health = health
         self.dir = scanner.dir
         self.spec, self.index, self.scanner = spec, index, scanner
         self.budget_bytes = budget_bytes
@@ -83,9 +91,10 @@ class RunWriter:
                 return
             try:
                 self._write(job)
-            except OSError as e:  # the disk said no: counted, and the tier goes on
+            except OSError as e:  # the disk said no: counted, said once, and the tier goes on
                 log.debug("SSD tier write failed", exc_info=True)
                 self._count_write_error(e)
+                self.health.trouble(*write_trouble(e, self.dir))
             except Exception as e:  # a bug: never let the writer die of it
                 log.exception("SSD tier writer failed on a write")
                 self._count_write_error(e)
@@ -102,6 +111,7 @@ class RunWriter:
         data = job.encode(self.spec)  # a block run, or a checkpoint (state_file.StateJob)
         name = job.block_hashes[-1]
         self.write_atomic(self.scanner.path(name), data)
+        self.health.fine()
         self.index.add(name, len(data), job.block_hashes)
         self.index.count(stores=len(job.block_hashes), spills=len(job.block_hashes) if job.spill else 0)
         self.enforce_budget()
@@ -118,7 +128,8 @@ class RunWriter:
         cache_dir.write_marker(self.root)
 
     def _enough_space(self, nbytes: int) -> bool:
-        """Would the write leave at least `min_free_bytes` free? (0: no floor.)"""
+        """Would the write leave at least `min_free_bytes` free, once least recently used files
+        are deleted as needed? (0: no floor.)"""
         if self.min_free_bytes <= 0:
             return True
         try:
@@ -126,11 +137,27 @@ class RunWriter:
         except OSError as e:
             self._count_write_error(e)
             return False
-        if free - nbytes < self.min_free_bytes:
-            self.index.note_error(f"free space {free} B is under the floor of {self.min_free_bytes} B",
-                                  low_space=True)
-            return False
-        return True
+        short = self.min_free_bytes + nbytes - free
+        if short <= 0 or self._delete_lru(short) >= short:
+            return True
+        why = f"{_mb(free)} free is under the floor of {_mb(self.min_free_bytes)} (--disk-tier-min-free-mb)"
+        self.index.note_error(why, low_space=True)
+        self.health.trouble(DROPPING, f"{why}, and the tier has no file left to delete: {self.root}")
+        return False
+
+    def _delete_lru(self, nbytes: int) -> int:
+        """Delete least recently used files until about `nbytes` are freed; the bytes freed."""
+        freed = 0
+        while freed < nbytes and (victim := self.index.pop_lru()) is not None:
+            name, blocks, size = victim
+            self.index.count(evictions=blocks)
+            try:
+                cache_dir.unlink(self.scanner.path(name))
+            except OSError as e:
+                self._count_write_error(e)
+                break
+            freed += size
+        return freed
 
     def write_atomic(self, path: Path, data: bytes) -> None:
         shard = path.parent
@@ -171,3 +198,25 @@ class RunWriter:
                 cache_dir.unlink(self.scanner.path(name))
             except OSError as e:
                 self._count_write_error(e)
+
+
+def write_trouble(e: OSError, directory: Path) -> tuple[str, str]:
+    """The state a failed write leaves the tier in, and why."""
+    code = e.errno
+    if code in (errno.EROFS, errno.EACCES, errno.EPERM):
+        return READ_ONLY, f"{e.strerror or e}: {directory}"
+    if code == errno.ENOSPC:
+        there = next((p for p in (directory, *directory.parents) if p.exists()), directory)
+        try:
+            st = os.statvfs(there)
+            inodes = st.f_files > 0 and st.f_favail == 0
+        except OSError:
+            inodes = False
+        return DROPPING, f"{'out of inodes' if inodes else 'the disk is full'} ({e.strerror}): {directory}"
+    if code == errno.EDQUOT:
+        return DROPPING, f"over the disk quota ({e.strerror}): {directory}"
+    return DROPPING, f"write failed ({errno.errorcode.get(code or 0, type(e).__name__)}): {e.strerror or e}: {directory}"
+
+
+def _mb(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"

@@ -1,0 +1,101 @@
+"""Flags several commands share: checked numbers, and the cache flags that make a CacheConfig."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+
+REMOTE_TIER_ENV = "MLXKV_REMOTE_TIER"
+REMOTE_TIER_SALT_ENV = "MLXKV_REMOTE_TIER_SALT"
+
+
+def number(kind: type, low: float, high: float | None = None):
+    """An argparse type: an int or a finite float from `low` (to `high`), or
+    argparse's one-line error naming the flag."""
+    if high is not None:
+        wanted = f"between {low} and {high}"
+    else:
+        wanted = f"at least {low}" if low > 0 else f"{low} or more"
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected {'a whole number' if kind is int else 'a number'}, got {text!r}") from None
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
+        if not (low <= value and (high is None or value <= high)):
+            raise argparse.ArgumentTypeError(f"must be {wanted}, got {text}")
+        return value
+
+    return parse
+
+
+def add_cache_flags(p: argparse.ArgumentParser, model_help: str | None = None) -> None:
+    p.add_argument("--model", default="demo" if model_help is None else None,
+                   help=model_help or 'model directory, GGUF file, Hugging Face id, "demo" (default) or "tiny"')
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (power of two)")
+    p.add_argument("--num-blocks", type=int, default=None, help="KV pool size in blocks (default: a share of memory)")
+    p.add_argument("--no-prefix-cache", action="store_true", help="do not share blocks between prompts")
+    p.add_argument("--memory-tier-mb", type=number(int, 0), default=256, help="unified-memory tier budget (0 turns it off)")
+    p.add_argument("--memory-tier-bits", type=int, default=None, choices=[4, 8], help="quantize memory-tier blocks")
+    p.add_argument("--disk-tier", default=None, metavar="DIR", help="SSD tier directory (persists across runs)")
+    p.add_argument("--disk-tier-mb", type=number(int, 1), default=None, help="SSD tier budget")
+    p.add_argument("--disk-tier-min-free-mb", type=number(int, 0), default=None,
+                   help="free space the SSD tier leaves on its disk (default: 5%% of the disk, at most 1024)")
+    p.add_argument("--no-disk-tier", action="store_true", help="turn the SSD tier off")
+    add_remote_tier_flags(p)
+    p.add_argument("--speculative", choices=["lookup", "draft"], default=None,
+                   help="speculative decoding: proposals from the prompt (lookup) or a draft model")
+    p.add_argument("--draft-model", default=None, metavar="PATH_OR_ID", help="the draft model for --speculative draft")
+    p.add_argument("--speculative-tokens", type=number(int, 1, 7), default=4, help="most tokens proposed per step")
+
+
+def add_remote_tier_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--remote-tier", default=os.environ.get(REMOTE_TIER_ENV), metavar="URL",
+                   help="a Redis or Valkey server many machines share: redis://[user:password@]host:port/db, "
+                        f"rediss:// for TLS (default: ${REMOTE_TIER_ENV})")
+    p.add_argument("--remote-tier-salt", default=os.environ.get(REMOTE_TIER_SALT_ENV), metavar="SECRET",
+                   help="only engines with this secret share blocks (default: "
+                        f"${REMOTE_TIER_SALT_ENV}; the variable keeps it out of the process list)")
+    p.add_argument("--remote-tier-prefix", default="mlxkv:", metavar="PREFIX", help="key prefix on the server")
+    p.add_argument("--remote-tier-ttl", type=number(int, 1), default=None, metavar="SECONDS",
+                   help="keys expire this long after they are written (default: never; the server's LRU evicts)")
+    p.add_argument("--remote-tier-timeout-ms", type=number(float, 1, 60000), default=50.0, metavar="MS",
+                   help="the longest a read waits on the server before it is a miss (default 50)")
+    p.add_argument("--no-remote-tier", action="store_true", help="turn the remote tier off")
+
+
+def cache_config(args):
+    from mlxkv.config import CacheConfig
+
+    mb = lambda n: None if n is None else n << 20  # noqa: E731
+    return CacheConfig(
+        block_size=args.block_size,
+        num_blocks=args.num_blocks,
+        prefix_cache=not args.no_prefix_cache,
+        memory_tier_bytes=args.memory_tier_mb << 20,
+        memory_tier_bits=args.memory_tier_bits,
+        disk_tier=None if args.no_disk_tier else args.disk_tier,
+        disk_tier_bytes=mb(args.disk_tier_mb),
+        disk_tier_min_free_bytes=mb(args.disk_tier_min_free_mb),
+        remote_tier=None if args.no_remote_tier else args.remote_tier,
+        remote_tier_salt=args.remote_tier_salt,
+        remote_tier_prefix=args.remote_tier_prefix,
+        remote_tier_ttl_s=args.remote_tier_ttl,
+        remote_tier_timeout_ms=args.remote_tier_timeout_ms,
+        speculative=args.speculative, draft_model=args.draft_model, speculative_tokens=args.speculative_tokens,
+    )
+
+
+def persistent_cache_config(args):
+    """The cache flags, with the SSD tier on in the user cache dir unless turned off:
+    chats and clients come back, so their KV should be there too."""
+    from mlxkv.system.paths import default_disk_tier_dir
+
+    config = cache_config(args)
+    if not args.no_disk_tier and args.disk_tier is None:
+        config.disk_tier = str(default_disk_tier_dir())
+    return config
