@@ -67,7 +67,10 @@ class AttentionChoice:
     gate: SpeedGate | None = None
 
     def path_for(self, batch: int, context: int, queries: int = 1) -> str:
-        """The path of a step of `batch` rows of `queries` new tokens, the longest `context` tokens."""
+        """The path of a step of `batch` rows of `queries` new tokens, the longest `context` tokens
+        (over MAX_QUERIES, a prefill chunk: the reference path, which keeps a lone row's mirror)."""
+        if queries > kernels.MAX_QUERIES:
+            return "reference"
         if self.path == "kernel" and self.gate is not None:
             return self.gate.path_for(batch, context, queries)
         return self.path

@@ -226,7 +226,10 @@ def decode_launch(queries, k_pool, v_pool, block_tables, context_lens, scale: fl
     _, n_kv_heads, block_size, _ = (k_pool[0] if fmt else k_pool).shape
     v_dim = D if fmt else v_pool.shape[3]
     group = n_heads // n_kv_heads
-    if n_heads % n_kv_heads or not supports(queries.dtype, D, v_dim, block_size, group, n_queries, *(fmt or ())):
+    scales_dtype = {k_pool[1].dtype, v_pool[1].dtype} if fmt else {queries.dtype}
+    same_format = quantized_format(v_pool, D) == fmt
+    if n_heads % n_kv_heads or not same_format or scales_dtype != {queries.dtype} or not supports(
+            queries.dtype, D, v_dim, block_size, group, n_queries, *(fmt or ())):
         raise MlxkvError(f"no paged-attention kernel for {queries.dtype}, head dim {D}, block size {block_size}, "
                          f"{n_heads} over {n_kv_heads} kv heads, {n_queries} queries per row"
                          + (f", {fmt[0]}-bit pool" if fmt else ""))

@@ -6,7 +6,7 @@ import mlxkv  # noqa: F401  (before mlx)
 import mlx.core as mx
 import pytest
 
-from mlxkv.attention import kernels
+from mlxkv.attention import kernels, self_check
 from msl.harness import SKIP_REASON, clang_available, shared_harness
 from msl.paged import instantiation_launches
 
@@ -34,3 +34,21 @@ def on_device(device, monkeypatch):
     if device is not None:
         monkeypatch.setattr(kernels, "run_launch", device.run)
 
+
+
+_checks: dict = {}
+
+
+@pytest.fixture
+def checked_once(monkeypatch):
+    """self_check.check_kernels answered once per (shape, runner) in the session, for tests of
+    what follows a check (the speed gate, doctor): the check itself is test_self_check.py's."""
+    check = self_check.check_kernels
+
+    def once(*args, **kwargs):
+        key = (args, tuple(sorted(kwargs.items())))
+        if key not in _checks:
+            _checks[key] = check(*args, **kwargs)
+        return _checks[key]
+
+    monkeypatch.setattr(self_check, "check_kernels", once)

@@ -22,7 +22,7 @@ from mlxkv.errors import MlxkvError
 from mlxkv.cache.kv_pool import KVLayout, KVPool
 from mlxkv.attention.paged_cache import PagedBatch, PagedKVCache
 from msl.harness import generated_source
-from msl.paged import (Instantiation, assert_close, decode_instantiations, launch_of, make_case, oracle, reference,
+from msl.paged import (Instantiation, assert_close, check_case, decode_instantiations, launch_of, make_case, oracle,
                        run_kernels as kernel_attention)
 
 INSTANTIATIONS = decode_instantiations()
@@ -41,15 +41,6 @@ SAMPLE = {
 }
 
 
-def check(case, partition=None):
-    out = kernel_attention(case, partition)
-    what = (f"{case.dtype} D={case.queries.shape[-1]} L={case.n_queries} lens={case.context_lens} "
-            f"part={partition} window={case.window} sinks={case.sinks is not None} quantized={case.quantized}")
-    assert_close(out, oracle(case), case.dtype, f"kernel vs oracle, {what}")
-    assert_close(out, reference(case), case.dtype, f"kernel vs reference path, {what}")
-    return out
-
-
 # ---- through the kernels ----------------------------------------------------------
 
 
@@ -61,12 +52,12 @@ def test_every_instantiation(request, on_device, inst):
     bs, queries = inst.block_size, inst.shape[1]
     # A partial last block and exactly one block, in one batch.
     case = inst.case(n_kv_heads=2, context_lens=(bs + 5, bs), seed=inst.head_dim + inst.rows)
-    check(case, partition=0)
+    check_case(case, partition=0)
     # The same instantiation with sinks and a window that starts mid-block,
     # partitioned (gpt-oss's sliding layers); a row whose whole context is new.
     case = inst.case(n_kv_heads=2, context_lens=(3 * bs + 7, max(9, queries), queries),
                      seed=inst.head_dim + inst.rows + 1, window=bs + 3, sinks=True)
-    check(case, partition=16)
+    check_case(case, partition=16)
 
 
 @pytest.mark.parametrize("sinks", [False, True], ids=["no-sinks", "sinks"])
@@ -78,7 +69,7 @@ def test_sliding_windows_and_sinks(on_device, window, sinks, partition):
     # rows shorter and longer than the window in one batch.
     case = make_case(mx.float16, 64, 2, n_kv_heads=2, block_size=16,
                      context_lens=(1, 7, 16, 35, 330), seed=window, window=window, sinks=sinks)
-    check(case, partition=partition)
+    check_case(case, partition=partition)
 
 
 def test_sinks_weigh_in():
@@ -98,7 +89,7 @@ def test_context_lengths(on_device, block_size, context):
     n = {"tile": tile, "tile+1": tile + 1, "block": block_size, "block+5": block_size + 5}.get(context, context)
     case = make_case(mx.float16, 128, 4, n_kv_heads=1, block_size=block_size,
                      context_lens=(n,), seed=n)
-    check(case, partition=0)
+    check_case(case, partition=0)
 
 
 @pytest.mark.parametrize("dtype", kernels.DTYPES, ids=str)
@@ -109,14 +100,14 @@ def test_partitions(on_device, dtype, partition, head_dim):
     # threadgroups partial.
     case = make_case(dtype, head_dim, 2, n_kv_heads=1, block_size=16,
                      context_lens=(700, 257, 1), seed=partition)
-    check(case, partition=partition)
+    check_case(case, partition=partition)
 
 
 @pytest.mark.parametrize("context", [255, 256, 257, 511, 512, 513])
 def test_partition_boundaries(on_device, context):
     case = make_case(mx.float32, 64, 1, n_kv_heads=1, block_size=32, context_lens=(context,),
                      seed=context)
-    check(case, partition=256)
+    check_case(case, partition=256)
 
 
 @pytest.mark.parametrize("group", [1, 3, 4, 6, 7, 8])
@@ -125,14 +116,14 @@ def test_gqa_factors(on_device, group):
     # small grid: the automatic choice splits into partitions.
     case = make_case(mx.float16, 64, group, n_kv_heads=2, context_lens=(40, 300), seed=group)
     assert kernels.partition_size(2, 2, 300) == 75
-    check(case)
+    check_case(case)
 
 
 @pytest.mark.parametrize("partition", [0, 256])
 def test_mixed_batch(on_device, partition):
     case = make_case(mx.bfloat16, 128, 4, n_kv_heads=2, block_size=32,
                      context_lens=(1, 16, 33, 300, 17), seed=7)
-    check(case, partition=partition)
+    check_case(case, partition=partition)
 
 
 def test_block_placement_does_not_change_the_result(on_device):

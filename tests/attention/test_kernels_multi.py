@@ -20,7 +20,7 @@ from mlxkv.attention import dispatch as attention, kernels
 from mlxkv.attention.paged_cache import PagedKVCache
 from mlxkv.cache.kv_pool import KVLayout, KVPool
 from msl.harness import SKIP_REASON, HarnessError, clang_available, shared_harness
-from msl.paged import assert_close, launch_of, make_case, oracle, reference, run_kernels
+from msl.paged import assert_close, check_case, launch_of, make_case, oracle, run_kernels
 
 
 slow = pytest.mark.slow
@@ -29,14 +29,6 @@ slow = pytest.mark.slow
 def fast_only(*fast):
     """Marks for parametrized ids: those in `fast` run in the fast suite, the rest only in the full one."""
     return lambda *values: pytest.param(*values, marks=() if values in fast else slow)
-
-
-def check(case, partition=None):
-    out = run_kernels(case, partition)
-    what = f"L={case.n_queries} lens={case.context_lens} part={partition} window={case.window}"
-    assert_close(out, oracle(case), case.dtype, f"kernel vs oracle, {what}")
-    assert_close(out, reference(case), case.dtype, f"kernel vs reference path, {what}")
-    return out
 
 
 # ---- the causal rule -------------------------------------------------------------------
@@ -60,7 +52,7 @@ def test_query_counts_and_gqa(on_device, queries, group):
     # partitions chosen by occupancy; a row whose context is all new.
     case = make_case(mx.float16, 64, group, n_kv_heads=2, context_lens=(300, 40, queries), queries=queries,
                      seed=10 * queries + group)
-    check(case)
+    check_case(case)
 
 
 @pytest.mark.parametrize(("window", "sinks", "partition"), [
@@ -71,7 +63,7 @@ def test_sliding_windows_and_sinks(on_device, window, sinks, partition):
     # mid-block, longer than some rows; rows shorter and longer than the window.
     case = make_case(mx.float16, 64, 2, n_kv_heads=2, block_size=16, context_lens=(4, 7, 16, 35, 330),
                      queries=4, seed=window, window=window, sinks=sinks)
-    check(case, partition=partition)
+    check_case(case, partition=partition)
 
 
 @pytest.mark.parametrize("context", [fast_only((129,))(c) for c in (63, 64, 65, 127, 128, 129)])
@@ -79,7 +71,7 @@ def test_partition_boundaries(on_device, context):
     # The window starts mid-tile; partitions of 64 from its tile's start.
     case = make_case(mx.float32, 64, 1, n_kv_heads=1, block_size=32, context_lens=(context,), queries=3,
                      window=context - 5, seed=context)
-    check(case, partition=64)
+    check_case(case, partition=64)
 
 
 def test_a_verify_step_runs_on_the_kernels_through_paged_attention(on_device):

@@ -83,6 +83,8 @@ def test_a_step_goes_to_the_nearest_bucket():
     choice = AttentionChoice("kernel", gate=gate)
     assert (choice.path_for(1, 512), choice.path_for(8, 512)) == ("reference", "kernel")
     assert AttentionChoice("kernel").path_for(1, 512) == "kernel"  # no gate: forced
+    assert AttentionChoice("kernel").path_for(1, 512, 8) == "kernel"
+    assert AttentionChoice("kernel").path_for(8, 512, 9) == "reference"  # a prefill chunk: no kernel serves it
     assert AttentionChoice("reference", gate=gate).path_for(8, 512) == "reference"
 
 
@@ -117,7 +119,7 @@ def test_alternate_times_per_call_with_an_injected_clock():
     assert (a, b) == (pytest.approx(0.002), pytest.approx(0.001))
 
 
-def test_auto_uses_the_kernels_only_where_they_are_faster(monkeypatch):
+def test_auto_uses_the_kernels_only_where_they_are_faster(monkeypatch, checked_once):
     monkeypatch.delenv(ATTENTION_ENV, raising=False)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -132,7 +134,7 @@ def test_auto_uses_the_kernels_only_where_they_are_faster(monkeypatch):
     assert forced.gate is None and forced.path_for(1, 512) == "kernel"
 
 
-def test_a_gate_that_fails_sends_decode_to_the_reference_path(monkeypatch):
+def test_a_gate_that_fails_sends_decode_to_the_reference_path(monkeypatch, checked_once):
     monkeypatch.delenv(ATTENTION_ENV, raising=False)
 
     def faulting(kernel, reference, budget_s):
@@ -146,7 +148,7 @@ def test_a_gate_that_fails_sends_decode_to_the_reference_path(monkeypatch):
 
 
 @pytest.mark.slow  # the self-check of Llama-3-8B's shape, in the harness
-def test_doctor_shows_the_timings_and_the_choice(monkeypatch):
+def test_doctor_shows_the_timings_and_the_choice(monkeypatch, checked_once):
     from mlxkv.attention.doctor import attention_lines, attention_report
 
     monkeypatch.delenv(ATTENTION_ENV, raising=False)  # auto, as on a Mac

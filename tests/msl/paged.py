@@ -235,6 +235,16 @@ def run_kernels(case: Case, partition: int | None = None, kernels_by_name: dict 
                                 sinks=case.sinks)
 
 
+def check_case(case: Case, partition: int | None = None) -> mx.array:
+    """The kernels' answer to `case`, once compared with the float64 oracle and the reference path."""
+    out = run_kernels(case, partition)
+    what = (f"{case.dtype} D={case.queries.shape[-1]} L={case.n_queries} lens={case.context_lens} "
+            f"part={partition} window={case.window} sinks={case.sinks is not None} quantized={case.quantized}")
+    assert_close(out, oracle(case), case.dtype, f"kernel vs oracle, {what}")
+    assert_close(out, reference(case), case.dtype, f"kernel vs reference path, {what}")
+    return out
+
+
 def launch_of(case: Case, partition: int = 0, decode_kernel=None):
     """The first launch of `case` (mlxkv_paged_decode or _multi), as paged_decode makes it."""
     B, H, L, D = case.queries.shape
