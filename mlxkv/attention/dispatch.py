@@ -149,15 +149,7 @@ def _kernel_attention(queries, cache: PagedKVCache, scale: float, sinks=None):
     """
     k_pool = cache.pool.keys[cache.layer]
     v_pool = cache.pool.values[cache.layer]
-    n_heads, n_queries, head_dim = queries.shape[1:]
-    fmt = kernels.quantized_format(k_pool, head_dim)
-    pages, dtypes = (k_pool[0], {k_pool[1].dtype, v_pool[1].dtype}) if fmt else (k_pool, {k_pool.dtype, v_pool.dtype})
-    v_dim = head_dim if fmt else v_pool.shape[3]
-    n_kv_heads = pages.shape[1]
-    if n_heads % n_kv_heads or dtypes != {queries.dtype}:
-        return None
-    if not kernels.supports(queries.dtype, head_dim, v_dim, pages.shape[2], n_heads // n_kv_heads, n_queries,
-                            *(fmt or ())):
+    if not kernels.serves(queries.dtype, *queries.shape[1:], k_pool, v_pool):
         return None
     return kernels.paged_decode(queries, k_pool, v_pool, cache.tables.kernel_tables, cache.lengths, scale,
                                 window=cache.window, sinks=sinks)

@@ -222,17 +222,8 @@ def decode_launch(queries, k_pool, v_pool, block_tables, context_lens, scale: fl
     """
     multi = queries.ndim == 4
     B, n_heads, n_queries, D = queries.shape if multi else (*queries.shape[:2], 1, queries.shape[2])
-    fmt = quantized_format(k_pool, D)
-    _, n_kv_heads, block_size, _ = (k_pool[0] if fmt else k_pool).shape
-    v_dim = D if fmt else v_pool.shape[3]
+    fmt, n_kv_heads, block_size = _served(queries.dtype, n_heads, n_queries, D, k_pool, v_pool)
     group = n_heads // n_kv_heads
-    scales_dtype = {k_pool[1].dtype, v_pool[1].dtype} if fmt else {queries.dtype}
-    same_format = quantized_format(v_pool, D) == fmt
-    if n_heads % n_kv_heads or not same_format or scales_dtype != {queries.dtype} or not supports(
-            queries.dtype, D, v_dim, block_size, group, n_queries, *(fmt or ())):
-        raise MlxkvError(f"no paged-attention kernel for {queries.dtype}, head dim {D}, block size {block_size}, "
-                         f"{n_heads} over {n_kv_heads} kv heads, {n_queries} queries per row"
-                         + (f", {fmt[0]}-bit pool" if fmt else ""))
     window_starts = list(window_starts) if window_starts is not None else [0] * B
     aligned = [s - s % TILE for s in window_starts] if multi else window_starts
     max_span = max(n - s for n, s in zip(context_lens, aligned))
@@ -270,6 +261,29 @@ def decode_launch(queries, k_pool, v_pool, block_tables, context_lens, scale: fl
         output_shapes=(queries.shape, partials_shape),
         output_dtypes=(queries.dtype, mx.float32),
     )
+
+
+def serves(dtype, n_heads: int, n_queries: int, head_dim: int, k_pool, v_pool) -> bool:
+    """Whether a kernel serves these queries over these page layers: a supported shape, K and
+    V in one format, a quantized pool's scales in the queries' dtype."""
+    fmt = quantized_format(k_pool, head_dim)
+    pages = k_pool[0] if fmt else k_pool
+    v_dim = head_dim if fmt else v_pool.shape[3]
+    dtypes = {k_pool[1].dtype, v_pool[1].dtype} if fmt else {k_pool.dtype, v_pool.dtype}
+    n_kv_heads = pages.shape[1]
+    return (n_heads % n_kv_heads == 0 and quantized_format(v_pool, head_dim) == fmt and dtypes == {dtype}
+            and supports(dtype, head_dim, v_dim, pages.shape[2], n_heads // n_kv_heads, n_queries, *(fmt or ())))
+
+
+def _served(dtype, n_heads: int, n_queries: int, D: int, k_pool, v_pool) -> tuple:
+    """(pool format, kv heads, block size) of pools a kernel `serves`, or MlxkvError."""
+    fmt = quantized_format(k_pool, D)
+    _, n_kv_heads, block_size, _ = (k_pool[0] if fmt else k_pool).shape
+    if not serves(dtype, n_heads, n_queries, D, k_pool, v_pool):
+        raise MlxkvError(f"no paged-attention kernel for {dtype}, head dim {D}, block size {block_size}, "
+                         f"{n_heads} over {n_kv_heads} kv heads, {n_queries} queries per row"
+                         + (f", {fmt[0]}-bit pool" if fmt else ""))
+    return fmt, n_kv_heads, block_size
 
 
 def reduce_launch(partials: mx.array, dtype, reduce_kernel=None) -> Launch:
