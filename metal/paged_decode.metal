@@ -22,16 +22,26 @@
 // simdgroup of the first partition starts its running maximum and sum from
 // it, so it is counted once however many partitions there are.
 //
+// A quantized pool (built with MLXKV_QUANTIZED; see common.metal) passes
+// packed K and V with their scales and biases; each lane dequantizes its
+// slice of a row as it reads it, so nothing is dequantized twice or stored.
+//
 // Template: T (dtype), D (head dim), G (query heads per kv head, rounded
-// up; the real count is params[2]), BS (block size), NSG (simdgroups).
-// params: n_heads, n_kv_heads, group, table_width, part_tokens, n_parts,
-//         has_sinks.
+// up; the real count is params[2]), BS (block size), NSG (simdgroups);
+// quantized: BITS. params: n_heads, n_kv_heads, group, table_width,
+// part_tokens, n_parts, has_sinks; quantized: the quantization group.
 
   constexpr int THREADS = NSG * 32;
   constexpr int E = (D + 31) / 32;  // head-dim elements per lane
   // Elements per vector load: a lane's slice, or 16 bytes of it when it is
   // longer (float, D 256), so that each load of the simdgroup is contiguous.
+  // A quantized slice is at most 8 bytes: one load.
+#if defined(MLXKV_QUANTIZED)
+  constexpr int W = E;
+  const int q_group = params[7];
+#else
   constexpr int W = E * int(sizeof(T)) <= 16 ? E : 16 / int(sizeof(T));
+#endif
   constexpr bool FULL = E * 32 == D;  // no lane reads past the row
 
   const int n_heads = params[0];
@@ -55,9 +65,6 @@
   const int head0 = kv_head * group;  // the group's first query head
   const int row0 = seq * n_heads + head0;
   const device int32_t* table = block_tables + size_t(seq) * table_width;
-  const size_t head_stride = size_t(BS) * D;
-  const size_t block_stride = size_t(n_kv_heads) * head_stride;
-  const size_t kv_offset = size_t(kv_head) * head_stride;
 
   // The head-dim elements of lane `lane`: its e-th is d(e), e < E.
   int dims[E];
@@ -82,16 +89,22 @@
   }
 
   for (int t = first + sg; t < last; t += NSG) {
-    const int block = table[t / BS];
-    const size_t row = size_t(block) * block_stride + kv_offset + size_t(t % BS) * D;
+    // The token's row of the pools [blocks, kv heads, BS, ...].
+    const size_t row = (size_t(table[t / BS]) * n_kv_heads + kv_head) * BS + t % BS;
     float k[E];
     float v[E];
+#if defined(MLXKV_QUANTIZED)
+    mlxkv_dequantize<T, D, E, BITS>(k, k_pool, k_scales, k_biases, row, lane * E, q_group);
+    // in flight while the scores reduce
+    mlxkv_dequantize<T, D, E, BITS>(v, v_pool, v_scales, v_biases, row, lane * E, q_group);
+#else
     for (int e = 0; e < E; e++) {
-      k[e] = FULL || dims[e] < D ? float(k_pool[row + dims[e]]) : 0.0f;
+      k[e] = FULL || dims[e] < D ? float(k_pool[row * D + dims[e]]) : 0.0f;
     }
     for (int e = 0; e < E; e++) {  // in flight while the scores reduce
-      v[e] = FULL || dims[e] < D ? float(v_pool[row + dims[e]]) : 0.0f;
+      v[e] = FULL || dims[e] < D ? float(v_pool[row * D + dims[e]]) : 0.0f;
     }
+#endif
     for (int g = 0; g < G; g++) {
       float s = 0.0f;
       for (int e = 0; e < E; e++) {

@@ -46,7 +46,7 @@ def test_only_mlxkv_is_installed_at_the_top_level():
 def test_the_kernel_sources_are_package_data_of_mlxkv():
     done = _python("from importlib import resources; "
                    "print(sorted(p.name for p in resources.files('mlxkv.metal').iterdir() if p.suffix == '.metal'))")
-    assert done.stdout.strip() == "['common.metal', 'paged_decode.metal', 'paged_reduce.metal']"
+    assert done.stdout.strip() == "['common.metal', 'paged_decode.metal', 'paged_decode_multi.metal', 'paged_reduce.metal']"
 
 
 def _imported_packages(package: str) -> dict[str, set[str]]:

@@ -8,12 +8,13 @@ A batched decode step whose rows share leading blocks takes cascade
 attention (mlxkv/cascade.py) on the reference path: the shared prefix is
 read once for all rows, not gathered per row.
 
-The kernel path (mlxkv/kernels.py) serves decode steps (one new token per
-sequence) of supported shapes, reading K/V from the pool through the block
-table; prefill and anything else stay on the reference path. Under `auto`
-the kernels serve only the (batch, context) buckets where the speed gate
-(speed_gate.py) timed them faster: `AttentionChoice.path_for` says which
-path a step takes.
+The kernel path (mlxkv/kernels.py) serves steps of up to MAX_QUERIES new
+tokens per sequence (a decode step; a speculative verify step, whose rows
+are padded to one length) of supported shapes, reading K/V from the pool
+through the block table; longer prefill chunks and anything else stay on
+the reference path. Under `auto` the kernels serve only the (queries,
+batch, context) buckets where the speed gate (speed_gate.py) timed them
+faster: `AttentionChoice.path_for` says which path a step takes.
 """
 
 from __future__ import annotations
@@ -65,10 +66,13 @@ class AttentionChoice:
     check: KernelCheck | None = None
     gate: SpeedGate | None = None
 
-    def path_for(self, batch: int, context: int) -> str:
-        """The path of a step of `batch` rows, the longest `context` tokens."""
+    def path_for(self, batch: int, context: int, queries: int = 1) -> str:
+        """The path of a step of `batch` rows of `queries` new tokens, the longest `context` tokens
+        (over MAX_QUERIES, a prefill chunk: the reference path, which keeps a lone row's mirror)."""
+        if queries > kernels.MAX_QUERIES:
+            return "reference"
         if self.path == "kernel" and self.gate is not None:
-            return self.gate.path_for(batch, context)
+            return self.gate.path_for(batch, context, queries)
         return self.path
 
     def as_dict(self) -> dict:
@@ -77,24 +81,31 @@ class AttentionChoice:
 
 
 def choose_attention(mode: str | None, dtype, head_dim: int, v_head_dim: int, block_size: int,
-                     n_heads: int, n_kv_heads: int, run=None, timer=None, metal: bool | None = None) -> AttentionChoice:
+                     n_heads: int, n_kv_heads: int, run=None, timer=None, metal: bool | None = None,
+                     kv_bits: int | None = None, kv_group_size: int | None = None) -> AttentionChoice:
     """The configured path, with the kernels checked first (self_check.py): a shape they do not
     serve, or a failed check, decodes on the reference path; the failure is one warning line.
-    Under `auto` the speed gate then times them on this shape (speed_gate.py; `timer`)."""
+    Under `auto` the speed gate then times them on this shape (speed_gate.py; `timer`).
+    kv_bits/kv_group_size: the pool's quantization (None: full precision)."""
     path = resolve_attention(mode, metal)
     if path == "reference":
         return AttentionChoice("reference")
     group = n_heads // max(n_kv_heads, 1)
-    if n_heads % max(n_kv_heads, 1) or not kernels.supports(dtype, head_dim, v_head_dim, block_size, group):
-        name = self_check.describe(dtype, head_dim, block_size, group)
+    fmt = (kv_bits, kv_group_size) if kv_bits else ()
+    if n_heads % max(n_kv_heads, 1) or not kernels.supports(dtype, head_dim, v_head_dim, block_size, group, 1, *fmt):
+        name = self_check.describe(dtype, head_dim, block_size, group, *fmt)
         return AttentionChoice("reference", KernelCheck(name, False, "no kernel serves this shape"))
-    check = self_check.check_kernels(dtype, head_dim, block_size, n_heads, n_kv_heads, run)
+    check = self_check.check_kernels(dtype, head_dim, block_size, n_heads, n_kv_heads, run, *fmt)
     if not check.ok:
         warnings.warn(f"the Metal attention kernels failed their check ({check.instantiation}: {check.reason}); "
                       "decoding on the reference path", KernelCheckWarning, stacklevel=2)
         return AttentionChoice("reference", check)
     if requested_attention(mode) != "auto":
         return AttentionChoice("kernel", check)  # asked for: every decode
+    if kv_bits:
+        # The gate cannot time a quantized pool's reference path yet (the pool's own,
+        # mlx-lm's quantized SDPA): without a timing, auto keeps to the reference path.
+        return AttentionChoice("reference", check)
     shape = AttentionShape(dtype, head_dim, block_size, n_heads, n_kv_heads)
     try:
         gate = speed_gate.measure(shape, run=run, timer=timer)
@@ -118,29 +129,27 @@ def paged_attention(queries, keys, values, cache: PagedKVCache, scale: float, ma
     leaves that gather unevaluated, and so does cascade attention. `sinks`
     (gpt-oss): one logit per query head that joins every softmax.
     """
-    decode = queries.shape[2] == 1
-    if cache.batch.prefix is not None and decode and sinks is None:
+    n_queries = queries.shape[2]
+    if cache.batch.prefix is not None and n_queries == 1 and sinks is None:
         return cascade_decode(queries, cache, scale)
-    if cache.batch.attention == "kernel" and decode:
-        out = _kernel_decode(queries, cache, scale, sinks)
+    if cache.batch.attention == "kernel" and n_queries <= kernels.MAX_QUERIES:
+        out = _kernel_attention(queries, cache, scale, sinks)
         if out is not None:
             return out
     return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
 
 
-def _kernel_decode(queries, cache: PagedKVCache, scale: float, sinks=None):
-    """Decode attention on the kernels, or None where they do not serve the shape.
+def _kernel_attention(queries, cache: PagedKVCache, scale: float, sinks=None):
+    """Attention of each row's last L (up to MAX_QUERIES) tokens on the kernels, or None where
+    they do not serve the shape. A page layer may be quantized: (packed, scales, biases).
 
-    The kernels read each sequence's first `context_lens` tokens, which is
-    what the reference path's mask keeps visible, so the mask is not needed.
+    The kernels let query j of L see its row's tokens up to position
+    context - L + j, within the window: what the reference path's mask keeps
+    visible (PagedKVCache.make_mask), so the mask is not needed.
     """
     k_pool = cache.pool.keys[cache.layer]
     v_pool = cache.pool.values[cache.layer]
-    n_heads, n_kv_heads = queries.shape[1], k_pool.shape[1]
-    if n_heads % n_kv_heads or not (queries.dtype == k_pool.dtype == v_pool.dtype):
-        return None
-    if not kernels.supports(queries.dtype, queries.shape[3], v_pool.shape[3], k_pool.shape[2],
-                            n_heads // n_kv_heads):
+    if not kernels.serves(queries.dtype, *queries.shape[1:], k_pool, v_pool):
         return None
     return kernels.paged_decode(queries, k_pool, v_pool, cache.tables.kernel_tables, cache.lengths, scale,
                                 window=cache.window, sinks=sinks)

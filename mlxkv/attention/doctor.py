@@ -1,5 +1,5 @@
 """What `mlxkv doctor` says of attention: the path decode takes here, the kernels' self-check,
-and under `auto` the speed gate's timings and choice per (batch, context) bucket.
+and under `auto` the speed gate's timings and choice per (queries, batch, context) bucket.
 
 No model is loaded, so the check and the gate run on a common shape (fp16,
 head dim 128, 16-token blocks, 32 query heads over 8 KV heads: Llama-3-8B);
@@ -38,7 +38,7 @@ def _why(choice) -> str:
         return "the Metal kernels passed their self-check and serve every decode (asked for: no speed gate)"
     used = [b for b in choice.gate.buckets if b.path == "kernel"]
     return (f"the Metal kernels passed their self-check; the speed gate uses them in {len(used)} of "
-            f"{len(choice.gate.buckets)} (batch, context) buckets, where they were faster")
+            f"{len(choice.gate.buckets)} (queries, batch, context) buckets, where they were faster")
 
 
 def attention_lines(report: dict) -> list[tuple[str, str]]:
@@ -49,6 +49,7 @@ def attention_lines(report: dict) -> list[tuple[str, str]]:
         reason = f": {check['reason']}" if check["reason"] else ""
         lines.append(("kernel check", f"{'passed' if check['ok'] else 'FAILED'}: {check['instantiation']}{reason}"))
     for b in report.get("gate") or []:
-        lines.append(("speed gate", f"batch {b['batch']}, context {b['context']}: kernels {b['kernel_ms']:.3f} ms, "
-                                    f"reference {b['reference_ms']:.3f} ms: {b['path']}"))
+        queries = f"{b['queries']} queries per row, " if b["queries"] > 1 else ""
+        lines.append(("speed gate", f"{queries}batch {b['batch']}, context {b['context']}: kernels "
+                                    f"{b['kernel_ms']:.3f} ms, reference {b['reference_ms']:.3f} ms: {b['path']}"))
     return lines

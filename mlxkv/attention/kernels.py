@@ -6,19 +6,25 @@ every kernel, the other files are kernel bodies whose signatures
 objects are built on first use; building one needs no GPU, which is how the
 MSL test harness (tests/msl) gets at the generated source on Linux.
 
-Decode attention is one `mlxkv_paged_decode` launch, plus one
-`mlxkv_paged_reduce` when sequences are split into partitions to give the
-GPU enough threadgroups. Every call describes itself as a `Launch` and goes
-through `run_launch`: the kernel itself on Metal, a CPU runner in the
-harness tests.
+Decode attention is one `mlxkv_paged_decode` launch (one query token per
+row) or `mlxkv_paged_decode_multi` (2 to MAX_QUERIES: a speculative verify
+step), plus one `mlxkv_paged_reduce` when sequences are split into
+partitions to give the GPU enough threadgroups. Every call describes itself
+as a `Launch` and goes through `run_launch`: the kernel itself on Metal, a
+CPU runner in the harness tests.
 
-Instantiations: one per (dtype, head dim, GQA group size, block size), the
-group size rounded up to 1, 2, 4 or 8; the block size is a template
-constant so that a token's block and slot are a shift and a mask. Context
-lengths, partitioning, the real group size, a sliding window's start and
-attention sinks are runtime values: they only set where the token loop
-starts and what the softmax starts from, and each instantiation is one
-more compile on a Mac's first decode. Inputs under 8 elements would reach
+Instantiations: one per (dtype, head dim, GQA group size, block size) for
+one query, the group size rounded up to 1, 2, 4 or 8; for several, the
+group size gives way to the query rows each simdgroup holds
+(`rows_per_simdgroup`). The block size is a template constant so that a
+token's block and slot are a shift and a mask. A quantized pool (K and V as
+`mx.quantize` lays them out: packed words, scales, biases) has its own
+kernels of each kind, with the bits as one more template constant and the
+quantization group a runtime value. Context lengths, partitioning, the real
+group size and query count, a sliding window and attention sinks are
+runtime values: they only set where the token loop starts, what each query
+sees and what the softmax starts from, and each instantiation is one more
+compile on a Mac's first decode that uses it. Inputs under 8 elements would reach
 the kernel in the `constant` address space, which changes the generated
 signature, so the small index inputs are padded to 8: Python lists here,
 block tables where they are built (paged_cache.GroupTables.kernel_tables),
@@ -41,6 +47,11 @@ DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 HEAD_DIMS = (64, 80, 96, 128, 256)
 BLOCK_SIZES = (16, 32)
 GROUP_SIZES = (1, 2, 4, 8)  # built for these; 3, 5, 6, 7 round up
+MAX_QUERIES = 8  # query tokens per row the multi-query kernel serves (as MLX's sdpa_vector)
+ROWS_PER_SIMDGROUP = (1, 2, 4, 8)  # multi-query kernel: query rows in a simdgroup's registers
+QUANT_BITS = (8, 4)
+QUANT_GROUPS = (64, 32)
+TILE = 8  # positions the multi-query kernel copies to threadgroup memory at once
 SIMDGROUPS = 8
 THREADS = 32 * SIMDGROUPS  # per decode threadgroup
 REDUCE_THREADS = 64
@@ -53,14 +64,10 @@ TARGET_SIMDGROUPS = 1024
 MIN_PART_TOKENS = 64
 MIN_ELEMENTS = 8  # MLX passes smaller inputs in the constant address space
 
-_SIGNATURES = {
-    "paged_decode": (
-        ["queries", "k_pool", "v_pool", "block_tables", "context_lens", "window_starts", "sinks", "scale",
-         "params"],
-        ["out", "partials"],
-    ),
-    "paged_reduce": (["partials", "params"], ["out"]),
-}
+_POOLS = ["k_pool", "v_pool"]
+_QUANTIZED_POOLS = ["k_pool", "k_scales", "k_biases", "v_pool", "v_scales", "v_biases"]
+_INDEX = ["block_tables", "context_lens", "window_starts", "sinks", "scale", "params"]
+_DECODE_OUTPUTS = ["out", "partials"]
 
 
 def kernel_source(name: str) -> str:
@@ -68,22 +75,32 @@ def kernel_source(name: str) -> str:
     return resources.files("mlxkv.metal").joinpath(f"{name}.metal").read_text()
 
 
-def make_kernel(name: str, body: str | None = None, header: str | None = None):
-    """An `mx.fast.metal_kernel` for one of `_SIGNATURES`, from the shipped
-    source unless `body` / `header` replace it (the harness tests plant bugs)."""
-    input_names, output_names = _SIGNATURES[name]
+def make_kernel(name: str, body: str | None = None, header: str | None = None, quantized: bool = False):
+    """An `mx.fast.metal_kernel` of metal/<name>.metal ("paged_decode", "paged_decode_multi",
+    "paged_reduce"), from the shipped source unless `body` / `header` replace it (the harness
+    tests plant bugs); `quantized`: the decode kernel's variant reading quantized pools."""
+    header = kernel_source("common") if header is None else header
+    if name == "paged_reduce":
+        inputs, outputs = ["partials", "params"], ["out"]
+    else:
+        inputs, outputs = ["queries"] + (_QUANTIZED_POOLS if quantized else _POOLS) + _INDEX, _DECODE_OUTPUTS
     return mx.fast.metal_kernel(
-        name=f"mlxkv_{name}",
-        input_names=input_names,
-        output_names=output_names,
+        name=f"mlxkv_{name}" + ("_quantized" if quantized else ""),
+        input_names=inputs,
+        output_names=outputs,
         source=kernel_source(name) if body is None else body,
-        header=kernel_source("common") if header is None else header,
+        header=("#define MLXKV_QUANTIZED 1\n" if quantized else "") + header,
     )
 
 
+def kernel(name: str, quantized: bool = False):
+    """The shipped kernel object of `name`, one per process (however it is asked for)."""
+    return _kernel(name, bool(quantized))
+
+
 @functools.cache
-def kernel(name: str):
-    return make_kernel(name)
+def _kernel(name: str, quantized: bool):
+    return make_kernel(name, quantized=quantized)
 
 
 @dataclass(frozen=True)
@@ -123,15 +140,44 @@ def group_size_for(group: int) -> int | None:
     return next((g for g in GROUP_SIZES if g >= group), None)
 
 
-def supports(dtype, head_dim: int, v_head_dim: int, block_size: int, group: int) -> bool:
-    """Whether decode attention of this shape can run on the kernels."""
+def rows_per_simdgroup(group: int, queries: int) -> int | None:
+    """The multi-query instantiation serving `group` x `queries` query rows per kv head:
+    the fewest rows a simdgroup holds with SIMDGROUPS of them covering all."""
+    return next((r for r in ROWS_PER_SIMDGROUP if r * SIMDGROUPS >= group * queries), None)
+
+
+def supports(dtype, head_dim: int, v_head_dim: int, block_size: int, group: int, queries: int = 1,
+             bits: int | None = None, quant_group: int | None = None) -> bool:
+    """Whether attention of this shape, `queries` tokens per row, can run on the kernels;
+    `bits`/`quant_group`: a quantized pool's format (None: full precision)."""
+    pool_format = bits is None or (bits in QUANT_BITS and quant_group in QUANT_GROUPS
+                                   and head_dim % quant_group == 0)
     return (
         dtype in DTYPES
         and head_dim in HEAD_DIMS
         and v_head_dim == head_dim
         and block_size in BLOCK_SIZES
         and group_size_for(group) is not None
+        and 1 <= queries <= MAX_QUERIES
+        and pool_format
     )
+
+
+def quantized_format(pages, head_dim: int) -> tuple[int, int] | None:
+    """(bits, quantization group) of a quantized page layer (packed, scales, biases), as
+    `mx.quantize` lays it out along `head_dim`; None for a full-precision pool."""
+    if not isinstance(pages, (tuple, list)):
+        return None
+    packed, scales, biases = pages
+    bits = packed.shape[-1] * 32 // head_dim
+    group = head_dim // scales.shape[-1]
+    if (packed.dtype != mx.uint32 or bits * head_dim != packed.shape[-1] * 32 or group * scales.shape[-1] != head_dim
+            or biases.shape != scales.shape or bits not in QUANT_BITS or group not in QUANT_GROUPS):
+        raise MlxkvError(f"a quantized pool must be mx.quantize's packed uint32, scales and biases at "
+                         f"{' or '.join(map(str, QUANT_BITS))} bits, groups of "
+                         f"{' or '.join(map(str, QUANT_GROUPS))}; got packed {packed.dtype} {packed.shape}, "
+                         f"scales {scales.shape} for head dim {head_dim}")
+    return bits, group
 
 
 def partition_size(batch: int, n_kv_heads: int, max_span: int) -> int:
@@ -156,37 +202,52 @@ def _padded(values: list) -> list:
     return list(values) + [0] * (MIN_ELEMENTS - len(values))
 
 
-def decode_launch(queries, k_pool, v_pool, block_tables, context_lens, scale: float,
-                  partition: int = 0, decode_kernel=None, window_starts=None, sinks=None) -> Launch:
-    """The first (or only) launch of paged decode attention.
+def window_starts(context_lens, window: int | None, queries: int = 1) -> list[int]:
+    """Each row's first visible token: the last `window` of its context before its first
+    query (of `queries`, the last ones of the context), or all of it."""
+    return [0 if window is None else max(0, n - queries + 1 - window) for n in context_lens]
 
-    queries [B, Hq, D]; pools [blocks, Hkv, block_size, D]; block_tables
-    [B, nb] int32 (rows padded with any valid id); context_lens: B ints;
-    partition: tokens per partition, 0 for a single pass; window_starts:
-    B ints, each row's first visible token (None: all from 0); sinks: [Hq]
-    logits that join every softmax (None: no sinks).
+
+def decode_launch(queries, k_pool, v_pool, block_tables, context_lens, scale: float, partition: int = 0,
+                  decode_kernel=None, window_starts=None, sinks=None, window: int | None = None) -> Launch:
+    """The first (or only) launch of paged attention.
+
+    queries [B, Hq, D] (one token per row: mlxkv_paged_decode) or [B, Hq, L, D] (L of 2 to
+    MAX_QUERIES, the last L tokens of each row's context: mlxkv_paged_decode_multi); pools
+    [blocks, Hkv, block_size, D], or quantized (packed, scales, biases) as `mx.quantize` lays
+    them out; block_tables [B, nb] int32 (rows padded with any valid id); context_lens: B
+    ints; partition: tokens per partition, 0 for a single pass; window_starts: B ints, each
+    row's first visible token (None: all from 0); window: a sliding window's size (several
+    queries: each sees its own last `window`); sinks: [Hq] logits that join every softmax.
     """
-    B, n_heads, D = queries.shape
-    _, n_kv_heads, block_size, _ = k_pool.shape
+    multi = queries.ndim == 4
+    B, n_heads, n_queries, D = queries.shape if multi else (*queries.shape[:2], 1, queries.shape[2])
+    fmt, n_kv_heads, block_size = _served(queries.dtype, n_heads, n_queries, D, k_pool, v_pool)
     group = n_heads // n_kv_heads
-    if n_heads % n_kv_heads or not supports(queries.dtype, D, v_pool.shape[3], block_size, group):
-        raise MlxkvError(f"no paged-attention kernel for {queries.dtype}, head dim {D}, "
-                         f"block size {block_size}, {n_heads} over {n_kv_heads} kv heads")
     window_starts = list(window_starts) if window_starts is not None else [0] * B
-    max_span = max(n - s for n, s in zip(context_lens, window_starts))
+    aligned = [s - s % TILE for s in window_starts] if multi else window_starts
+    max_span = max(n - s for n, s in zip(context_lens, aligned))
+    if multi:
+        partition = -(-partition // TILE) * TILE  # whole tiles: none is read by two partitions
     n_parts = 1 if partition == 0 else math.ceil(max_span / partition)
     part_tokens = partition if n_parts > 1 else max(max_span, 1)
     has_sinks = sinks is not None
     # Sinks of under 8 heads (tiny models only) reach the kernel as constant memory.
     sinks = sinks.astype(mx.float32) if has_sinks else mx.array(_padded([0.0] * n_heads), dtype=mx.float32)
     params = [n_heads, n_kv_heads, group, block_tables.shape[1], part_tokens, n_parts, int(has_sinks)]
-    partials_shape = (B, n_heads, n_parts, D + 2) if n_parts > 1 else (1,)
+    params += [n_queries, window or 0] if multi else []
+    params += [fmt[1]] if fmt else []
+    rows = n_heads * n_queries
+    partials_shape = (B, rows, n_parts, D + 2) if n_parts > 1 else (1,)
+    name = "paged_decode_multi" if multi else "paged_decode"
+    template = (("T", queries.dtype), ("D", D),
+                ("RS", rows_per_simdgroup(group, n_queries)) if multi else ("G", group_size_for(group)),
+                ("BS", block_size), ("NSG", SIMDGROUPS)) + ((("BITS", fmt[0]),) if fmt else ())
     return Launch(
-        kernel=decode_kernel or kernel("paged_decode"),
+        kernel=decode_kernel or kernel(name, quantized=fmt is not None),
         inputs=(
             queries,
-            k_pool,
-            v_pool,
+            *(tuple(k_pool) + tuple(v_pool) if fmt else (k_pool, v_pool)),
             block_tables.astype(mx.int32),
             mx.array(_padded(context_lens), dtype=mx.int32),
             mx.array(_padded(window_starts), dtype=mx.int32),
@@ -194,31 +255,49 @@ def decode_launch(queries, k_pool, v_pool, block_tables, context_lens, scale: fl
             mx.array(scale, dtype=mx.float32),
             mx.array(_padded(params), dtype=mx.int32),
         ),
-        template=(("T", queries.dtype), ("D", D), ("G", group_size_for(group)), ("BS", block_size),
-                  ("NSG", SIMDGROUPS)),
+        template=template,
         grid=(THREADS * n_parts, n_kv_heads, B),
         threadgroup=(THREADS, 1, 1),
-        output_shapes=((B, n_heads, D), partials_shape),
+        output_shapes=(queries.shape, partials_shape),
         output_dtypes=(queries.dtype, mx.float32),
     )
 
 
-def window_starts(context_lens, window: int | None) -> list[int]:
-    """Each row's first visible token: the last `window` of its context, or all of it."""
-    return [0 if window is None else max(0, n - window) for n in context_lens]
+def serves(dtype, n_heads: int, n_queries: int, head_dim: int, k_pool, v_pool) -> bool:
+    """Whether a kernel serves these queries over these page layers: a supported shape, K and
+    V in one format, a quantized pool's scales in the queries' dtype."""
+    fmt = quantized_format(k_pool, head_dim)
+    pages = k_pool[0] if fmt else k_pool
+    v_dim = head_dim if fmt else v_pool.shape[3]
+    dtypes = {k_pool[1].dtype, v_pool[1].dtype} if fmt else {k_pool.dtype, v_pool.dtype}
+    n_kv_heads = pages.shape[1]
+    return (n_heads % n_kv_heads == 0 and quantized_format(v_pool, head_dim) == fmt and dtypes == {dtype}
+            and supports(dtype, head_dim, v_dim, pages.shape[2], n_heads // n_kv_heads, n_queries, *(fmt or ())))
+
+
+def _served(dtype, n_heads: int, n_queries: int, D: int, k_pool, v_pool) -> tuple:
+    """(pool format, kv heads, block size) of pools a kernel `serves`, or MlxkvError."""
+    fmt = quantized_format(k_pool, D)
+    _, n_kv_heads, block_size, _ = (k_pool[0] if fmt else k_pool).shape
+    if not serves(dtype, n_heads, n_queries, D, k_pool, v_pool):
+        raise MlxkvError(f"no paged-attention kernel for {dtype}, head dim {D}, block size {block_size}, "
+                         f"{n_heads} over {n_kv_heads} kv heads, {n_queries} queries per row"
+                         + (f", {fmt[0]}-bit pool" if fmt else ""))
+    return fmt, n_kv_heads, block_size
 
 
 def reduce_launch(partials: mx.array, dtype, reduce_kernel=None) -> Launch:
-    """The second pass: merge partials [B, Hq, parts, D + 2] into [B, Hq, D]."""
-    B, n_heads, n_parts, row = partials.shape
+    """The second pass: merge partials [B, rows, parts, D + 2] into [B, rows, D] (rows: the
+    query heads x query tokens of a row)."""
+    B, n_rows, n_parts, row = partials.shape
     D = row - 2
     return Launch(
         kernel=reduce_kernel or kernel("paged_reduce"),
-        inputs=(partials, mx.array([n_heads, D, n_parts], dtype=mx.int32)),
+        inputs=(partials, mx.array([n_rows, D, n_parts], dtype=mx.int32)),
         template=(("T", dtype),),
-        grid=(D, n_heads, B),
+        grid=(D, n_rows, B),
         threadgroup=(REDUCE_THREADS, 1, 1),
-        output_shapes=((B, n_heads, D),),
+        output_shapes=((B, n_rows, D),),
         output_dtypes=(dtype,),
     )
 
@@ -226,23 +305,32 @@ def reduce_launch(partials: mx.array, dtype, reduce_kernel=None) -> Launch:
 def paged_decode(queries, k_pool, v_pool, block_tables, context_lens, scale: float,
                  partition: int | None = None, kernels: dict | None = None, window: int | None = None,
                  sinks=None, run=None) -> mx.array:
-    """Decode attention `[B, Hq, 1, D]` of one query token per sequence over the pool.
+    """Attention `[B, Hq, L, D]` of the last L (1 to MAX_QUERIES) tokens of each sequence
+    over the pool, each query seeing the row's tokens up to its own (a decode step at L = 1,
+    a speculative verify step above).
 
-    partition: tokens per partition, 0 for one pass, None to choose
-    (`partition_size`). kernels: replacements for the shipped kernel objects,
-    by name ("paged_decode", "paged_reduce"). window: a sliding window's
-    size in tokens, the query included (None: full attention); sinks: [Hq].
-    run: what runs a Launch (run_launch: the GPU).
+    k_pool/v_pool: a page layer [blocks, Hkv, block_size, D], or a quantized one as
+    `mx.quantize(x, group_size, bits)` lays it out: (packed, scales, biases).
+    partition: tokens per partition, 0 for one pass, None to choose (`partition_size`).
+    kernels: replacements for the shipped kernel objects, by name ("paged_decode",
+    "paged_decode_multi", "paged_reduce"). window: a sliding window's size in tokens, the
+    query included (None: full attention); sinks: [Hq]. run: what runs a Launch
+    (run_launch: the GPU).
     """
     kernels = kernels or {}
     run = run or run_launch
-    B, n_heads, _, D = queries.shape
-    starts = window_starts(context_lens, window)
+    B, n_heads, n_queries, D = queries.shape
+    starts = window_starts(context_lens, window, n_queries)
+    if n_queries > 1:
+        name, spans = "paged_decode_multi", [n - s + s % TILE for n, s in zip(context_lens, starts)]
+    else:
+        name, spans, queries = "paged_decode", [n - s for n, s in zip(context_lens, starts)], queries.reshape(B, n_heads, D)
     if partition is None:
-        partition = partition_size(B, k_pool.shape[1], max(n - s for n, s in zip(context_lens, starts)))
-    first = decode_launch(queries.reshape(B, n_heads, D), k_pool, v_pool, block_tables,
-                          context_lens, scale, partition, kernels.get("paged_decode"), starts, sinks)
+        n_kv_heads = (k_pool[0] if isinstance(k_pool, (tuple, list)) else k_pool).shape[1]
+        partition = partition_size(B, n_kv_heads, max(spans))
+    first = decode_launch(queries, k_pool, v_pool, block_tables, context_lens, scale, partition,
+                          kernels.get(name), starts, sinks, window)
     out, partials = run(first)
     if partials.ndim > 1:
         (out,) = run(reduce_launch(partials, queries.dtype, kernels.get("paged_reduce")))
-    return out.reshape(B, n_heads, 1, D)
+    return out.reshape(B, n_heads, n_queries, D)

@@ -10,7 +10,10 @@ decode can take, on a small random case, against a float64 oracle:
 - rows of many tiles (a tile is one token per simdgroup), so that the
   online softmax rescales and the simdgroups merge;
 - a sliding window that starts mid-block, and attention sinks; and the
-  plain case, neither.
+  plain case, neither;
+- one query token per row, and several (a speculative verify step): one
+  query count for each multi-query instantiation the model can use;
+- a quantized pool's format, when the model's pool is quantized.
 
 The tolerance is what rounding allows for the dtype and the row: the output
 rounded once to the dtype, plus fp32 accumulation over the row's tokens and
@@ -31,7 +34,7 @@ from dataclasses import asdict, dataclass
 import mlx.core as mx
 import numpy as np
 
-from mlxkv.attention import kernels
+from mlxkv.attention import kernels, oracle
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +43,10 @@ UNIT_ROUNDOFF = {mx.float32: 2.0 ** -24, mx.float16: 2.0 ** -11, mx.bfloat16: 2.
 _FP32 = UNIT_ROUNDOFF[mx.float32]
 _CONTEXT = (300, 21, 1)  # many tiles; ending mid-block; one token
 _WINDOW = 277  # starts mid-block in the long row, covers the others
+# Several queries: as above, shorter (two partitions, and a third empty in the short rows),
+# the last row all new tokens; the window starts mid-tile for each query count.
+_MULTI_CONTEXT = (130, 21)
+_MULTI_WINDOW = 100
 _PARTITION = 64  # the long row in 5 partitions of 8 tiles; the others leave 4 empty
 _CALLS = (  # (what, partition, window and sinks)
     ("single pass", 0, True),
@@ -60,29 +67,51 @@ class KernelCheck:
         return asdict(self)
 
 
-def describe(dtype, head_dim: int, block_size: int, group: int) -> str:
-    return f"{str(dtype).removeprefix('mlx.core.')}, head dim {head_dim}, block {block_size}, group {group}"
+def describe(dtype, head_dim: int, block_size: int, group: int, kv_bits: int | None = None,
+             kv_group_size: int | None = None) -> str:
+    pool = f", {kv_bits}-bit pool in groups of {kv_group_size}" if kv_bits else ""
+    return f"{str(dtype).removeprefix('mlx.core.')}, head dim {head_dim}, block {block_size}, group {group}{pool}"
 
 
-def check_kernels(dtype, head_dim: int, block_size: int, n_heads: int, n_kv_heads: int,
-                  run=None) -> KernelCheck:
-    """Run the decode kernels of this shape on every path against the float64 oracle."""
+def query_counts(group: int) -> list[int]:
+    """1, and for each multi-query instantiation a model of `group` query heads per kv head
+    can use, the fewest query tokens it serves (the most simdgroups sharing each tile)."""
+    counts = {}
+    for n in range(kernels.MAX_QUERIES, 1, -1):
+        counts[kernels.rows_per_simdgroup(group, n)] = n
+    return [1] + sorted(counts.values())
+
+
+def check_kernels(dtype, head_dim: int, block_size: int, n_heads: int, n_kv_heads: int, run=None,
+                  kv_bits: int | None = None, kv_group_size: int | None = None) -> KernelCheck:
+    """Run the kernels of this shape (and pool format) on every path against the float64 oracle."""
     group = n_heads // n_kv_heads
-    name = describe(dtype, head_dim, block_size, kernels.group_size_for(group) or group)
+    name = describe(dtype, head_dim, block_size, kernels.group_size_for(group) or group, kv_bits, kv_group_size)
     try:
-        case = _case(dtype, head_dim, block_size, n_heads, n_kv_heads)
-        for what, partition, windowed in _CALLS:
-            window, sinks = (_WINDOW, case["sinks"]) if windowed else (None, None)
-            got = kernels.paged_decode(case["queries"], case["k_pool"], case["v_pool"], case["block_tables"],
-                                       list(_CONTEXT), case["scale"], partition=partition, window=window,
-                                       sinks=sinks, run=run)
-            got = np.array(got.astype(mx.float32), np.float64)[:, :, 0]  # waits for the GPU
-            problem = _compare(got, case, window, sinks, dtype)
-            if problem:
-                return KernelCheck(name, False, f"{what}: {problem}")
+        case = _case(dtype, head_dim, block_size, n_heads, n_kv_heads, kv_bits, kv_group_size)
+        for n_queries in query_counts(group):
+            for what, partition, windowed in _CALLS:
+                problem = _check_call(case, n_queries, partition, windowed, dtype, run)
+                if problem:
+                    queries = f"{n_queries} queries per row, " if n_queries > 1 else ""
+                    return KernelCheck(name, False, f"{queries}{what}: {problem}")
     except Exception as e:  # a compile or run failure: the reason goes to the warning
         return KernelCheck(name, False, failure(e))
     return KernelCheck(name, True)
+
+
+def _check_call(case: dict, n_queries: int, partition: int, windowed: bool, dtype, run) -> str:
+    """Why one call of the kernels is off the oracle, or ""."""
+    multi = n_queries > 1
+    window, sinks = ((_MULTI_WINDOW if multi else _WINDOW), case["sinks"]) if windowed else (None, None)
+    contexts = [*_MULTI_CONTEXT, n_queries] if multi else list(_CONTEXT)
+    queries = case["queries"][:, :, :n_queries]
+    got = kernels.paged_decode(queries, case["k_pool"], case["v_pool"], case["block_tables"], contexts,
+                               case["scale"], partition=partition, window=window, sinks=sinks, run=run)
+    got = np.array(got.astype(mx.float32), np.float64)  # waits for the GPU
+    want, slack = oracle.attention(queries, case["k_pool"], case["v_pool"], case["tables"], contexts,
+                                   case["scale"], window, sinks)
+    return _compare(got, want, slack, dtype)
 
 
 def failure(e: Exception) -> str:
@@ -90,18 +119,17 @@ def failure(e: Exception) -> str:
     return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}".rstrip(": ")
 
 
-def _compare(got: np.ndarray, case: dict, window, sinks, dtype) -> str:
-    """Why `got` [B, Hq, D] is not the oracle's answer within tolerance, or ""."""
-    starts = kernels.window_starts(_CONTEXT, window)
-    want, slack = oracle(case["queries"], case["k_pool"], case["v_pool"], case["tables"], _CONTEXT,
-                         case["scale"], starts, sinks)
+def _compare(got: np.ndarray, want: np.ndarray, slack: np.ndarray, dtype) -> str:
+    """Why `got` [B, Hq, L, D] is not the oracle's answer `want` within tolerance, or ""."""
     allowed = tolerance(want, slack, dtype)
     excess = np.abs(got - want) - allowed
     if np.all(excess <= 0):  # NaN fails too
         return ""
-    b, h, d = np.unravel_index(np.nanargmax(np.where(np.isnan(excess), np.inf, excess)), excess.shape)
-    return (f"differs from the float64 oracle by {abs(got[b, h, d] - want[b, h, d]):.3g} "
-            f"(tolerance {allowed[b, h, d]:.3g}) at row {b}, head {h}")
+    at = np.unravel_index(np.nanargmax(np.where(np.isnan(excess), np.inf, excess)), excess.shape)
+    b, h, j = at[:3]
+    query = f", query {j}" if got.shape[2] > 1 else ""
+    return (f"differs from the float64 oracle by {abs(got[at] - want[at]):.3g} "
+            f"(tolerance {allowed[at]:.3g}) at row {b}, head {h}{query}")
 
 
 def tolerance(want: np.ndarray, slack: np.ndarray, dtype) -> np.ndarray:
@@ -110,39 +138,12 @@ def tolerance(want: np.ndarray, slack: np.ndarray, dtype) -> np.ndarray:
     return 2 * UNIT_ROUNDOFF[dtype] * np.abs(want) + _FP32 * slack[..., None]
 
 
-def oracle(queries, k_pool, v_pool, tables, context_lens, scale: float, starts, sinks=None):
-    """Decode attention in float64 from the (rounded) inputs: the outputs [B, Hq, D] and
-    each row's accumulation slack [B, Hq] (in units of the fp32 roundoff).
-
-    Row b sees tokens starts[b] .. context_lens[b] - 1 of its table's blocks; a sink is
-    one more logit per head, with no value. The slack bounds fp32 accumulation: 4 per
-    token of the row and 4 per head-dim term of its largest |score|, times max |V|.
-    """
-    q, k, v = (np.array(x.astype(mx.float32), np.float64) for x in (queries, k_pool, v_pool))
-    q = q.reshape(q.shape[0], q.shape[1], -1)
-    sink = None if sinks is None else np.array(sinks.astype(mx.float32), np.float64)
-    B, H, D = q.shape
-    n_kv = k.shape[1]
-    out, slack = np.zeros((B, H, D)), np.zeros((B, H))
-    for b, (table, n, lo) in enumerate(zip(tables, context_lens, starts)):
-        keys = k[table].transpose(1, 0, 2, 3).reshape(n_kv, -1, D)[:, lo:n]
-        values = v[table].transpose(1, 0, 2, 3).reshape(n_kv, -1, D)[:, lo:n]
-        for h in range(H):
-            kv = h // (H // n_kv)
-            terms = keys[kv] * (q[b, h] * scale)
-            s = terms.sum(-1)
-            top = s.max() if sink is None else max(s.max(), sink[h])
-            p = np.exp(s - top)
-            total = p.sum() + (0.0 if sink is None else np.exp(sink[h] - top))
-            out[b, h] = p @ values[kv] / total
-            slack[b, h] = np.abs(values[kv]).max() * 4 * (len(s) + D * np.abs(terms).sum(-1).max())
-    return out, slack
-
-
-def _case(dtype, head_dim: int, block_size: int, n_heads: int, n_kv_heads: int) -> dict:
-    """Rows over shuffled blocks, random queries, K, V and sinks, from numpy (no GPU work)."""
+def _case(dtype, head_dim: int, block_size: int, n_heads: int, n_kv_heads: int, kv_bits: int | None = None,
+          kv_group_size: int | None = None) -> dict:
+    """Rows over shuffled blocks, random queries, K, V and sinks, from numpy (no GPU work but
+    a quantized pool's `mx.quantize`)."""
     rng = np.random.default_rng(1)
-    needs = [-(-n // block_size) for n in _CONTEXT]
+    needs = [-(-max(n, kernels.MAX_QUERIES) // block_size) for n in _CONTEXT]  # hold the multi contexts too
     n_blocks = sum(needs) + 1
     order = [int(i) for i in rng.permutation(n_blocks)]
     tables, at = [], 0
@@ -154,11 +155,14 @@ def _case(dtype, head_dim: int, block_size: int, n_heads: int, n_kv_heads: int) 
     def normal(*shape):
         return mx.array(rng.standard_normal(shape).astype(np.float32)).astype(dtype)
 
-    shape = (n_blocks, n_kv_heads, block_size, head_dim)
+    def pool():
+        pages = normal(n_blocks, n_kv_heads, block_size, head_dim)
+        return tuple(mx.quantize(pages, group_size=kv_group_size, bits=kv_bits)) if kv_bits else pages
+
     return {
-        "queries": normal(len(_CONTEXT), n_heads, 1, head_dim),
-        "k_pool": normal(*shape),
-        "v_pool": normal(*shape),
+        "queries": normal(len(_CONTEXT), n_heads, kernels.MAX_QUERIES, head_dim),
+        "k_pool": pool(),
+        "v_pool": pool(),
         "sinks": normal(n_heads) * 2,  # the scores' own size: they weigh in without swamping them
         "tables": tables,
         "block_tables": mx.array([t + [t[0]] * (width - len(t)) for t in tables], dtype=mx.int32),

@@ -3,17 +3,21 @@
 No Mac has timed the kernels for us, and where they lose to the reference
 path (SDPA, as mlx-lm runs it) a Mac user would decode slower than with
 mlx-lm. So on Metal, once the kernels passed their self-check, `auto` times
-one decode step's attention on the model's own shape both ways, in buckets
-of batch (1, 8) and context (512, 4k, 16k), about GATE_BUDGET_S in all:
+one step's attention on the model's own shape both ways, in buckets of
+query tokens per row (1: decode; 4: a speculative verify step, which runs
+another kernel), batch (1, 8) and context (512, 4k, 16k), about
+GATE_BUDGET_S in all:
 
 - kernel: the paged kernels, straight from the pool;
 - reference: what the engine runs instead. At batch 1 that is SDPA over a
   contiguous copy (the engine's mirror, mlx-lm's own cache); at larger
-  batches the gather of the rows' blocks, then SDPA with a length mask.
+  batches the gather of the rows' blocks, then SDPA with a length mask
+  (and, for several queries, the causal rule among them).
 
-A step then goes to the bucket nearest its batch and longest context (on a
-log scale) and takes the faster path there. The timer is a parameter:
-`alternate` measures, tests pass canned timings.
+A step then goes to the bucket of its kind (one query, or several: the
+nearest query count on a log scale), nearest its batch and longest context
+(on a log scale), and takes the faster path there. The timer is a
+parameter: `alternate` measures, tests pass canned timings.
 """
 
 from __future__ import annotations
@@ -31,9 +35,10 @@ from mlxkv.attention import kernels
 from mlxkv.attention.paged_cache import PagedBatch, PagedKVCache
 from mlxkv.cache.kv_pool import KVLayout, KVPool
 
+GATE_QUERIES = (1, 4)  # decode; a verify step of 3 proposals, adaptive k's middle
 GATE_BATCHES = (1, 8)
 GATE_CONTEXTS = (512, 4096, 16384)
-GATE_BUDGET_S = 0.3  # all buckets, both paths
+GATE_BUDGET_S = 0.4  # all buckets, both paths
 ROUNDS = 3
 
 
@@ -50,12 +55,13 @@ class AttentionShape:
 
 @dataclass(frozen=True)
 class Bucket:
-    """One (batch, context) bucket: milliseconds per step each way, and the path it takes."""
+    """One (batch, context, queries) bucket: milliseconds per step each way, and the path it takes."""
 
     batch: int
     context: int
     kernel_ms: float
     reference_ms: float
+    queries: int = 1  # new tokens per row
 
     @property
     def path(self) -> str:
@@ -69,11 +75,16 @@ class Bucket:
 class SpeedGate:
     buckets: tuple[Bucket, ...]
 
-    def path_for(self, batch: int, context: int) -> str:
-        """The path of the bucket nearest (log scale) to `batch` rows, the longest of `context` tokens."""
+    def path_for(self, batch: int, context: int, queries: int = 1) -> str:
+        """The path of the bucket nearest (log scale) to `batch` rows of `queries` new tokens, the
+        longest of `context` tokens. One query and several run different kernels: a step of
+        several goes to the nearest bucket of several, if the gate timed any."""
+        counts = {x.queries for x in self.buckets}
+        kind = {n for n in counts if (n > 1) == (queries > 1)} or counts
+        q = _nearest(kind, queries)
         b = _nearest({x.batch for x in self.buckets}, batch)
         c = _nearest({x.context for x in self.buckets}, context)
-        return next(x.path for x in self.buckets if (x.batch, x.context) == (b, c))
+        return next(x.path for x in self.buckets if (x.batch, x.context, x.queries) == (b, c, q))
 
     def as_list(self) -> list[dict]:
         return [b.as_dict() for b in self.buckets]
@@ -92,26 +103,29 @@ class Trial:
     context: int
     step: Callable[[], mx.array]
     inputs: tuple[mx.array, ...] = ()
+    queries: int = 1
 
 
 def measure(shape: AttentionShape, run=None, timer=None, batches=GATE_BATCHES, contexts=GATE_CONTEXTS,
-            budget_s: float = GATE_BUDGET_S) -> SpeedGate:
+            budget_s: float = GATE_BUDGET_S, queries=GATE_QUERIES) -> SpeedGate:
     """Time both paths in every bucket. `run`: what runs a kernel launch (the GPU);
     `timer(kernel, reference, budget_s)`: seconds per step of each Trial, `budget_s` spent
     on each (`time_trials`)."""
     timer = timer or time_trials
-    per_trial = budget_s / (2 * len(batches) * len(contexts))
+    per_trial = budget_s / (2 * len(queries) * len(batches) * len(contexts))
     rng = np.random.default_rng(0)
     buckets = []
-    for batch in batches:
-        for context in contexts:
-            case = DecodeCase(shape, context, batch, rng, distinct=False)
-            reference = Trial("reference", batch, context, case.contiguous if batch == 1 else case.paged("reference"),
-                              case.inputs(contiguous=batch == 1))
-            kernel = Trial("kernel", batch, context, case.paged("kernel", run), case.inputs())
-            kernel_s, reference_s = timer(kernel, reference, per_trial)
-            buckets.append(Bucket(batch, context, kernel_s * 1e3, reference_s * 1e3))
-            del case, kernel, reference  # one bucket's arrays at a time
+    for n_queries in queries:
+        for batch in batches:
+            for context in contexts:
+                case = DecodeCase(shape, context, batch, rng, distinct=False, queries=n_queries)
+                reference = Trial("reference", batch, context,
+                                  case.contiguous if batch == 1 else case.paged("reference"),
+                                  case.inputs(contiguous=batch == 1), n_queries)
+                kernel = Trial("kernel", batch, context, case.paged("kernel", run), case.inputs(), n_queries)
+                kernel_s, reference_s = timer(kernel, reference, per_trial)
+                buckets.append(Bucket(batch, context, kernel_s * 1e3, reference_s * 1e3, n_queries))
+                del case, kernel, reference  # one bucket's arrays at a time
     return SpeedGate(tuple(buckets))
 
 
@@ -143,11 +157,12 @@ def _per_call(fn, budget_s: float, clock) -> float:
 
 
 class DecodeCase:
-    """One decode step's attention of one layer: `batch` rows of `context` tokens in a pool,
-    through shuffled block tables (`distinct=False`: every row reads the same blocks, in its
-    own order, so the pool holds one row's worth)."""
+    """One step's attention of one layer: `batch` rows of `context` tokens in a pool, the last
+    `queries` of each new, through shuffled block tables (`distinct=False`: every row reads
+    the same blocks, in its own order, so the pool holds one row's worth)."""
 
-    def __init__(self, shape: AttentionShape, context: int, batch: int, rng, distinct: bool = True):
+    def __init__(self, shape: AttentionShape, context: int, batch: int, rng, distinct: bool = True,
+                 queries: int = 1):
         per_row = -(-context // shape.block_size)
         n_blocks = per_row * (batch if distinct else 1)
         layout = KVLayout(1, shape.n_kv_heads, shape.head_dim, shape.head_dim, shape.block_size, shape.dtype)
@@ -158,8 +173,9 @@ class DecodeCase:
         order = rng.permutation(n_blocks) if distinct else None
         tables = [[int(x) for x in (order[i * per_row:(i + 1) * per_row] if distinct else rng.permutation(per_row))]
                   for i in range(batch)]
-        self.paged_batch = PagedBatch.build(tables, [context - 1] * batch, 1, shape.block_size, "reference")
-        self.queries = mx.random.normal((batch, shape.n_heads, 1, shape.head_dim)).astype(shape.dtype)
+        self.paged_batch = PagedBatch.build(tables, [context - queries] * batch, queries, shape.block_size,
+                                            "reference")
+        self.queries = mx.random.normal((batch, shape.n_heads, queries, shape.head_dim)).astype(shape.dtype)
         self.scale = shape.head_dim ** -0.5
         self.context, self.batch = context, batch
         gathered = self.pool.gather(0, self.paged_batch.block_tables)
@@ -179,7 +195,7 @@ class DecodeCase:
             return lambda: kernels.paged_decode(self.queries, self.pool.keys[0], self.pool.values[0], tables,
                                                 [self.context] * self.batch, self.scale, run=run)
         cache = PagedKVCache(self.pool, 0, self.paged_batch)
-        mask = cache.make_mask(1)
+        mask = cache.make_mask(self.queries.shape[2])
         length = self.context if self.batch == 1 else None
 
         def reference():
@@ -190,5 +206,7 @@ class DecodeCase:
 
     def contiguous(self) -> mx.array:
         """SDPA over the same K/V laid out contiguously, as mlx-lm's cache (and the engine's
-        mirror of a lone sequence) holds them."""
-        return mx.fast.scaled_dot_product_attention(self.queries, self.keys, self.values, scale=self.scale)
+        mirror of a lone sequence) holds them; several queries under the causal rule."""
+        mask = "causal" if self.queries.shape[2] > 1 else None
+        return mx.fast.scaled_dot_product_attention(self.queries, self.keys, self.values, scale=self.scale,
+                                                    mask=mask)

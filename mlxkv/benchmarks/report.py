@@ -5,7 +5,8 @@ user running this: paged kernel decode against SDPA (1k/4k/16k context,
 batch 1 and 8), the SSD tier's read against a raw read, warm/cold TTFT,
 decode and peak memory against mlx-lm, with the machine described (chip,
 memory, OS, MLX and mlx-lm versions, the attention path, its self-check
-and the speed gate's timings and choice per (batch, context) bucket). It
+and the speed gate's timings and choice per (queries, batch, context)
+bucket). It
 writes FILE.json and FILE.md. On Linux the same suites run on the CPU path.
 """
 
@@ -151,8 +152,9 @@ def _kernel_lines(report: dict) -> list[str]:
     lines += ["", "## Speed gate (attention=auto)", ""]
     if not gate:
         return lines + [f"Not run: {report['machine']['attention']['why']}."]
-    lines += ["| batch | context | kernels ms | reference ms | kernels / reference | decodes on |", "|---|---|---|---|---|---|"]
+    lines += ["| queries | batch | context | kernels ms | reference ms | kernels / reference | decodes on |",
+              "|---|---|---|---|---|---|---|"]
     for b in gate:
-        lines.append(f"| {b['batch']} | {b['context']} | {b['kernel_ms']:.3f} | {b['reference_ms']:.3f} "
+        lines.append(f"| {b['queries']} | {b['batch']} | {b['context']} | {b['kernel_ms']:.3f} | {b['reference_ms']:.3f} "
                      f"| {b['kernel_ms'] / b['reference_ms']:.3f}x | {b['path']} |")
     return lines

@@ -1,8 +1,9 @@
-"""How the decode kernel reads the KV pools: the load trace, its metric, and the goals.
+"""How the decode kernels read the KV pools: the load trace, its metric, and the goals.
 
 The metric is checked on hand-made traces whose answer is known, then on
-the shipped kernel through the harness (it meets the goals), then on
-planted bugs that read uncoalesced or read twice (they miss them).
+the shipped kernels through the harness (one query per row and several,
+full-precision and quantized pools: they meet the goals), then on planted
+bugs that read uncoalesced or read twice (they miss them).
 """
 
 from __future__ import annotations
@@ -15,10 +16,11 @@ import numpy as np
 import pytest
 
 from mlxkv.attention import kernels
-from mlxkv.benchmarks.kernel_efficiency import BYTES_GOAL, COALESCING_GOAL, format_rows, run_efficiency
+from mlxkv.benchmarks.kernel_efficiency import BYTES_GOAL, COALESCING_GOAL, format_rows, goal_met, run_efficiency
 from mlxkv.cli import main
 from msl.efficiency import efficiency, instantiation_rows
 from msl.harness import SKIP_REASON, TRACE_RECORD, clang_available, shared_harness
+from msl.paged import Instantiation
 
 SMALL = (150, 41)  # contexts: several tokens per simdgroup, partial blocks, a second of a trace run
 
@@ -84,40 +86,72 @@ def test_no_traced_load_is_an_error():
 # ---- the shipped kernel and planted bugs ------------------------------------------------------
 
 
-def goals_met(rows) -> bool:
-    return all(r["coalescing"] >= COALESCING_GOAL and r["bytes_ratio"] <= BYTES_GOAL for r in rows)
-
-
 @needs_clang
-@pytest.mark.parametrize(("dtype", "head_dim", "group", "block_size"), [
-    (mx.float16, 128, 4, 16),
-    pytest.param(mx.bfloat16, 64, 8, 32, marks=pytest.mark.slow),
-    pytest.param(mx.float32, 256, 1, 16, marks=pytest.mark.slow),
-], ids=["float16-d128", "bfloat16-d64", "float32-d256"])
-def test_the_decode_kernel_meets_the_goals(dtype, head_dim, group, block_size):
-    rows = instantiation_rows(shared_harness(), dtype, head_dim, group, block_size, contexts=SMALL)
+@pytest.mark.parametrize("inst", [
+    Instantiation(mx.float16, 128, 4, 16),
+    pytest.param(Instantiation(mx.bfloat16, 64, 8, 32), marks=pytest.mark.slow),
+    pytest.param(Instantiation(mx.float32, 256, 1, 16), marks=pytest.mark.slow),
+    Instantiation(mx.float16, 128, 2, 16, multi=True),
+    pytest.param(Instantiation(mx.bfloat16, 64, 8, 32, multi=True), marks=pytest.mark.slow),
+    pytest.param(Instantiation(mx.float32, 256, 1, 16, multi=True), marks=pytest.mark.slow),
+    Instantiation(mx.float16, 128, 4, 16, bits=4),
+    pytest.param(Instantiation(mx.bfloat16, 256, 2, 32, bits=8), marks=pytest.mark.slow),
+    Instantiation(mx.float16, 128, 2, 16, multi=True, bits=4),
+    pytest.param(Instantiation(mx.bfloat16, 64, 4, 32, multi=True, bits=8), marks=pytest.mark.slow),
+], ids=lambda inst: inst.id)
+def test_the_decode_kernels_meet_the_goals(inst):
+    rows = instantiation_rows(shared_harness(), inst, contexts=SMALL)
     assert [r["pass"] for r in rows] == ["k", "v"]
-    assert goals_met(rows), rows
+    assert all(goal_met(r) for r in rows), rows
 
 
-def planted(old: str, new: str):
-    body = kernels.kernel_source("paged_decode")
-    assert body.count(old) == 1, old
-    return kernels.make_kernel("paged_decode", body=body.replace(old, new))
+def test_a_quantized_pass_reads_its_scales_and_biases_once():
+    # Every packed word, scale and bias of the visible rows, once: the minimum counts all three.
+    rows = instantiation_rows(shared_harness(), Instantiation(mx.float16, 64, 2, 16, bits=8), contexts=SMALL)
+    assert all(r["bytes_ratio"] == 1.0 and r["bytes_minimum"] == sum(SMALL) * 2 * (64 + 4) for r in rows), rows
+
+
+def planted(old: str, new: str, name: str = "paged_decode", quantized: bool = False):
+    """A decode kernel with one line of its body, or of the shared header, changed."""
+    body, header = kernels.kernel_source(name), kernels.kernel_source("common")
+    if body.count(old) == 1:
+        return kernels.make_kernel(name, body=body.replace(old, new), quantized=quantized)
+    assert header.count(old) == 1, old
+    return kernels.make_kernel(name, header=header.replace(old, new), quantized=quantized)
+
+
+FULL_MULTI = Instantiation(mx.float16, 128, 2, 16, multi=True)
+QUANTIZED = Instantiation(mx.float16, 128, 4, 16, bits=4)
+QUANTIZED_MULTI = Instantiation(mx.float16, 128, 2, 16, multi=True, bits=4)
 
 
 @needs_clang
 @pytest.mark.slow
-@pytest.mark.parametrize(("old", "new", "what"), [
+@pytest.mark.parametrize(("inst", "old", "new", "what"), [
     # Each lane reads from a different row of the block: one segment per lane.
-    ("size_t(t % BS) * D;", "size_t((t + lane) % BS) * D;", "coalescing"),
+    (Instantiation(mx.float16, 128, 4, 16), "BS + t % BS;", "BS + (t + lane) % BS;", "coalescing"),
+    (QUANTIZED, "BS + t % BS;", "BS + (t + lane) % BS;", "coalescing"),
     # Every simdgroup reads every token: each row NSG times.
-    ("t < last; t += NSG)", "t < last; t += 1)", "bytes_ratio"),
-], ids=["lanes-on-different-rows", "every-simdgroup-every-token"])
-def test_planted_inefficiencies_miss_the_goals(old, new, what):
-    rows = instantiation_rows(shared_harness(), mx.float16, 128, 4, 16, contexts=SMALL,
-                              decode_kernel=planted(old, new))
-    worst = min(r["coalescing"] for r in rows) if what == "coalescing" else max(r["bytes_ratio"] for r in rows)
+    (Instantiation(mx.float16, 128, 4, 16), "t < last; t += NSG)", "t < last; t += 1)", "bytes_ratio"),
+    (QUANTIZED, "t < last; t += NSG)", "t < last; t += 1)", "bytes_ratio"),
+    # The tile copied every other chunk first: each load uses half of every segment it touches.
+    (FULL_MULTI, "const int x = (is_v ? c - chunks : c) * CHUNK;",
+     "const int cc = 2 * (is_v ? c - chunks : c);\n      const int x = (cc % chunks + cc / chunks) * CHUNK;",
+     "coalescing"),
+    # A chunk's packed words read last first: four loads of a word from each chunk.
+    (QUANTIZED_MULTI, "w[i] = src[i];", "w[3 - i] = src[3 - i];", "coalescing"),
+    # Every simdgroup copies the whole tile.
+    (FULL_MULTI, "c < 2 * chunks; c += THREADS)", "c < 2 * chunks; c += 32)", "bytes_ratio"),
+    (QUANTIZED_MULTI, "c < 2 * chunks; c += THREADS)", "c < 2 * chunks; c += 32)", "bytes_ratio"),
+], ids=["lanes-on-different-rows", "quantized-lanes-on-different-rows", "every-simdgroup-every-token",
+        "quantized-every-simdgroup-every-token", "multi-every-other-chunk", "quantized-multi-words-reversed",
+        "multi-copied-8-times", "quantized-multi-copied-8-times"])
+def test_planted_inefficiencies_miss_the_goals(inst, old, new, what):
+    name = "paged_decode_multi" if inst.multi else "paged_decode"
+    rows = instantiation_rows(shared_harness(), inst, contexts=SMALL,
+                              decode_kernel=planted(old, new, name, quantized=inst.bits is not None))
+    field = "packed_coalescing" if inst.bits else "coalescing"
+    worst = min(r[field] for r in rows) if what == "coalescing" else max(r["bytes_ratio"] for r in rows)
     assert (worst < COALESCING_GOAL) if what == "coalescing" else (worst > BYTES_GOAL)
 
 
@@ -126,14 +160,15 @@ def test_planted_inefficiencies_miss_the_goals(old, new, what):
 
 @needs_clang
 def test_the_bench_reports_a_row_per_instantiation_and_pass(monkeypatch, capsys):
-    chosen = [(mx.float16, 64, 2, 16), (mx.float16, 80, 1, 32)]
+    chosen = [Instantiation(mx.float16, 64, 2, 16), Instantiation(mx.float16, 80, 1, 32),
+              Instantiation(mx.float16, 64, 1, 16, multi=True, bits=8)]
     rows = run_efficiency(chosen, contexts=SMALL)
     assert [(r["instantiation"], r["pass"]) for r in rows] == [
         ("float16-d64-g2-b16", "k"), ("float16-d64-g2-b16", "v"), ("float16-d80-g1-b32", "k"),
-        ("float16-d80-g1-b32", "v")]
-    assert [r["met"] for r in rows] == [True, True, None, None]  # no goal at head dim 80
-    assert "met by all 2 rows" in format_rows(rows)
-    assert "NOT met by 1 of 2 rows" in format_rows([{**rows[0], "met": False}, rows[1]])
+        ("float16-d80-g1-b32", "v"), ("float16-d64-r1-b16-multi-q8", "k"), ("float16-d64-r1-b16-multi-q8", "v")]
+    assert [r["met"] for r in rows] == [True, True, None, None, True, True]  # no goal at head dim 80
+    assert "met by all 4 rows" in format_rows(rows)
+    assert "NOT met by 1 of 4 rows" in format_rows([{**rows[0], "met": False}, *rows[1:]])
 
     from mlxkv.benchmarks import kernel_efficiency
 

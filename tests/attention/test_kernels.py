@@ -1,8 +1,10 @@
 """The Metal paged-attention kernels against the reference path and a numpy oracle.
 
-Every kernel instantiation the engine can dispatch runs here: on the GPU
-where Metal is available, else through the MSL harness (tests/msl), which
-compiles the exact source MLX generates and executes it on the CPU.
+Every kernel instantiation the engine can dispatch runs here (one query
+per row and several, full-precision and quantized pools; their own rules
+are tested in test_kernels_multi.py and test_kernels_quantized.py): on the
+GPU where Metal is available, else through the MSL harness (tests/msl),
+which compiles the exact source MLX generates and executes it on the CPU.
 """
 
 from __future__ import annotations
@@ -19,74 +21,48 @@ from mlxkv.attention import dispatch as attention, kernels
 from mlxkv.errors import MlxkvError
 from mlxkv.cache.kv_pool import KVLayout, KVPool
 from mlxkv.attention.paged_cache import PagedBatch, PagedKVCache
-from msl.harness import SKIP_REASON, clang_available, generated_source, shared_harness
-from msl.paged import (assert_close, decode_instantiations, instantiation_id, instantiation_launches, make_case,
-                       oracle, reference)
+from msl.harness import generated_source
+from msl.paged import (Instantiation, assert_close, check_case, decode_instantiations, launch_of, make_case, oracle,
+                       run_kernels as kernel_attention)
 
 INSTANTIATIONS = decode_instantiations()
-# Each dtype, head dim, group size and block size at least once, in the fast
-# run; every combination in the full one.
-SAMPLE = {(mx.float16, 128, 4, 16), (mx.bfloat16, 64, 8, 32), (mx.float32, 80, 1, 16), (mx.float16, 96, 2, 32),
-          (mx.bfloat16, 256, 1, 16)}
-
-
-@pytest.fixture(scope="module")
-def device():
-    """None on Metal (kernels run on the GPU), else the harness."""
-    if mx.metal.is_available():
-        return None
-    if not clang_available():
-        pytest.skip(SKIP_REASON)
-    return shared_harness()
-
-
-@pytest.fixture(scope="module")
-def all_built(device):
-    """Every instantiation compiled up front, on all cores (the full run needs them all)."""
-    if device is not None:
-        launches = instantiation_launches().values()
-        device.build_many([(device.translation_unit(launch), None) for launch in launches])
-
-
-@pytest.fixture
-def on_device(device, monkeypatch):
-    if device is not None:
-        monkeypatch.setattr(kernels, "run_launch", device.run)
-
-
-def kernel_attention(case, partition=None):
-    return kernels.paged_decode(case.queries, case.k_pool, case.v_pool, case.block_tables,
-                                case.context_lens, case.scale, partition=partition, window=case.window,
-                                sinks=case.sinks)
-
-
-def check(case, partition=None):
-    out = kernel_attention(case, partition)
-    what = (f"{case.dtype} D={case.queries.shape[-1]} lens={case.context_lens} part={partition} "
-            f"window={case.window} sinks={case.sinks is not None}")
-    assert_close(out, oracle(case), case.dtype, f"kernel vs oracle, {what}")
-    assert_close(out, reference(case), case.dtype, f"kernel vs reference path, {what}")
-    return out
+# Each dtype, head dim, group size (or rows per simdgroup), block size and
+# pool format at least once per kind, in the fast run; every combination in
+# the full one.
+SAMPLE = {
+    Instantiation(mx.float16, 128, 4, 16), Instantiation(mx.bfloat16, 64, 8, 32), Instantiation(mx.float32, 80, 1, 16),
+    Instantiation(mx.float16, 96, 2, 32), Instantiation(mx.bfloat16, 256, 1, 16),
+    Instantiation(mx.float16, 128, 2, 16, True), Instantiation(mx.bfloat16, 80, 8, 32, True),
+    Instantiation(mx.float32, 64, 1, 16, True), Instantiation(mx.float16, 256, 4, 32, True),
+    Instantiation(mx.float16, 128, 4, 16, bits=4), Instantiation(mx.bfloat16, 96, 1, 32, bits=8),
+    Instantiation(mx.float32, 256, 2, 16, bits=4), Instantiation(mx.float16, 64, 8, 32, bits=8),
+    Instantiation(mx.float16, 128, 2, 16, True, 8), Instantiation(mx.bfloat16, 96, 4, 32, True, 4),
+    Instantiation(mx.float32, 64, 8, 16, True, 4), Instantiation(mx.float16, 256, 1, 32, True, 8),
+}
 
 
 # ---- through the kernels ----------------------------------------------------------
 
 
-@pytest.mark.parametrize("dtype,head_dim,group,block_size", [
-    pytest.param(*i, id=instantiation_id(*i), marks=() if i in SAMPLE else pytest.mark.slow) for i in INSTANTIATIONS])
-def test_every_instantiation(request, on_device, dtype, head_dim, group, block_size):
-    if (dtype, head_dim, group, block_size) not in SAMPLE:
+@pytest.mark.parametrize("inst", [
+    pytest.param(i, id=i.id, marks=() if i in SAMPLE else pytest.mark.slow) for i in INSTANTIATIONS])
+def test_every_instantiation(request, on_device, inst):
+    if inst not in SAMPLE:
         request.getfixturevalue("all_built")
+    bs, queries = inst.block_size, inst.shape[1]
+    # The kinds added later on one kv head, fewer partitions and (outside the sample) only the
+    # second case: the harness runs a threadgroup at a time, and they are 500 of 620.
+    plain = not (inst.multi or inst.bits)
+    n_kv_heads, partition = (2, 16) if plain else (1, 32)
     # A partial last block and exactly one block, in one batch.
-    case = make_case(dtype, head_dim, group, n_kv_heads=2, block_size=block_size,
-                     context_lens=(block_size + 5, block_size), seed=head_dim + group)
-    check(case, partition=0)
+    if plain or inst in SAMPLE:
+        case = inst.case(n_kv_heads=n_kv_heads, context_lens=(bs + 5, bs), seed=inst.head_dim + inst.rows)
+        check_case(case, partition=0)
     # The same instantiation with sinks and a window that starts mid-block,
-    # partitioned (gpt-oss's sliding layers).
-    case = make_case(dtype, head_dim, group, n_kv_heads=2, block_size=block_size,
-                     context_lens=(3 * block_size + 7, 9), seed=head_dim + group + 1,
-                     window=block_size + 3, sinks=True)
-    check(case, partition=16)
+    # partitioned (gpt-oss's sliding layers); a row whose whole context is new.
+    case = inst.case(n_kv_heads=n_kv_heads, context_lens=(3 * bs + 7, max(9, queries), queries),
+                     seed=inst.head_dim + inst.rows + 1, window=bs + 3, sinks=True)
+    check_case(case, partition=partition)
 
 
 @pytest.mark.parametrize("sinks", [False, True], ids=["no-sinks", "sinks"])
@@ -98,7 +74,7 @@ def test_sliding_windows_and_sinks(on_device, window, sinks, partition):
     # rows shorter and longer than the window in one batch.
     case = make_case(mx.float16, 64, 2, n_kv_heads=2, block_size=16,
                      context_lens=(1, 7, 16, 35, 330), seed=window, window=window, sinks=sinks)
-    check(case, partition=partition)
+    check_case(case, partition=partition)
 
 
 def test_sinks_weigh_in():
@@ -118,7 +94,7 @@ def test_context_lengths(on_device, block_size, context):
     n = {"tile": tile, "tile+1": tile + 1, "block": block_size, "block+5": block_size + 5}.get(context, context)
     case = make_case(mx.float16, 128, 4, n_kv_heads=1, block_size=block_size,
                      context_lens=(n,), seed=n)
-    check(case, partition=0)
+    check_case(case, partition=0)
 
 
 @pytest.mark.parametrize("dtype", kernels.DTYPES, ids=str)
@@ -129,14 +105,14 @@ def test_partitions(on_device, dtype, partition, head_dim):
     # threadgroups partial.
     case = make_case(dtype, head_dim, 2, n_kv_heads=1, block_size=16,
                      context_lens=(700, 257, 1), seed=partition)
-    check(case, partition=partition)
+    check_case(case, partition=partition)
 
 
 @pytest.mark.parametrize("context", [255, 256, 257, 511, 512, 513])
 def test_partition_boundaries(on_device, context):
     case = make_case(mx.float32, 64, 1, n_kv_heads=1, block_size=32, context_lens=(context,),
                      seed=context)
-    check(case, partition=256)
+    check_case(case, partition=256)
 
 
 @pytest.mark.parametrize("group", [1, 3, 4, 6, 7, 8])
@@ -145,14 +121,14 @@ def test_gqa_factors(on_device, group):
     # small grid: the automatic choice splits into partitions.
     case = make_case(mx.float16, 64, group, n_kv_heads=2, context_lens=(40, 300), seed=group)
     assert kernels.partition_size(2, 2, 300) == 75
-    check(case)
+    check_case(case)
 
 
 @pytest.mark.parametrize("partition", [0, 256])
 def test_mixed_batch(on_device, partition):
     case = make_case(mx.bfloat16, 128, 4, n_kv_heads=2, block_size=32,
                      context_lens=(1, 16, 33, 300, 17), seed=7)
-    check(case, partition=partition)
+    check_case(case, partition=partition)
 
 
 def test_block_placement_does_not_change_the_result(on_device):
@@ -185,13 +161,17 @@ def test_paged_attention_runs_decode_on_the_kernels(on_device):
 
 
 def test_every_instantiation_the_engine_can_dispatch_is_tested():
+    formats = [()] + [(bits, group) for bits in range(1, 17) for group in (16, 32, 64, 128)]
     dispatchable = {
-        (dtype, d, kernels.group_size_for(g), bs)
+        Instantiation(dtype, d, kernels.rows_per_simdgroup(g, n) if n > 1 else kernels.group_size_for(g), bs, n > 1,
+                      fmt[0] if fmt else None)
         for dtype in (mx.float16, mx.bfloat16, mx.float32, mx.int8)
-        for d in range(1, 513)
+        for d in (*range(1, 300), 512)
         for g in range(1, 17)
-        for bs in range(1, 65)
-        if kernels.supports(dtype, d, d, bs, g)
+        for bs in (8, 16, 24, 32, 64)
+        for n in range(1, 10)
+        for fmt in formats
+        if kernels.supports(dtype, d, d, bs, g, n, *fmt)
     }
     assert dispatchable == set(INSTANTIATIONS)
 
@@ -203,6 +183,12 @@ def test_supported_shapes():
     assert not kernels.supports(mx.float16, 128, 64, 16, 1)  # V head dim differs
     assert not kernels.supports(mx.float16, 128, 128, 8, 1)  # block size
     assert [kernels.group_size_for(g) for g in range(1, 10)] == [1, 2, 4, 4, 8, 8, 8, 8, None]
+    assert kernels.supports(mx.float16, 128, 128, 16, 8, 8) and not kernels.supports(mx.float16, 128, 128, 16, 8, 9)
+    assert [kernels.rows_per_simdgroup(4, n) for n in range(2, 9)] == [1, 2, 2, 4, 4, 4, 4]
+    assert [kernels.rows_per_simdgroup(8, n) for n in range(2, 9)] == [2, 4, 4, 8, 8, 8, 8]
+    assert kernels.supports(mx.float16, 96, 96, 16, 1, 1, 4, 32) and not kernels.supports(mx.float16, 96, 96, 16, 1, 1, 4, 64)
+    assert not kernels.supports(mx.float16, 80, 80, 16, 1, 1, 8, 32)  # mx.quantize cannot group 80
+    assert not kernels.supports(mx.float16, 128, 128, 16, 1, 1, 2, 64)  # bits
 
 
 def test_partitions_fill_the_grid():
@@ -226,10 +212,7 @@ def test_signature_is_the_same_for_every_call():
     large = make_case(mx.float16, 64, 2, context_lens=(700, 3, 90, 1, 1, 1, 1, 1, 9))
     sources = []
     for case in (small, large):
-        B, H, _, D = case.queries.shape
-        launch = kernels.decode_launch(case.queries.reshape(B, H, D), case.k_pool, case.v_pool,
-                                       case.block_tables, case.context_lens, case.scale)
-        sources.append(generated_source(launch).text)
+        sources.append(generated_source(launch_of(case)).text)
     assert sources[0] == sources[1]
     assert "device int32_t* params" in sources[0] and "constant float& scale" in sources[0]
     for name in ("block_tables", "context_lens", "window_starts"):
@@ -238,7 +221,7 @@ def test_signature_is_the_same_for_every_call():
 
 
 def test_sources_ship_in_the_metal_package():
-    for name in ("common", "paged_decode", "paged_reduce"):
+    for name in ("common", "paged_decode", "paged_decode_multi", "paged_reduce"):
         assert kernels.kernel_source(name).strip()
     pyproject = (Path(__file__).parents[2] / "pyproject.toml").read_text()
     assert re.search(r'^"mlxkv.metal" = \[.*"\*\.metal".*\]$', pyproject, re.M)
@@ -251,21 +234,22 @@ def test_kernels_without_metal_fail_clearly():
         kernel_attention(case)
 
 
-def test_paged_attention_keeps_prefill_and_unsupported_shapes_on_the_reference_path(monkeypatch):
+def test_paged_attention_keeps_long_prefill_and_unsupported_shapes_on_the_reference_path(monkeypatch):
     calls = []
     monkeypatch.setattr(kernels, "paged_decode", lambda *a, **k: calls.append(a) or "kernel")
 
     def run(head_dim, new_tokens, mode="kernel"):
         n_kv = 2
         pool = KVPool(KVLayout(1, n_kv, head_dim, head_dim, 16, mx.float32), 8)
-        batch = PagedBatch.build([[0, 1], [2]], [20 - new_tokens, 9], new_tokens, 16, mode)
+        batch = PagedBatch.build([[0, 1], [2, 3]], [20 - new_tokens, 9], new_tokens, 16, mode)
         cache = PagedKVCache(pool, 0, batch)
         q = mx.zeros((2, 4, new_tokens, head_dim))
         keys, values = pool.gather(0, batch.block_tables)
         return attention.paged_attention(q, keys, values, cache, 1.0, cache.make_mask(new_tokens))
 
     assert run(64, 1) == "kernel"
-    assert isinstance(run(64, 3), mx.array)  # prefill
+    assert run(64, 3) == "kernel" and run(64, 8) == "kernel"  # a verify step (or a short prefill chunk)
+    assert isinstance(run(64, 9), mx.array)  # more queries than the kernel serves
     assert isinstance(run(32, 1), mx.array)  # head dim without a kernel
     assert isinstance(run(64, 1, "reference"), mx.array)
-    assert len(calls) == 1
+    assert len(calls) == 3

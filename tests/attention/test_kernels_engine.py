@@ -74,6 +74,8 @@ def test_a_batch_decodes_on_the_kernel_and_each_row_equals_mlx_lm(family, kernel
     for prompt, result in zip(prompts, results):
         assert result.tokens == [r.token for r in stream_generate(model, tokenizer, prompt, max_tokens=5)]
     assert max(launch.grid[2] for launch in kernel_attention) == len(prompts)
+    # The 3-token prompt prefills on the multi-query kernel (query j sees up to its own position).
+    assert any(launch.kernel is kernels.kernel("paged_decode_multi") for launch in kernel_attention)
 
 
 @pytest.mark.parametrize("family_name", ["gpt_oss", "gemma3_text"])

@@ -74,7 +74,23 @@ def wrong_single_pass(launch):
 def wrong_reduce(launch):
     """Right in one pass, off when the reduce merges the partitions."""
     outs = harness_run()(launch)
-    return outs if is_decode(launch) else [outs[0] * 1.01]
+    return outs if is_decode(launch) or is_multi(launch) else [outs[0] * 1.01]
+
+
+def is_multi(launch) -> bool:
+    return launch.kernel is kernels.kernel("paged_decode_multi")
+
+
+def wrong_multi(launch):
+    """Right for one query per row, off for several (a verify step)."""
+    outs = harness_run()(launch)
+    return [outs[0] + 0.05, outs[1]] if is_multi(launch) and outs[1].ndim == 1 else outs
+
+
+def wrong_multi_partitioned(launch):
+    """Right but for several queries per row split into partitions."""
+    outs = harness_run()(launch)
+    return [outs[0], outs[1] * 1.01] if is_multi(launch) and outs[1].ndim > 1 else outs
 
 
 class Fault:
@@ -93,12 +109,28 @@ def faulting(launch):
     return [Fault(), Fault()]
 
 
-@pytest.mark.parametrize(("dtype", "head_dim", "block_size", "heads"), [
-    (mx.float32, 64, 16, (4, 2)), (mx.float16, 128, 32, (8, 2)), (mx.bfloat16, 64, 16, (6, 1)),
-])
-def test_the_real_kernels_pass_their_check(dtype, head_dim, block_size, heads):
-    check = self_check.check_kernels(dtype, head_dim, block_size, *heads, run=harness_run())
+@pytest.mark.parametrize(("dtype", "head_dim", "block_size", "heads", "pool"), [
+    (mx.float32, 64, 16, (4, 2), ()),
+    pytest.param(mx.float16, 128, 32, (8, 2), (), marks=pytest.mark.slow),
+    pytest.param(mx.bfloat16, 64, 16, (6, 1), (), marks=pytest.mark.slow),
+    (mx.float16, 64, 16, (2, 2), (4, 32)),
+    pytest.param(mx.bfloat16, 128, 32, (8, 2), (8, 64), marks=pytest.mark.slow),
+], ids=["float32-d64", "float16-d128", "bfloat16-d64", "q4-float16-d64", "q8-bfloat16-d128"])
+def test_the_real_kernels_pass_their_check(dtype, head_dim, block_size, heads, pool, checked_once):
+    check = self_check.check_kernels(dtype, head_dim, block_size, *heads, harness_run(), *pool)
     assert check.ok, check.reason
+    assert check.instantiation.endswith(", 4-bit pool in groups of 32" if pool == (4, 32) else "")
+
+
+def test_every_multi_query_instantiation_a_model_uses_is_checked():
+    # Its fewest queries each: the most simdgroups sharing a tile.
+    assert self_check.query_counts(1) == [1, 2]
+    assert self_check.query_counts(2) == [1, 2, 5]
+    assert self_check.query_counts(4) == [1, 2, 3, 5]
+    assert self_check.query_counts(8) == [1, 2, 3, 5]
+    for group in range(1, 9):
+        used = {kernels.rows_per_simdgroup(group, n) for n in range(2, kernels.MAX_QUERIES + 1)}
+        assert {kernels.rows_per_simdgroup(group, n) for n in self_check.query_counts(group)[1:]} == used
 
 
 @pytest.mark.parametrize(("run", "says"), [
@@ -108,7 +140,9 @@ def test_the_real_kernels_pass_their_check(dtype, head_dim, block_size, heads):
     (wrong_second_tile, "single pass: differs from the float64 oracle"),
     (wrong_single_pass, "single pass: differs from the float64 oracle"),
     (wrong_reduce, "partitioned: differs from the float64 oracle"),
-], ids=["compile", "gpu-fault", "lying", "second-tile", "single-pass", "reduce"])
+    (wrong_multi, "2 queries per row, single pass: differs from the float64 oracle"),
+    (wrong_multi_partitioned, "2 queries per row, partitioned: differs from the float64 oracle"),
+], ids=["compile", "gpu-fault", "lying", "second-tile", "single-pass", "reduce", "multi", "multi-partitioned"])
 def test_a_kernel_that_fails_its_check_sends_decode_to_the_reference_path(run, says):
     with pytest.warns(KernelCheckWarning) as caught:
         choice = choose_attention("kernel", mx.float16, 64, 64, 16, 4, 2, run=run)
@@ -117,11 +151,25 @@ def test_a_kernel_that_fails_its_check_sends_decode_to_the_reference_path(run, s
     assert "float16, head dim 64, block 16, group 2" in str(caught[0].message)
 
 
-def test_a_passing_check_keeps_the_kernels():
+def test_a_passing_check_keeps_the_kernels(checked_once):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         choice = choose_attention("kernel", mx.float32, 64, 64, 16, 4, 2, run=harness_run())
     assert choice.path == "kernel" and choice.check.ok
+
+
+def test_a_quantized_pool_is_checked_in_its_format_and_auto_waits_for_a_timing():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        forced = choose_attention("kernel", mx.float16, 64, 64, 16, 2, 2, run=harness_run(), kv_bits=8,
+                                  kv_group_size=64)
+        auto = choose_attention("auto", mx.float16, 64, 64, 16, 2, 2, run=harness_run(), metal=True, kv_bits=8,
+                                kv_group_size=64, timer=lambda *a: pytest.fail("no gate for a quantized pool yet"))
+    assert forced.path == "kernel" and forced.check.instantiation.endswith("8-bit pool in groups of 64")
+    assert auto.path == "reference" and auto.check.ok
+    unsupported = choose_attention("kernel", mx.float16, 96, 96, 16, 2, 2, run=broken_compiler, kv_bits=4,
+                                   kv_group_size=64)
+    assert unsupported.path == "reference" and unsupported.check.reason == "no kernel serves this shape"
 
 
 def test_a_shape_no_kernel_serves_is_the_reference_path_without_a_warning():

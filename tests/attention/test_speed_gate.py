@@ -1,6 +1,6 @@
-"""The speed gate: under `auto` the kernels serve only the (batch, context) buckets where
-they were timed faster than the reference path, and doctor says which. The timer and the
-kernel runner are injected: a fake GPU answers canned times, the harness runs the kernels."""
+"""The speed gate: under `auto` the kernels serve only the (queries, batch, context) buckets
+where they were timed faster than the reference path, and doctor says which. The timer and
+the kernel runner are injected: a fake GPU answers canned times, the harness runs the kernels."""
 
 from __future__ import annotations
 
@@ -19,7 +19,8 @@ from msl.harness import SKIP_REASON, clang_available, shared_harness
 
 
 class FakeGPU:
-    """Canned milliseconds per step: the kernels' by (batch, context), the reference path's flat."""
+    """Canned milliseconds per step: the kernels' by (batch, context) (or (queries, batch,
+    context)), the reference path's flat."""
 
     def __init__(self, kernel_ms: dict, reference_ms: float = 1.0, run_steps: bool = False):
         self.kernel_ms, self.reference_ms, self.run_steps = kernel_ms, reference_ms, run_steps
@@ -29,8 +30,11 @@ class FakeGPU:
         assert (kernel.path, reference.path) == ("kernel", "reference")
         if self.run_steps:
             mx.eval(kernel.step(), reference.step())
+        assert kernel.queries == reference.queries
         self.timed.append((kernel.batch, kernel.context, budget_s))
-        return self.kernel_ms[kernel.batch, kernel.context] / 1e3, self.reference_ms / 1e3
+        key = (kernel.queries, kernel.batch, kernel.context)
+        ms = self.kernel_ms[key] if key in self.kernel_ms else self.kernel_ms[key[1:]]
+        return ms / 1e3, self.reference_ms / 1e3
 
 
 # Kernels faster than the reference path at batch 8, slower at batch 1 but for 16k.
@@ -46,13 +50,26 @@ def harness_run():
 def test_each_bucket_takes_the_faster_path():
     gpu = FakeGPU(TIMES)
     gate = speed_gate.measure(AttentionShape(mx.float16, 64, 16, 4, 2), timer=gpu.timer)
-    assert [(b.batch, b.context, b.path) for b in gate.buckets] == [
-        (1, 512, "reference"), (1, 4096, "reference"), (1, 16384, "kernel"),
-        (8, 512, "kernel"), (8, 4096, "kernel"), (8, 16384, "kernel")]
+    paths = [(1, 512, "reference"), (1, 4096, "reference"), (1, 16384, "kernel"),
+             (8, 512, "kernel"), (8, 4096, "kernel"), (8, 16384, "kernel")]
+    assert [(b.queries, b.batch, b.context, b.path) for b in gate.buckets] == [
+        (q, *p) for q in speed_gate.GATE_QUERIES for p in paths]
     # A few hundred milliseconds in all, split evenly over the buckets and both sides.
     assert 2 * sum(budget for *_, budget in gpu.timed) == pytest.approx(speed_gate.GATE_BUDGET_S)
     assert gate.buckets[0].as_dict() == {"batch": 1, "context": 512, "kernel_ms": 1.5, "reference_ms": 1.0,
-                                         "path": "reference"}
+                                         "queries": 1, "path": "reference"}
+
+
+def test_a_verify_step_takes_the_path_timed_with_several_queries():
+    # The multi-query kernel wins at batch 1, where the one-query kernel loses, and loses at 16k.
+    times = {**{(1, *k): v for k, v in TIMES.items()},
+             **{(4, b, c): 0.8 if c < 16384 else 1.2 for b in (1, 8) for c in (512, 4096, 16384)}}
+    gate = speed_gate.measure(AttentionShape(mx.float16, 64, 16, 4, 2), timer=FakeGPU(times).timer)
+    assert [gate.path_for(1, 512, n) for n in (1, 2, 5, 8)] == ["reference", "kernel", "kernel", "kernel"]
+    assert gate.path_for(8, 16384, 1) == "kernel" and gate.path_for(8, 16384, 6) == "reference"
+    # A gate timed on one query only (none of several) answers from those buckets.
+    single = speed_gate.measure(AttentionShape(mx.float16, 64, 16, 4, 2), timer=FakeGPU(TIMES).timer, queries=(1,))
+    assert single.path_for(1, 512, 4) == "reference" and single.path_for(8, 512, 4) == "kernel"
 
 
 def test_a_step_goes_to_the_nearest_bucket():
@@ -66,6 +83,8 @@ def test_a_step_goes_to_the_nearest_bucket():
     choice = AttentionChoice("kernel", gate=gate)
     assert (choice.path_for(1, 512), choice.path_for(8, 512)) == ("reference", "kernel")
     assert AttentionChoice("kernel").path_for(1, 512) == "kernel"  # no gate: forced
+    assert AttentionChoice("kernel").path_for(1, 512, 8) == "kernel"
+    assert AttentionChoice("kernel").path_for(8, 512, 9) == "reference"  # a prefill chunk: no kernel serves it
     assert AttentionChoice("reference", gate=gate).path_for(8, 512) == "reference"
 
 
@@ -74,10 +93,14 @@ def test_the_steps_it_times_are_the_real_ones():
     gpu = FakeGPU({(b, c): 1.0 for b in (1, 3) for c in (20, 70)}, run_steps=True)
     shape = AttentionShape(mx.float32, 64, 16, 4, 2)
     gate = speed_gate.measure(shape, run=harness_run(), timer=gpu.timer, batches=(1, 3), contexts=(20, 70))
-    assert [(b.batch, b.context) for b in gate.buckets] == [(1, 20), (1, 70), (3, 20), (3, 70)]
-    case = speed_gate.DecodeCase(shape, 70, 3, np.random.default_rng(0), distinct=False)
-    kernel, reference = case.paged("kernel", harness_run())(), case.paged("reference")()
-    assert mx.allclose(kernel, reference, atol=1e-4).item()
+    assert [(b.queries, b.batch, b.context) for b in gate.buckets] == [
+        (q, b, c) for q in speed_gate.GATE_QUERIES for b in (1, 3) for c in (20, 70)]
+    for queries in speed_gate.GATE_QUERIES:
+        case = speed_gate.DecodeCase(shape, 70, 3, np.random.default_rng(0), distinct=False, queries=queries)
+        kernel, reference = case.paged("kernel", harness_run())(), case.paged("reference")()
+        assert kernel.shape == (3, 4, queries, 64) and mx.allclose(kernel, reference, atol=1e-4).item()
+        alone = speed_gate.DecodeCase(shape, 70, 1, np.random.default_rng(0), distinct=False, queries=queries)
+        assert mx.allclose(alone.paged("kernel", harness_run())(), alone.contiguous(), atol=1e-4).item()
 
 
 def test_alternate_times_per_call_with_an_injected_clock():
@@ -96,7 +119,7 @@ def test_alternate_times_per_call_with_an_injected_clock():
     assert (a, b) == (pytest.approx(0.002), pytest.approx(0.001))
 
 
-def test_auto_uses_the_kernels_only_where_they_are_faster(monkeypatch):
+def test_auto_uses_the_kernels_only_where_they_are_faster(monkeypatch, checked_once):
     monkeypatch.delenv(ATTENTION_ENV, raising=False)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -111,7 +134,7 @@ def test_auto_uses_the_kernels_only_where_they_are_faster(monkeypatch):
     assert forced.gate is None and forced.path_for(1, 512) == "kernel"
 
 
-def test_a_gate_that_fails_sends_decode_to_the_reference_path(monkeypatch):
+def test_a_gate_that_fails_sends_decode_to_the_reference_path(monkeypatch, checked_once):
     monkeypatch.delenv(ATTENTION_ENV, raising=False)
 
     def faulting(kernel, reference, budget_s):
@@ -125,7 +148,7 @@ def test_a_gate_that_fails_sends_decode_to_the_reference_path(monkeypatch):
 
 
 @pytest.mark.slow  # the self-check of Llama-3-8B's shape, in the harness
-def test_doctor_shows_the_timings_and_the_choice(monkeypatch):
+def test_doctor_shows_the_timings_and_the_choice(monkeypatch, checked_once):
     from mlxkv.attention.doctor import attention_lines, attention_report
 
     monkeypatch.delenv(ATTENTION_ENV, raising=False)  # auto, as on a Mac
@@ -134,7 +157,9 @@ def test_doctor_shows_the_timings_and_the_choice(monkeypatch):
     assert report["path"] == "kernel" and report["check"]["ok"]
     assert [(b["batch"], b["context"], b["path"]) for b in report["gate"]][:2] == [(1, 512, "reference"),
                                                                                    (1, 4096, "reference")]
-    assert "the speed gate uses them in 4 of 6 (batch, context) buckets" in report["why"]
+    assert "the speed gate uses them in 8 of 12 (queries, batch, context) buckets" in report["why"]
     lines = attention_lines(report)
     assert ("speed gate", "batch 1, context 512: kernels 1.500 ms, reference 1.000 ms: reference") in lines
     assert ("speed gate", "batch 8, context 512: kernels 0.500 ms, reference 1.000 ms: kernel") in lines
+    assert ("speed gate", "4 queries per row, batch 8, context 512: kernels 0.500 ms, reference 1.000 ms: "
+                          "kernel") in lines

@@ -99,42 +99,53 @@ def _simdgroup_loads(access: np.ndarray) -> np.ndarray:
 
 CONTEXTS = (1000, 333)  # two rows, both ending mid-block; many tokens per simdgroup
 N_KV_HEADS = 2
-K_POOL, V_POOL = 1, 2  # decode_launch's inputs
+# decode_launch's inputs: each pass's buffers, full precision or quantized (packed, scales, biases).
+PASSES = {False: (("k", (1,)), ("v", (2,))), True: (("k", (1, 2, 3)), ("v", (4, 5, 6)))}
 
 
-def _launch(dtype, head_dim: int, group: int, block_size: int, contexts=CONTEXTS, decode_kernel=None):
-    """A decode case of this instantiation and its launch, partitioned as the engine would."""
+def _launch(inst, contexts=CONTEXTS, decode_kernel=None):
+    """A case of this instantiation and its launch, partitioned as the engine would."""
     from mlxkv.attention import kernels
-    from msl.paged import make_case
+    from msl.paged import launch_of
 
-    case = make_case(dtype, head_dim, group, n_kv_heads=N_KV_HEADS, block_size=block_size,
-                     context_lens=contexts, seed=head_dim + group)
-    B, H, _, D = case.queries.shape
-    partition = kernels.partition_size(B, N_KV_HEADS, max(contexts))
-    launch = kernels.decode_launch(case.queries.reshape(B, H, D), case.k_pool, case.v_pool,
-                                   case.block_tables, case.context_lens, case.scale, partition, decode_kernel)
-    return case, launch
+    case = inst.case(n_kv_heads=N_KV_HEADS, context_lens=contexts, seed=inst.head_dim + inst.rows)
+    partition = kernels.partition_size(len(contexts), N_KV_HEADS, max(contexts))
+    return case, launch_of(case, partition, decode_kernel)
 
 
-def build(harness, dtype, head_dim: int, group: int, block_size: int) -> None:
+def build(harness, inst) -> None:
     """Compile the traced binary of one instantiation (to do it in parallel beforehand)."""
-    _, launch = _launch(dtype, head_dim, group, block_size, contexts=(1,))
+    _, launch = _launch(inst, contexts=(8,))
     harness.build(harness.translation_unit(launch), traced=True)
 
 
-def instantiation_rows(harness, dtype, head_dim: int, group: int, block_size: int, contexts=CONTEXTS,
-                       decode_kernel=None) -> list[dict]:
-    """Rows {instantiation, head_dim, pass, coalescing, bytes_ratio, ...} for the K and V
-    passes of one decode instantiation (`decode_kernel`: a replacement kernel object)."""
-    from msl.paged import instantiation_id
+def _minimum_row_bytes(case, inst) -> int:
+    """Bytes of one K (or V) row: the least a pass reads per visible token and kv head."""
+    if not case.quantized:
+        return inst.head_dim * case.dtype.size
+    packed, scales, biases = case.k_pool
+    return packed.shape[-1] * 4 + (scales.shape[-1] + biases.shape[-1]) * scales.dtype.size
 
-    case, launch = _launch(dtype, head_dim, group, block_size, contexts, decode_kernel)
-    _, records = harness.trace(launch, (K_POOL, V_POOL))
-    minimum = sum(contexts) * N_KV_HEADS * head_dim * case.k_pool.dtype.size
+
+def instantiation_rows(harness, inst, contexts=CONTEXTS, decode_kernel=None) -> list[dict]:
+    """Rows {instantiation, head_dim, pass, coalescing, bytes_ratio, ...} for the K and V
+    passes of one decode instantiation (`decode_kernel`: a replacement kernel object).
+    A quantized pass reads three buffers: its coalescing counts them all, and
+    `packed_coalescing` the packed words alone."""
+    case, launch = _launch(inst, contexts, decode_kernel)
+    buffers = tuple(b for _, pass_buffers in PASSES[case.quantized] for b in pass_buffers)
+    _, records = harness.trace(launch, buffers)
+    # One address space per pass: each buffer's offsets moved past the others'.
+    records["offset"] += records["buffer"].astype(np.uint64) << np.uint64(36)
+    minimum = sum(contexts) * N_KV_HEADS * _minimum_row_bytes(case, inst)
     rows = []
-    for pass_, buffer in (("k", K_POOL), ("v", V_POOL)):
-        found = efficiency(records[records["buffer"] == buffer], minimum)
-        rows.append({"instantiation": instantiation_id(dtype, head_dim, group, block_size), "head_dim": head_dim,
-                     "pass": pass_, **found, "dtype": str(dtype).removeprefix("mlx.core."), "group": group,
-                     "block_size": block_size, "contexts": list(contexts)})
+    for pass_, pass_buffers in PASSES[case.quantized]:
+        found = efficiency(records[np.isin(records["buffer"], pass_buffers)], minimum)
+        if case.quantized:
+            packed = records[records["buffer"] == pass_buffers[0]]
+            found["packed_coalescing"] = efficiency(packed, minimum)["coalescing"]
+        rows.append({"instantiation": inst.id, "head_dim": inst.head_dim, "pass": pass_, **found,
+                     "dtype": str(inst.dtype).removeprefix("mlx.core."), "rows": inst.rows,
+                     "block_size": inst.block_size, "multi": inst.multi, "bits": inst.bits,
+                     "queries": inst.shape[1], "contexts": list(contexts)})
     return rows

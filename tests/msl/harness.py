@@ -57,8 +57,9 @@ _SANITIZER_FLAGS = {
 }
 # Load tracing (efficiency.py): the kernel, not the runtime, calls
 # __sanitizer_cov_load* before each load; the counters are only there
-# because clang wants some coverage kind beside trace-loads.
-_TRACE_FLAGS = ["-fsanitize-coverage=inline-8bit-counters,trace-loads"]
+# because clang wants some coverage kind beside trace-loads. Without
+# builtins, a copy loop stays loads rather than an (untraced) memcpy.
+_TRACE_FLAGS = ["-fsanitize-coverage=inline-8bit-counters,trace-loads", "-fno-builtin"]
 _SANITIZER_ENV = {
     "ASAN_OPTIONS": "detect_leaks=0:exitcode=23",
     "TSAN_OPTIONS": "halt_on_error=1:exitcode=66:report_signal_unsafe=0",

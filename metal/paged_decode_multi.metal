@@ -1,0 +1,214 @@
+// Body of the kernel mlxkv_paged_decode_multi: attention of a few query
+// tokens per sequence (L of 2 to 8: a speculative verify step's last token
+// and its proposals) read straight from the paged pools. A step's rows are
+// padded to one L. Query j of a row sits at position ctx - L + j and sees
+// the row's keys up to its own position (the causal rule among the
+// proposals); with a sliding window only its last `window` of them.
+// Attention sinks count once per query row, as in paged_decode.metal.
+//
+// One threadgroup serves one (partition, kv head, sequence) and all
+// group x L query rows of it, so each K/V row is read from the pool once:
+//   1. Tiles of TILE positions, aligned to TILE so that a tile lies in one
+//      block: the threadgroup copies the tile's visible K and V rows into
+//      threadgroup memory as float, 16 contiguous bytes a thread (a
+//      quantized pool's dequantized on the way).
+//   2. The simdgroups compute from there. They form row sets of RS query
+//      rows each, held in registers with lanes splitting the head dim as in
+//      paged_decode.metal, and streams that take the tile's positions in
+//      turn; a simdgroup past the last stream only copies.
+//   3. At the end each row set's streams merge through threadgroup memory
+//      (the tiles' storage, no longer read), one row of the set at a time.
+// Partitions start at the first query's first visible position rounded
+// down to TILE and span part_tokens (a multiple of TILE): no tile is copied
+// by two partitions.
+//
+// Template: T (dtype), D (head dim), RS (query rows per simdgroup: the
+// smallest of 1, 2, 4, 8 covering group x L rows over NSG simdgroups),
+// BS (block size), NSG (simdgroups); quantized: BITS.
+// params: n_heads, n_kv_heads, group, table_width, part_tokens, n_parts,
+//         has_sinks, q_len, window (0: none), quantization group.
+// A group's rows are (head, query) pairs in the order of out [B, Hq, L, D].
+
+  constexpr int TILE = 8;
+  constexpr int THREADS = NSG * 32;
+  constexpr int E = (D + 31) / 32;  // head-dim elements per lane
+#if defined(MLXKV_QUANTIZED)
+  constexpr int W = E;
+  constexpr int CHUNK = 128 / BITS;  // elements of 16 bytes of packed words
+#else
+  constexpr int W = E * int(sizeof(T)) <= 16 ? E : 16 / int(sizeof(T));
+  constexpr int CHUNK = 16 / int(sizeof(T));
+#endif
+  constexpr bool FULL = E * 32 == D;  // no lane reads past the row
+
+  const int n_heads = params[0];
+  const int n_kv_heads = params[1];
+  const int group = params[2];
+  const int table_width = params[3];
+  const int part_tokens = params[4];
+  const int n_parts = params[5];
+  const bool has_sinks = params[6] != 0;
+  const int q_len = params[7];
+  const int window = params[8];
+
+  const int part = int(threadgroup_position_in_grid.x);
+  const int kv_head = int(threadgroup_position_in_grid.y);
+  const int seq = int(threadgroup_position_in_grid.z);
+  const int tid = int(thread_index_in_threadgroup);
+  const int sg = int(simdgroup_index_in_threadgroup);
+  const int lane = int(thread_index_in_simdgroup);
+
+  const int rows = group * q_len;
+  const int n_sets = (rows + RS - 1) / RS;
+  const int streams = NSG / n_sets;
+  const int set = sg % n_sets;
+  const int stream = sg / n_sets;  // streams or more: this simdgroup only copies
+
+  const int ctx = context_lens[seq];
+  const int start = window_starts[seq];  // the first query's first visible position
+  const int base = start - start % TILE + part * part_tokens;
+  const int first = max(start, base);
+  const int last = min(ctx, base + part_tokens);
+  const int head0 = kv_head * group;
+  const size_t row0 = size_t(seq * n_heads + head0) * q_len;  // the group's first output row
+  const device int32_t* table = block_tables + size_t(seq) * table_width;
+
+  // The head-dim elements of lane `lane`: its e-th is d(e), e < E.
+  int dims[E];
+  for (int e = 0; e < E; e++) {
+    dims[e] = (e / W) * 32 * W + lane * W + e % W;
+  }
+
+  float q[RS][E];
+  float m[RS];     // running maximum
+  float l[RS];     // running sum of exp(score - m)
+  float o[RS][E];  // running sum of exp(score - m) x V
+  int lo[RS];      // the row's visible positions: lo .. hi - 1
+  int hi[RS];
+  for (int i = 0; i < RS; i++) {
+    const int r = set * RS + i;
+    const int j = r % q_len;  // the row's query
+    hi[i] = r < rows ? ctx - q_len + j + 1 : 0;
+    lo[i] = window > 0 ? max(0, hi[i] - window) : 0;
+    for (int e = 0; e < E; e++) {
+      const bool real = r < rows && (FULL || dims[e] < D);
+      q[i][e] = real ? float(queries[(row0 + r) * D + dims[e]]) * scale : 0.0f;
+      o[i][e] = 0.0f;
+    }
+    // exp(sink - m) == 1 when the running maximum starts at the sink.
+    const bool sink_here = has_sinks && part == 0 && stream == 0 && r < rows;
+    m[i] = sink_here ? sinks[head0 + r / q_len] : MLXKV_NO_SCORE;
+    l[i] = sink_here ? 1.0f : 0.0f;
+  }
+
+  threadgroup float stage[2 * TILE * D];  // a tile's K rows, then its V rows
+  threadgroup float* k_tile = stage;
+  threadgroup float* v_tile = stage + TILE * D;
+  for (int p0 = base; p0 < last; p0 += TILE) {
+    const int t0 = max(p0, first);
+    const int n_rows = min(p0 + TILE, last) - t0;  // visible rows, from slot t0 - p0
+    const size_t prow = (size_t(table[t0 / BS]) * n_kv_heads + kv_head) * BS + t0 % BS;
+    const int chunks = n_rows * (D / CHUNK);
+    for (int c = tid; c < 2 * chunks; c += THREADS) {
+      const bool is_v = c >= chunks;
+      const int x = (is_v ? c - chunks : c) * CHUNK;  // element x of the rows from t0
+      threadgroup float* dst = (is_v ? v_tile : k_tile) + (t0 - p0) * D + x;
+#if defined(MLXKV_QUANTIZED)
+      mlxkv_dequantize_chunk<T, D, BITS>(dst, is_v ? v_pool : k_pool, is_v ? v_scales : k_scales,
+                                         is_v ? v_biases : k_biases, prow + x / D, x % D, params[9]);
+#else
+      const device T* src = (is_v ? v_pool : k_pool) + prow * D + x;
+      for (int w = 0; w < CHUNK; w++) {
+        dst[w] = float(src[w]);
+      }
+#endif
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);  // the tile is in
+    if (stream < streams) {
+      for (int t = t0 + stream; t < t0 + n_rows; t += streams) {
+        const int slot = (t - p0) * D;
+        float k[E];
+        float v[E];
+        for (int e = 0; e < E; e++) {
+          k[e] = FULL || dims[e] < D ? k_tile[slot + dims[e]] : 0.0f;
+          v[e] = FULL || dims[e] < D ? v_tile[slot + dims[e]] : 0.0f;
+        }
+        for (int i = 0; i < RS; i++) {
+          if (t >= lo[i] && t < hi[i]) {  // uniform over the simdgroup
+            float s = 0.0f;
+            for (int e = 0; e < E; e++) {
+              s += q[i][e] * k[e];
+            }
+            s = simd_sum(s);
+            const float m_new = max(m[i], s);
+            const float correction = exp(m[i] - m_new);
+            const float p = exp(s - m_new);
+            l[i] = l[i] * correction + p;
+            m[i] = m_new;
+            for (int e = 0; e < E; e++) {
+              o[i][e] = o[i][e] * correction + p * v[e];
+            }
+          }
+        }
+      }
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);  // the tile is free
+  }
+
+  // Merge each row set's streams: rescale each to the set's maximum, sum.
+  threadgroup float m_s[NSG * RS];
+  threadgroup float l_s[NSG * RS];
+  threadgroup float* o_s = stage;  // [NSG][D], one row of each set at a time
+  if (lane == 0) {
+    for (int i = 0; i < RS; i++) {
+      m_s[sg * RS + i] = m[i];
+      l_s[sg * RS + i] = l[i];
+    }
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);  // maxima and sums visible
+  for (int i = 0; i < RS; i++) {
+    if (stream < streams) {
+      float m_max = MLXKV_NO_SCORE;
+      for (int w = 0; w < streams; w++) {
+        m_max = max(m_max, m_s[(w * n_sets + set) * RS + i]);
+      }
+      const float own = exp(m[i] - m_max);
+      for (int e = 0; e < E; e++) {
+        if (FULL || dims[e] < D) {
+          o_s[sg * D + dims[e]] = o[i][e] * own;
+        }
+      }
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);  // row i of every set visible
+    for (int x = tid; x < n_sets * D; x += THREADS) {
+      const int s = x / D;
+      const int d = x % D;
+      const int r = s * RS + i;
+      if (r < rows) {
+        float m_max = MLXKV_NO_SCORE;
+        for (int w = 0; w < streams; w++) {
+          m_max = max(m_max, m_s[(w * n_sets + s) * RS + i]);
+        }
+        float total = 0.0f;
+        float sum = 0.0f;
+        for (int w = 0; w < streams; w++) {
+          total += l_s[(w * n_sets + s) * RS + i] * exp(m_s[(w * n_sets + s) * RS + i] - m_max);
+          sum += o_s[(w * n_sets + s) * D + d];
+        }
+        // total is 0 only for a row that sees nothing in this partition.
+        const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+        const size_t row = row0 + r;
+        if (n_parts == 1) {
+          out[row * D + d] = T(sum * inv);
+        } else {
+          const size_t at = (row * n_parts + part) * (D + 2);
+          partials[at + d] = sum * inv;
+          if (d == 0) {
+            partials[at + D] = m_max;
+            partials[at + D + 1] = total;
+          }
+        }
+      }
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);  // o_s free for the next row
+  }

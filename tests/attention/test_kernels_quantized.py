@@ -1,0 +1,131 @@
+"""Quantized pools (K and V as mx.quantize lays them out: packed words, scales, biases) on
+the decode kernels, one query per row and several.
+
+The pools here are built with mx.quantize directly; the pool that stores them is another
+part's. Checked against the float64 oracle of the dequantized values, and against the
+full-precision kernels run on the same values dequantized; planted bugs in the
+dequantization must fail, and the sanitizers see an out-of-range block and no race.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import mlxkv  # noqa: F401  (before mlx)
+import mlx.core as mx
+import pytest
+
+from mlxkv.attention import dispatch as attention, kernels
+from mlxkv.attention.paged_cache import PagedKVCache
+from mlxkv.cache.kv_pool import KVLayout, KVPool
+from mlxkv.errors import MlxkvError
+from msl.harness import SKIP_REASON, HarnessError, clang_available, shared_harness
+from msl.paged import assert_close, check_case, dequantized_pool, launch_of, make_case, oracle, run_kernels
+
+slow = pytest.mark.slow
+FORMATS = [(8, 64), (8, 32), (4, 64), (4, 32)]
+
+
+@pytest.mark.parametrize(("bits", "group", "head_dim", "queries"), [
+    pytest.param(b, g, d, q, id=f"q{b}-g{g}-d{d}-L{q}", marks=() if d in (64, 128) else slow)
+    for b, g in FORMATS for d in (64, 96, 128, 256) for q in (1, 4) if d % g == 0])  # mx.quantize's groups
+def test_every_format_and_head_dim(on_device, bits, group, head_dim, queries):
+    case = make_case(mx.float16, head_dim, 2, context_lens=(70, 9, 4), queries=queries, seed=head_dim + bits,
+                     kv_bits=bits, kv_group_size=group, window=50, sinks=True)
+    check_case(case, partition=32)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("queries", [1, 3])
+def test_the_quantized_kernels_equal_the_full_precision_ones_on_the_same_values(on_device, bits, queries):
+    # float32 activations: mx.dequantize's values are the kernels' own, exactly.
+    case = make_case(mx.float32, 128, 4, context_lens=(300, 17), queries=queries, kv_bits=bits, kv_group_size=32,
+                     seed=bits)
+    plain = dataclasses.replace(case, k_pool=dequantized_pool(case.k_pool, 128, mx.float32),
+                                v_pool=dequantized_pool(case.v_pool, 128, mx.float32))
+    assert_close(run_kernels(case), run_kernels(plain), mx.float32)
+
+
+def test_a_verify_step_on_a_quantized_pool_runs_on_the_kernels_through_paged_attention(on_device):
+    case = make_case(mx.bfloat16, 64, 2, context_lens=(40, 9), queries=3, kv_bits=4, kv_group_size=32, seed=4)
+    pool = KVPool(KVLayout(1, 2, 64, 64, 16, mx.bfloat16), 1)
+    pool.keys[0], pool.values[0] = case.k_pool, case.v_pool  # as a quantized pool will hold a page layer
+    cache = PagedKVCache(pool, 0, case.batch("kernel"))
+    out = attention.paged_attention(case.queries, None, None, cache, case.scale, cache.make_mask(3))
+    assert_close(out, oracle(case), mx.bfloat16)
+
+
+def test_a_pool_the_kernels_cannot_read_is_a_clear_error():
+    case = make_case(mx.float16, 64, 2, context_lens=(20,), kv_bits=8, kv_group_size=64)
+    two_bit = tuple(mx.quantize(mx.zeros((4, 2, 16, 64), mx.float16), group_size=64, bits=2))
+    with pytest.raises(MlxkvError, match="quantized pool must be mx.quantize's packed uint32, scales and biases "
+                                         "at 8 or 4 bits"):
+        run_kernels(dataclasses.replace(case, k_pool=two_bit, v_pool=two_bit))
+    other_dtype = tuple(x.astype(mx.float32) if x.dtype == mx.float16 else x for x in case.k_pool)
+    with pytest.raises(MlxkvError, match="no paged-attention kernel for mlx.core.float16, head dim 64"):
+        run_kernels(dataclasses.replace(case, k_pool=other_dtype, v_pool=other_dtype))
+    with pytest.raises(MlxkvError, match="no paged-attention kernel"):  # K quantized, V not
+        run_kernels(dataclasses.replace(case, v_pool=dequantized_pool(case.v_pool, 64, mx.float16)))
+
+
+# ---- planted bugs ----------------------------------------------------------------------
+
+needs_clang = pytest.mark.skipif(not clang_available(), reason=SKIP_REASON)
+
+
+def planted(name: str, old: str, new: str):
+    """A quantized decode kernel with one line of the shared header changed."""
+    header = kernels.kernel_source("common")
+    assert header.count(old) == 1, old
+    return kernels.make_kernel(name, header=header.replace(old, new), quantized=True)
+
+
+def harness_output(case, decode_kernel=None):
+    out, _ = shared_harness().run(launch_of(case, 0, decode_kernel))
+    return out.reshape(case.queries.shape)
+
+
+@needs_clang
+@pytest.mark.parametrize(("queries", "head_dim", "bits", "old", "new"), [
+    # the elements of a word taken in the wrong order
+    (1, 128, 4, "return float((word >> ((k * BITS) % 32)) & ((1u << BITS) - 1u));",
+     "return float((word >> (32 - BITS - (k * BITS) % 32)) & ((1u << BITS) - 1u));"),
+    (3, 128, 4, "out[k] = s * float((w[k * BITS / 32] >> ((k * BITS) % 32)) & ((1u << BITS) - 1u)) + b;",
+     "out[k] = s * float((w[k * BITS / 32] >> (32 - BITS - (k * BITS) % 32)) & ((1u << BITS) - 1u)) + b;"),
+    # the bias left out
+    (1, 64, 8, "out[e] = s * mlxkv_quant<BITS>(w, e) + b;", "out[e] = s * mlxkv_quant<BITS>(w, e);"),
+    # one word of a chunk read for all of it
+    (3, 64, 8, "out[k] = s * float((w[k * BITS / 32] >> ((k * BITS) % 32)) & ((1u << BITS) - 1u)) + b;",
+     "out[k] = s * float((w[0] >> ((k * BITS) % 32)) & ((1u << BITS) - 1u)) + b;"),
+    # the groups of 64 taken for 32
+    (1, 128, 8, "const float s = float(scales[groups + d0 / group]);", "const float s = float(scales[groups + d0 / 64]);"),
+    (3, 128, 8, "const size_t at = row * (D / group) + d / group;", "const size_t at = row * (D / group) + d / 64;"),
+    # head dim 96: a lane's 12 bits read without their half-byte shift
+    (1, 96, 4, "return uint2(x >> (bit0 % 8), 0u);", "return uint2(x, 0u);"),
+], ids=["nibble-order", "multi-nibble-order", "no-bias", "multi-first-word-only", "group-64-for-32",
+        "multi-group-64-for-32", "d96-no-shift"])
+def test_planted_dequantization_bugs_fail_the_comparison(queries, head_dim, bits, old, new):
+    case = make_case(mx.float32, head_dim, 2, n_kv_heads=1, context_lens=(40, 9), queries=queries, seed=8,
+                     kv_bits=bits, kv_group_size=32)
+    name = "paged_decode_multi" if queries > 1 else "paged_decode"
+    expected = oracle(case)
+    assert_close(harness_output(case), expected, mx.float32)
+    with pytest.raises(AssertionError):
+        assert_close(harness_output(case, planted(name, old, new)), expected, mx.float32)
+
+
+@needs_clang
+@pytest.mark.parametrize("queries", [1, 3])
+def test_out_of_range_block_id_is_caught_by_address_sanitizer(queries):
+    case = make_case(mx.float32, 64, 1, n_kv_heads=1, context_lens=(40,), spare_blocks=0, queries=queries,
+                     kv_bits=4, kv_group_size=32)
+    shared_harness().run(launch_of(case), sanitizer="address")  # clean as shipped
+    case.tables[0][1] = case.k_pool[0].shape[0]  # one past the last block
+    with pytest.raises(HarnessError, match="AddressSanitizer: heap-buffer-overflow"):
+        shared_harness().run(launch_of(case), sanitizer="address")
+
+
+@needs_clang
+def test_the_quantized_multi_query_kernel_has_no_race():
+    case = make_case(mx.float32, 64, 3, n_kv_heads=1, context_lens=(13,), queries=3, kv_bits=8, kv_group_size=32)
+    shared_harness().run(launch_of(case), sanitizer="thread")
