@@ -83,3 +83,20 @@ def wait_until(predicate, timeout: float = 20.0) -> bool:
             return True
         time.sleep(0.02)
     return predicate()
+
+
+def fill_redis(url: str) -> None:
+    """Fill a `noeviction` server with someone else's 2 MB, then cap it at 1 MB, so every write is refused.
+
+    Far over the cap, not just over: a client buffer freed later could
+    otherwise bring it back under and let a write in.
+    """
+    import redis
+
+    filler = redis.Redis.from_url(url)
+    for i in range(200):
+        filler.set(f"other:{i}", b"x" * 10_000)
+    filler.config_set("maxmemory", "1mb")
+    with pytest.raises(redis.exceptions.OutOfMemoryError):
+        filler.set("other:more", b"x")
+    filler.close()

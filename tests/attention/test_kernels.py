@@ -160,6 +160,7 @@ def test_paged_attention_runs_decode_on_the_kernels(on_device):
 # ---- dispatch, without running a kernel -----------------------------------------------
 
 
+@pytest.mark.slow  # enumerates every shape the engine could ask for: 14 s of pure Python
 def test_every_instantiation_the_engine_can_dispatch_is_tested():
     formats = [()] + [(bits, group) for bits in range(1, 17) for group in (16, 32, 64, 128)]
     dispatchable = {

@@ -13,7 +13,7 @@ import pytest
 import redis
 
 from family_support import model_with_oracle, prompt_of
-from faults import wait_until
+from faults import fill_redis, wait_until
 from mlxkv.config import CacheConfig
 from mlxkv.connectors.remote.connector import RemoteTierWarning
 from mlxkv.engine.engine import Engine
@@ -115,11 +115,8 @@ def _wrong_password(redis_server, model):
 
 
 def _full_server(redis_server, model):
-    server = redis_server(settings={"maxmemory": "1mb", "maxmemory-policy": "noeviction"})
-    filler = redis.Redis.from_url(server.url)
-    with pytest.raises(redis.exceptions.OutOfMemoryError):
-        for i in range(1000):
-            filler.set(f"other:{i}", b"x" * 10_000)
+    server = redis_server(settings={"maxmemory-policy": "noeviction"})
+    fill_redis(server.url)
     return remote_engine(model, server.url), "dropping-writes", server
 
 

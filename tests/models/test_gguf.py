@@ -46,6 +46,7 @@ def test_greedy_output_equals_mlx_lm_and_is_english(demo, demo_path):
     assert "Paris" in ours.text
 
 
+@pytest.mark.slow  # the trained demo model: tiny models cover this in the fast suite
 def test_a_second_turn_reuses_the_first(demo):
     chat = [{"role": "user", "content": "Name a large ocean."}]
     first = demo.chat(chat, max_tokens=16)
@@ -55,6 +56,7 @@ def test_a_second_turn_reuses_the_first(demo):
     assert second.stats.cached_tokens["pool"] == whole_turn // 16 * 16
 
 
+@pytest.mark.slow  # the trained demo model: tiny models cover this in the fast suite
 def test_the_ssd_tier_restores_it(demo_path, tmp_path):
     prompt = "Tell me about the sea and the ships that sail upon it. " * 3
     with Engine.load(demo_path, CacheConfig(**CACHE, disk_tier=str(tmp_path))) as first:
