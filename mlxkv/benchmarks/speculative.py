@@ -11,7 +11,9 @@ decode tok/s, and the tokens must be identical.
 - free chat: a story, nothing to copy;
 - a batch of 8 code edits, against the same batch without speculation;
 - a draft model: the demo model drafting for itself (the one trained
-  model here), against mlx-lm's speculative decoding on the same pair.
+  model here), against mlx-lm's speculative decoding on the same pair;
+- the code edit and chat again on a float32 copy of a quantized model:
+  this CPU's quantized matmul does not batch query tokens as a Mac's GPU does.
 """
 
 from __future__ import annotations
@@ -20,7 +22,10 @@ import inspect
 import statistics
 import time
 
+import mlx.core as mx
+import mlx.nn as nn
 from mlx_lm.generate import stream_generate
+from mlx_lm.utils import dequantize_model
 
 from mlxkv.benchmarks.engine import _alternate, _fresh_copy, _mlx_lm_prefill, _stderr, _timed, describe_model
 from mlxkv.benchmarks.rows import format_rows, row  # noqa: F401  (format_rows: the suite's printer)
@@ -48,22 +53,49 @@ def code_edit_messages(rename: str = "BatchScheduler") -> list[dict]:
 CHAT = [{"role": "user", "content": "Tell me a story about the sea and the ships that sail upon it."}]
 
 
-def run_speculative_benchmark(model: str = "demo", rounds: int = ROUNDS, log=None) -> list[dict]:
+def run_speculative_benchmark(model: str = "demo", rounds: int = ROUNDS, log=None, float_copy: bool = True) -> list[dict]:
+    """The rows on the model as it is, then (`float_copy`) the lookup rows again on a float32 copy of it.
+
+    The demo model is quantized; on a CPU, a quantized matmul of several
+    query tokens costs about their number of single-token ones, where a
+    Mac's GPU reads the weights once. The float copy shows what checking
+    proposals costs when the matmul does batch, as on a Mac.
+    """
     log = log or _stderr
-    loaded = load_model(fetch_model(model, lambda text, fraction=None: None))
-    plain = Engine(loaded, CacheConfig(memory_tier_bytes=0))
-    lookup = Engine(loaded, CacheConfig(memory_tier_bytes=0, speculative="lookup"))
-    edit = plain.apply_chat_template(code_edit_messages())
-    chat = plain.apply_chat_template(CHAT)
-    rows = [_against_mlx_lm("code edit (lookup)", lookup, edit, EDIT_TOKENS, rounds, CODE_GOAL, log),
-            _against_mlx_lm("free chat (lookup)", lookup, chat, CHAT_TOKENS, rounds, CHAT_GOAL, log),
-            _batch_row(plain, lookup, rounds, log)]
+    path = fetch_model(model, lambda text, fraction=None: None)
+    loaded = load_model(path)
+    rows = _lookup_rows(loaded, rounds, log, batch=True)
     draft = Engine(loaded, CacheConfig(memory_tier_bytes=0, speculative="draft", draft_model=model))
-    rows.append(_against_mlx_lm("code edit (draft: itself)", draft, edit, EDIT_TOKENS, rounds, None, log,
+    rows.append(_against_mlx_lm("code edit (draft: itself)", draft, _edit(draft), EDIT_TOKENS, rounds, None, log,
                                 draft_model=loaded.model))
     for r in rows:
-        r["model"] = describe_model(plain)
+        r["model"] = describe_model(draft)
+    if float_copy and _is_quantized(loaded.model):
+        copy = load_model(path)
+        copy.model = dequantize_model(copy.model)
+        copy.model.set_dtype(mx.float32)
+        extra = _lookup_rows(copy, rounds, log, batch=False, label=", float32 copy")
+        for r in extra:
+            r["model"] = describe_model(Engine(copy, CacheConfig(memory_tier_bytes=0)))
+        rows += extra
     return rows
+
+
+def _lookup_rows(loaded, rounds: int, log, batch: bool, label: str = "") -> list[dict]:
+    plain = Engine(loaded, CacheConfig(memory_tier_bytes=0))
+    lookup = Engine(loaded, CacheConfig(memory_tier_bytes=0, speculative="lookup"))
+    rows = [_against_mlx_lm(f"code edit (lookup{label})", lookup, _edit(plain), EDIT_TOKENS, rounds, CODE_GOAL, log),
+            _against_mlx_lm(f"free chat (lookup{label})", lookup, plain.apply_chat_template(CHAT), CHAT_TOKENS,
+                            rounds, CHAT_GOAL, log)]
+    return rows + ([_batch_row(plain, lookup, rounds, log)] if batch else [])
+
+
+def _edit(engine: Engine) -> list[int]:
+    return engine.apply_chat_template(code_edit_messages())
+
+
+def _is_quantized(model) -> bool:
+    return any(isinstance(m, nn.QuantizedLinear) for _, m in model.named_modules())
 
 
 def _against_mlx_lm(name: str, engine: Engine, prompt: list[int], n: int, rounds: int, goal, log,
