@@ -250,7 +250,7 @@ class Engine:
         if speculation is None:
             return {"mode": None}
         return {"mode": self.cache_config.speculative, "max_tokens": speculation.max_tokens,
-                **speculation.stats.as_dict()}
+                **speculation.stats.as_dict(), "tok_s_by_batch": speculation.cost.describe()}
 
     def _speculation(self) -> Speculation | None:
         """The loop's speculative decoding, as configured; none for a hybrid model, whose

@@ -57,6 +57,8 @@ class BatchLoop:
         # Each decode request's token from the last queued step (lazy until read).
         self._last_sampled: dict[Request, mx.array] = {}
         self._owner: int | None = None  # the thread stepping the loop while it has work
+        # This step's tokens handed out and whether it prefilled: the step's cost (speculative/step_cost.py).
+        self._handed_out, self._prefilled = 0, False
         self._owner_lock = threading.Lock()
 
     def add(self, request: Request) -> None:
@@ -91,8 +93,12 @@ class BatchLoop:
         """
         finished: list[Request] = []
         self.wired.hold()  # from the first step after idle (system/wired.py)
+        self._handed_out, self._prefilled = 0, False
         try:
-            speculate = self.speculation is not None and self.speculation.wants_step(self.scheduler.decoding())
+            decoding = self.scheduler.decoding()
+            speculate = self.speculation is not None and self.speculation.wants_step(decoding)
+            if self.speculation is not None and decoding:
+                self.speculation.cost.start(len(decoding), speculate)
             if self._in_flight is not None and (speculate or not self.scheduler.decode_fits()):
                 finished += self._read_in_flight()
                 self._last_sampled = {}
@@ -100,6 +106,7 @@ class BatchLoop:
                 finished += self._verify_step()
             else:
                 plan = self.scheduler.schedule()
+                self._prefilled = bool(plan.prefill)
                 flight = self._queue(plan)
                 finished += register_prefill(plan, self.cache)
                 finished += self._read_in_flight()
@@ -108,6 +115,8 @@ class BatchLoop:
             log.exception("a step failed; ending the requests in it")
             finished += self.fail_all(f"{type(e).__name__}: {e}")
         self.requests_served += len(finished)
+        if self.speculation is not None:
+            self.speculation.cost.finish(self._handed_out, self._prefilled)
         for request in finished if self.speculation is not None else ():
             self.speculation.forget(request)
         if not self.has_work:
@@ -139,6 +148,7 @@ class BatchLoop:
         flight, self._in_flight = self._in_flight, None
         if flight is None:
             return []
+        self._handed_out += len(flight.plan.decode)
         return postprocess(flight.plan, [[t] for t in flight.sampled.tolist()], self.scheduler, self.eos)
 
     def _verify_step(self) -> list[Request]:
@@ -146,11 +156,13 @@ class BatchLoop:
         the next step the tokens this one kept (speculation.py)."""
         proposals = self.speculation.propose(self.scheduler.decoding())
         plan = self.scheduler.schedule(1 + max((len(p.tokens) for p in proposals.values()), default=0))
+        self._prefilled = bool(plan.prefill)
         logprobs = run_verify(plan, self.runner, self.cache, proposals)
         finished = register_prefill(plan, self.cache)
         if logprobs is None:
             return finished
         kept = self.speculation.accept(plan.decode, logprobs, proposals)
+        self._handed_out += sum(map(len, kept))
         mx.async_eval(*self.runner.kv_pool.arrays)
         for request, tokens in zip(plan.decode, kept):
             seq = request.seq

@@ -20,14 +20,16 @@ from mlxkv.engine.request import Request
 from mlxkv.speculative.proposal_length import ProposalLength
 from mlxkv.speculative.proposer import Proposal, Proposer
 from mlxkv.speculative.stats import SpeculationStats
+from mlxkv.speculative.step_cost import StepCost
 from mlxkv.speculative.verify import greedy_tokens, sampled_tokens
 
 
 class Speculation:
-    def __init__(self, proposer: Proposer, max_tokens: int):
+    def __init__(self, proposer: Proposer, max_tokens: int, cost: StepCost | None = None):
         self.proposer = proposer
         self.max_tokens = max_tokens  # the most a row proposes in one step
         self.stats = SpeculationStats()
+        self.cost = cost or StepCost()  # the loop times each step into it
         self._lengths: dict[Request, ProposalLength] = {}
 
     def _length(self, request: Request) -> ProposalLength:
@@ -42,8 +44,8 @@ class Speculation:
         return request.max_tokens - len(request.output) - 1
 
     def wants_step(self, requests: list[Request]) -> bool:
-        """Whether some decoding row would propose now (else the step decodes plain, pipelined);
-        a paused row's pause runs down a step."""
+        """Whether some decoding row would propose now and verify steps pay at this batch size
+        (else the step decodes plain, pipelined); a paused row's pause runs down a step."""
         wants = False
         for request in requests:
             if not request.speculative:
@@ -53,7 +55,7 @@ class Speculation:
                 wants = True
             else:
                 length.tick()
-        return wants
+        return wants and self.cost.speculate(len(requests))
 
     def propose(self, requests: list[Request]) -> dict[Request, Proposal]:
         """Each decoding row's proposal (maybe empty)."""

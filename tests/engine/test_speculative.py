@@ -30,6 +30,7 @@ from mlxkv.models.tiny import TinyModelSpec, write_tiny_model
 from mlxkv.speculative.prompt_lookup import PromptLookup
 from mlxkv.speculative.proposal_length import EMPTY_LIMIT, PAUSE_STEPS, ProposalLength
 from mlxkv.speculative.proposer import Proposal
+from mlxkv.speculative.step_cost import StepCost
 from mlxkv.speculative.verify import greedy_tokens, sampled_tokens
 
 BLOCK = 16
@@ -71,13 +72,27 @@ class ScriptedProposer:
         pass
 
 
+class AlwaysPays(StepCost):
+    """Verify steps always pay: these tests check what speculation does, not whether this CPU gains from it
+    (test_step_cost.py)."""
+
+    def speculate(self, rows):
+        return True
+
+
+def always_speculating(engine: Engine) -> Engine:
+    if engine.loop.speculation is not None:  # None: speculation off, or a hybrid model
+        engine.loop.speculation.cost = AlwaysPays()
+    return engine
+
+
 def engine_for(loaded, num_blocks=256, proposer=None, max_k=4, **cache) -> Engine:
     cache = {"speculative": "lookup", **cache}
     config = CacheConfig(block_size=BLOCK, num_blocks=num_blocks, memory_tier_bytes=0, speculative_tokens=max_k, **cache)
     engine = Engine(loaded, config, prefill_chunk=512)
     if proposer is not None:
         engine.loop.speculation = Speculation(proposer, max_k)
-    return engine
+    return always_speculating(engine)
 
 
 # -- the pieces ---------------------------------------------------------------------
@@ -306,7 +321,7 @@ def test_sampling_with_speculation_keeps_the_token_frequencies(llama):
 def draft_engine(loaded, draft: str, **cache) -> Engine:
     config = CacheConfig(block_size=BLOCK, num_blocks=256, memory_tier_bytes=0, speculative="draft",
                          draft_model=draft, **cache)
-    return Engine(loaded, config, prefill_chunk=512)
+    return always_speculating(Engine(loaded, config, prefill_chunk=512))
 
 
 def test_a_draft_that_is_the_model_itself_is_always_right(llama):

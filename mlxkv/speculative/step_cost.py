@@ -1,0 +1,104 @@
+"""Whether verify steps pay on this machine: tokens per second with speculation against without.
+
+On a Mac's GPU, checking 4-8 tokens costs about one decode step: both
+read the weights once. Elsewhere it may not: on a CPU a quantized matmul
+of five query tokens costs about six single-token ones (the demo model
+here), so speculation that is always accepted can still decode slower, and
+a batch of eight rows far slower. Acceptance alone (proposal_length.py)
+cannot see that; the clock can.
+
+Per batch size (in powers of two), both kinds of step keep an average of
+the tokens they hand out and of the seconds they take. Speculation runs
+first; then plain steps, for as long; then the faster kind runs, and every
+PROBE_EVERY steps the other one runs PROBE_STEPS times to stay current.
+Steps that also prefill are not counted: their time is not decode's.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+# Weight of the newest step in the averages.
+SMOOTHING = 0.2
+# Steps of a kind before its rate is trusted (a plain run's first step reads no tokens: pipelining).
+PROBE_STEPS = 6
+# Steps of the faster kind between probes of the other.
+PROBE_EVERY = 128
+# Speculation keeps running unless plain decode is faster by more than this (the noise).
+MARGIN = 0.05
+
+
+@dataclass
+class _Rate:
+    tokens: float = 0.0
+    seconds: float = 0.0
+    samples: int = 0
+
+    def add(self, tokens: int, seconds: float) -> None:
+        if self.samples == 0:
+            self.tokens, self.seconds = float(tokens), seconds
+        else:
+            self.tokens += SMOOTHING * (tokens - self.tokens)
+            self.seconds += SMOOTHING * (seconds - self.seconds)
+        self.samples += 1
+
+    @property
+    def per_second(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+class _Bucket:
+    def __init__(self):
+        self.rates = {True: _Rate(), False: _Rate()}  # by "speculated"
+        self.run_kind: bool | None = None  # the kind of the current run of steps
+        self.run_steps = 0  # steps in the current run
+
+    def choose(self) -> bool:
+        for kind in (True, False):  # learn each kind first, speculation first
+            if self.rates[kind].samples < PROBE_STEPS:
+                return kind
+        faster = self.rates[True].per_second >= (1 - MARGIN) * self.rates[False].per_second
+        if self.run_kind == faster and self.run_steps >= PROBE_EVERY:
+            return not faster  # probe the other kind
+        if self.run_kind == (not faster) and self.run_steps < PROBE_STEPS:
+            return not faster  # a probe runs its course
+        return faster
+
+
+class StepCost:
+    def __init__(self, clock=time.perf_counter):
+        self.clock = clock
+        self._buckets: dict[int, _Bucket] = {}
+        self._started: tuple[int, bool, float] | None = None  # bucket, speculated, start time
+
+    @staticmethod
+    def _bucket_of(rows: int) -> int:
+        return 1 << max(rows - 1, 0).bit_length()  # 1, 2, 4, 8, ...
+
+    def speculate(self, rows: int) -> bool:
+        """Whether a step of `rows` decoding rows should verify proposals."""
+        return self._buckets.setdefault(self._bucket_of(rows), _Bucket()).choose()
+
+    def start(self, rows: int, speculated: bool) -> None:
+        """A step of `rows` decoding rows begins."""
+        self._started = (self._bucket_of(rows), speculated, self.clock())
+
+    def finish(self, tokens: int, prefilled: bool) -> None:
+        """The step begun last handed out `tokens`; `prefilled`: it also prefilled (not counted)."""
+        if self._started is None:
+            return
+        key, speculated, began = self._started
+        self._started = None
+        bucket = self._buckets.setdefault(key, _Bucket())
+        if bucket.run_kind != speculated:
+            bucket.run_kind, bucket.run_steps = speculated, 0
+        bucket.run_steps += 1
+        if not prefilled and tokens > 0:  # a plain run's first step only queues: pipelining
+            bucket.rates[speculated].add(tokens, self.clock() - began)
+
+    def describe(self) -> dict:
+        """Per batch size: tokens per second of each kind, as measured (for stats)."""
+        return {str(key): {"speculated_tok_s": round(b.rates[True].per_second, 2),
+                           "plain_tok_s": round(b.rates[False].per_second, 2)}
+                for key, b in sorted(self._buckets.items())}
