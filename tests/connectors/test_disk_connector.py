@@ -32,6 +32,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from block_chains import block_chain
 from mlxkv.cache.block_kv import BlockKV
 from mlxkv.connectors.disk.cache_dir import STALE_TEMP_SECONDS, cache_clear, cache_info
 from mlxkv.connectors.disk.connector import DiskCacheWarning, DiskKVCacheConnector
@@ -57,12 +58,7 @@ BITS = {"float32": mx.uint32, "float16": mx.uint16, "bfloat16": mx.uint16}
 
 
 def chain(n: int, salt: str = "") -> list[bytes]:
-    """n block hashes of one prompt, as the engine would make them."""
-    hashes, parent = [], root_hash(FP, salt or None)
-    for i in range(n):
-        parent = hash_block(parent, list(range(i * BS, (i + 1) * BS)))
-        hashes.append(parent)
-    return hashes
+    return block_chain(FP, BS, n, salt)
 
 
 def make_kv(seed: int, dtype: str = "float32", heads: int = HEADS, head_dim: int = HEAD_DIM) -> BlockKV:

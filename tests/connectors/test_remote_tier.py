@@ -21,6 +21,7 @@ import pytest
 import redis
 
 from faults import fill_redis, wait_until
+from block_chains import block_chain
 from mlxkv.cache.block_kv import BlockKV, KVRun
 from mlxkv.cache.checkpoints import Checkpoint, CheckpointRef
 from mlxkv.cache.hashing import hash_block, root_hash
@@ -40,11 +41,7 @@ HEALTH_LOG = "mlxkv.connectors.health"
 
 
 def chain(n: int, salt: str = "") -> list[bytes]:
-    hashes, parent = [], root_hash(FP, salt or None)
-    for i in range(n):
-        parent = hash_block(parent, list(range(i * BS, (i + 1) * BS)))
-        hashes.append(parent)
-    return hashes
+    return block_chain(FP, BS, n, salt)
 
 
 def pool_read(n: int, dtype: str = "float32", seed: int = 0) -> list[BlockKV]:
