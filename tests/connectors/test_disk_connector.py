@@ -40,7 +40,7 @@ from mlxkv.connectors.disk.file_io import LinuxIO
 from mlxkv.connectors.disk.run_file import FORMAT_VERSION, MAX_RUN_BLOCKS
 from mlxkv.connectors.disk.read_buffer import HUGE_PAGE, ReadBuffer, huge_pages_available
 from mlxkv.errors import MlxkvError
-from mlxkv.cache.hashing import hash_block, root_hash
+from mlxkv.cache.hashing import root_hash
 
 from faults import remount_read_only, rewrite
 

@@ -24,7 +24,6 @@ from faults import fill_redis, wait_until
 from block_chains import block_chain
 from mlxkv.cache.block_kv import BlockKV, KVRun
 from mlxkv.cache.checkpoints import Checkpoint, CheckpointRef
-from mlxkv.cache.hashing import hash_block, root_hash
 from mlxkv.config import CacheConfig
 from mlxkv.connectors.disk import run_file
 from mlxkv.connectors.disk.connector import DiskKVCacheConnector
