@@ -91,8 +91,7 @@ class ModelRunner:
         """
         if len(seqs) < 2 or num_new != 1:
             return None
-        cascade = (path == "reference" and self._routed and self.group_layout.is_plain
-                   and not self.kv_pool.kv.quantized)  # TODO
+        cascade = path == "reference" and self._routed and self.group_layout.is_plain
         limit = min(s.num_computed for s in seqs)
         blocks = shared_blocks([t[0] for t in tables], limit, self.kv_pool.layout.block_size) if cascade else []
         if not blocks:
