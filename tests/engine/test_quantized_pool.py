@@ -84,14 +84,19 @@ def test_speculation_over_a_quantized_pool_equals_plain_decode(llama):
     assert engine.stats()["speculative"]["accepted"] > 0
 
 
-def test_stats_say_the_format_and_its_bytes(llama):
+def test_stats_and_the_chat_apps_panel_say_the_format_and_its_bytes(llama):
+    from mlxkv.host.pool_view import PoolWatcher
+
     _, loaded, _ = llama
-    full, q4 = engine_for(loaded, None).stats(), engine_for(loaded, 4).stats()
+    engine = engine_for(loaded, 4)
+    full, q4 = engine_for(loaded, None).stats(), engine.stats()
     assert (full["kv_format"], q4["kv_format"]) == ("float32", "q4g32")
     # 2 layers x 2 KV heads x K and V x 64 values: 4 bytes each, or half a byte and a
     # float32 scale and bias per 32
     assert (full["kv_bytes_per_token"], q4["kv_bytes_per_token"]) == (2 * 2 * 2 * 64 * 4, 2 * 2 * 2 * (32 + 16))
     assert q4["kv_bytes_per_block"] == BLOCK * q4["kv_bytes_per_token"]
+    snapshot = PoolWatcher.of(engine).snapshot()
+    assert (snapshot.kv_format, snapshot.kv_bytes_per_token) == ("q4g32", q4["kv_bytes_per_token"])
 
 
 def test_formats_never_share_blocks(llama):
