@@ -30,6 +30,7 @@ from mlxkv.attention import kernels, self_check, speed_gate
 from mlxkv.attention.self_check import KernelCheck
 from mlxkv.attention.speed_gate import AttentionShape, SpeedGate
 from mlxkv.attention.cascade import cascade_decode
+from mlxkv.cache.kv_format import FULL, KVFormat
 from mlxkv.attention.quantized import quantized_attention
 from mlxkv.errors import MlxkvError, MlxkvWarning
 from mlxkv.models import compat
@@ -103,11 +104,8 @@ def choose_attention(mode: str | None, dtype, head_dim: int, v_head_dim: int, bl
         return AttentionChoice("reference", check)
     if requested_attention(mode) != "auto":
         return AttentionChoice("kernel", check)  # asked for: every decode
-    if kv_bits:
-        # The gate cannot time a quantized pool's reference path yet (the pool's own,
-        # mlx-lm's quantized SDPA): without a timing, auto keeps to the reference path.
-        return AttentionChoice("reference", check)
-    shape = AttentionShape(dtype, head_dim, block_size, n_heads, n_kv_heads)
+    shape = AttentionShape(dtype, head_dim, block_size, n_heads, n_kv_heads,
+                           KVFormat(kv_bits, kv_group_size) if kv_bits else FULL)
     try:
         gate = speed_gate.measure(shape, run=run, timer=timer)
     except Exception as e:  # a GPU fault while timing: as a failed check

@@ -55,9 +55,6 @@ def attention_report(run=None, timer=None, metal: bool | None = None, kv: KVForm
 
 
 def _why(choice) -> str:
-    if choice.path == "reference" and choice.check is not None and choice.check.ok:
-        return ("the Metal kernels passed their self-check; a quantized pool decodes on the reference path "
-                "under auto (the speed gate cannot time its reference path yet); MLXKV_ATTENTION=kernel uses them")
     if choice.path == "reference":
         return "the Metal kernels failed their self-check: decode runs on the reference path"
     if choice.gate is None:
