@@ -96,7 +96,8 @@ def _size_rows(loaded, kv: KVFormat) -> list[dict]:
     ]
 
 
-def _peak(run) -> tuple[object, int]:
+def peak(run) -> tuple[object, int]:
+    """What `run()` returns, and the peak memory MLX counted while it ran."""
     mx.synchronize()
     mx.clear_cache()
     mx.reset_peak_memory()
@@ -114,9 +115,9 @@ def _mlx_lm_tokens(loaded, prompt, n, kv: KVFormat, caches=None):
 
 def _peak_row(loaded, kv: KVFormat, context: int, n: int) -> dict:
     prompt = _tokens(context, loaded.config["vocab_size"], seed=11)
-    theirs_tokens, theirs = _peak(lambda: list(_mlx_lm_tokens(loaded, prompt, n, kv)))
+    theirs_tokens, theirs = peak(lambda: list(_mlx_lm_tokens(loaded, prompt, n, kv)))
     config = CacheConfig(kv_bits=kv.bits, kv_group_size=kv.group_size)
-    ours_tokens, ours = _peak(lambda: Engine(loaded, config).generate(prompt, max_tokens=n).tokens)
+    ours_tokens, ours = peak(lambda: Engine(loaded, config).generate(prompt, max_tokens=n).tokens)
     same = sum(a == b for a, b in zip(ours_tokens, theirs_tokens))
     return row(f"peak memory, {context} ctx + {n} tok, {kv.name(None)}", "MiB", ours / 2**20, theirs / 2**20,
                "mlx-lm QuantizedKVCache", f"<= {PEAK_GOAL:.2f}", ours / theirs <= PEAK_GOAL,

@@ -10,11 +10,10 @@ the engine is built inside its side, pool and tiers included.
 
 from __future__ import annotations
 
-import mlx.core as mx
 from mlx_lm.generate import stream_generate
 
 from mlxkv.benchmarks.engine import _stderr, _tokens, bench_model_path, describe_model
-from mlxkv.benchmarks.kv_formats import FormatSizes, kv_format_rows
+from mlxkv.benchmarks.kv_formats import FormatSizes, kv_format_rows, peak as _peak
 from mlxkv.benchmarks.rows import format_rows, row  # noqa: F401  (format_rows: the suite's printer)
 from mlxkv.config import CacheConfig
 from mlxkv.engine.engine import Engine
@@ -61,12 +60,3 @@ def _default_config_row(model: str | None, log) -> dict:
         ratio=ratio, tokens_identical=ours_tokens == theirs_tokens, model=describe_model(engine),
     )
 
-
-def _peak(run) -> tuple[object, int]:
-    """What `run()` returns, and the peak memory MLX counted while it ran."""
-    mx.synchronize()
-    mx.clear_cache()
-    mx.reset_peak_memory()
-    out = run()
-    mx.synchronize()
-    return out, mx.get_peak_memory()
