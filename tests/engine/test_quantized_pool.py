@@ -151,3 +151,27 @@ def test_exact_equality_where_the_pool_holds_the_values_exactly(llama, bits):
     held = quantized.kv_pool.gather(1, mx.array([ids]))
     assert all(mx.array_equal(a, b).item() for a, b in zip(held, full.kv_pool.gather(1, mx.array([ids]))))
     assert mx.any(held[0] != 0).item()
+
+
+# -- the other families ------------------------------------------------------------------
+
+
+@pytest.mark.slow  # a tiny model of each, solo, batched and on hits
+@pytest.mark.parametrize(("family", "layers"), [("gemma3_text", 4), ("gpt_oss", 2), ("qwen3_next", 4), ("llama4", 4)])
+def test_sliding_sink_hybrid_and_chunked_families_batch_and_hit_as_solo(tmp_path, family, layers):
+    """Windows, sinks, chunks: the masks the quantized path takes; a hybrid's states stay exact."""
+    spec = TinyModelSpec(family=family, num_layers=layers, head_dim=64, seed=3, sliding_window=24)
+    loaded = load_model(str(write_tiny_model(tmp_path / family, spec)))
+    prompts = [prompt_of(30, 1), prompt_of(45, 2), prompt_of(30, 1) + prompt_of(9, 7)]
+    solo = [engine_for(loaded, 8).generate(p, max_tokens=20).tokens for p in prompts]
+    engine = engine_for(loaded, 8)
+    assert [r.tokens for r in engine.generate_batch(prompts, max_tokens=20)] == solo
+    assert [r.tokens for r in engine.generate_batch(prompts, max_tokens=20)] == solo  # on prefix hits
+    assert engine.stats()["kv_format"] == "q8g32"
+
+
+def test_a_family_of_k_v_shapes_that_differ_is_refused_at_load(tmp_path):
+    spec = TinyModelSpec(family="gemma4_text", num_layers=4, head_dim=64, seed=3)
+    loaded = load_model(str(write_tiny_model(tmp_path / "gemma4", spec)))
+    with pytest.raises(MlxkvError, match="holds layers of one K/V shape, and this model's differ"):
+        engine_for(loaded, 8)
