@@ -107,7 +107,7 @@ def test_under_the_speed_gate_each_step_takes_its_buckets_path(family, kernel_at
     gate = SpeedGate(tuple(Bucket(b, c, 2.0 if b == 1 else 0.5, 1.0) for b in (1, 8) for c in (512, 4096, 16384)))
     checked = engine_module.choose_attention
     monkeypatch.setattr(engine_module, "choose_attention",
-                        lambda *shape: dataclasses.replace(checked(*shape), gate=gate))
+                        lambda *shape, **fmt: dataclasses.replace(checked(*shape, **fmt), gate=gate))
     _, path, model, tokenizer = family
     engine = Engine.load(path, CacheConfig(block_size=16, num_blocks=64, memory_tier_bytes=0))
     prompt = [(3 * i + 1) % 200 + 3 for i in range(30)]
