@@ -91,8 +91,8 @@ def with_kv_format(layout: KVLayout, kv: KVFormat) -> KVLayout:
         return layout
     groups = layout.group_layout
     if not groups.uniform:
-        raise MlxkvError(f"a quantized KV pool holds layers of one K/V shape, and this model's differ "
-                         f"({groups.page.describe()}); run it without --kv-bits")
+        raise MlxkvError(f"a quantized KV pool holds layers of one K/V shape, and this model's differ (its pages "
+                         f"hold unit heads of several shapes, {groups.page.describe()}); run it without --kv-bits")
     if layout.dtype not in QUANTIZABLE:
         raise MlxkvError(f"a quantized KV pool needs K/V in float16, bfloat16 or float32, not {layout.dtype}")
     for dim in (layout.head_dim, layout.v_head_dim):
