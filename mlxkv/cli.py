@@ -86,6 +86,8 @@ def _add_bench(sub) -> None:
                         "through the MSL harness of a source checkout; needs clang-19")
     p.add_argument("--remote-tier", default=None, metavar="URL",
                    help="tiers: the server of the remote rows (default: a redis-server of the bench's own)")
+    p.add_argument("--quick", action="store_true",
+                   help="memory: the quantized pool's rows at small sizes (minutes on a CPU, not an hour)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_bench)
 
@@ -96,6 +98,8 @@ def _add_doctor(sub) -> None:
     p.add_argument("--disk-tier", default=None, metavar="DIR", help="SSD tier directory (default: the user cache dir)")
     p.add_argument("--remote-tier", default=os.environ.get(REMOTE_TIER_ENV), metavar="URL",
                    help=f"a remote tier's server to check (default: ${REMOTE_TIER_ENV})")
+    p.add_argument("--kv-bits", type=int, default=None, choices=[8, 4], help="check a quantized pool's kernels")
+    p.add_argument("--kv-group-size", type=int, default=64, choices=[64, 32])
     p.set_defaults(func=cmd_doctor)
 
 
@@ -164,18 +168,21 @@ def cmd_bench(args) -> int:
 
 
 def cmd_doctor(args) -> int:
-    from mlxkv.attention.doctor import attention_lines, attention_report
+    from mlxkv.attention.doctor import attention_lines, attention_report, kv_lines, kv_report
+    from mlxkv.cache.kv_format import KVFormat
     from mlxkv.connectors.doctor import tier_lines, tier_report
     from mlxkv.system.blas import blas_report, format_doctor
     from mlxkv.system.paths import default_disk_tier_dir
 
     tiers = tier_report(getattr(args, "disk_tier", None) or str(default_disk_tier_dir()),
                         getattr(args, "remote_tier", None))
-    report = {**blas_report(), "attention": attention_report(), "tiers": tiers}
+    kv = KVFormat(getattr(args, "kv_bits", None), getattr(args, "kv_group_size", 64))
+    report = {**blas_report(), "attention": attention_report(kv=kv), "kv": kv_report(kv), "tiers": tiers}
     if getattr(args, "json", False):
         print(json.dumps(report, indent=2))
     else:
-        print(format_doctor(report, attention_lines(report["attention"]) + tier_lines(tiers)))
+        lines = attention_lines(report["attention"]) + kv_lines(report["kv"]) + tier_lines(tiers)
+        print(format_doctor(report, lines))
     return 0
 
 

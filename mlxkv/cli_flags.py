@@ -39,6 +39,10 @@ def add_cache_flags(p: argparse.ArgumentParser, model_help: str | None = None) -
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (power of two)")
     p.add_argument("--num-blocks", type=int, default=None, help="KV pool size in blocks (default: a share of memory)")
     p.add_argument("--no-prefix-cache", action="store_true", help="do not share blocks between prompts")
+    p.add_argument("--kv-bits", type=int, default=None, choices=[8, 4],
+                   help="store K/V quantized in the pool and its tiers (default: the model's dtype)")
+    p.add_argument("--kv-group-size", type=int, default=64, choices=[64, 32],
+                   help="values per scale and bias of a quantized pool")
     p.add_argument("--memory-tier-mb", type=number(int, 0), default=256, help="unified-memory tier budget (0 turns it off)")
     p.add_argument("--memory-tier-bits", type=int, default=None, choices=[4, 8], help="quantize memory-tier blocks")
     p.add_argument("--disk-tier", default=None, metavar="DIR", help="SSD tier directory (persists across runs)")
@@ -76,6 +80,8 @@ def cache_config(args):
         block_size=args.block_size,
         num_blocks=args.num_blocks,
         prefix_cache=not args.no_prefix_cache,
+        kv_bits=args.kv_bits,
+        kv_group_size=args.kv_group_size,
         memory_tier_bytes=args.memory_tier_mb << 20,
         memory_tier_bits=args.memory_tier_bits,
         disk_tier=None if args.no_disk_tier else args.disk_tier,

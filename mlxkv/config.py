@@ -45,7 +45,12 @@ class CacheConfig:
     prefix_cache: share blocks by content hash across requests.
     connector: a KVCacheConnector; when None, one is built from the tier fields.
     memory_tier_bytes: budget of the unified-memory tier (0 turns it off).
-    memory_tier_bits: store memory-tier blocks 8-bit (or 4-bit) quantized.
+    kv_bits: None (K/V in the model's dtype), 8 or 4: the pool stores K and V
+        quantized (mx.quantize's affine groups along the head dim), and so
+        do the tiers, as they are (cache/kv_format.py).
+    kv_group_size: values per scale and bias of a quantized pool, 64 or 32.
+    memory_tier_bits: store memory-tier blocks 8-bit (or 4-bit) quantized
+        (a full-precision pool's; a quantized pool's blocks stay as they are).
     disk_tier: directory of the SSD tier; None (the Python API default) turns it off.
     disk_tier_bytes: budget of the SSD tier (None: the tier's default).
     disk_tier_min_free_bytes: free space the SSD tier leaves on its disk,
@@ -87,6 +92,8 @@ class CacheConfig:
     memory_budget_bytes: int | None = None
     prefix_cache: bool = True
     connector: Any = None
+    kv_bits: int | None = None
+    kv_group_size: int = 64
     memory_tier_bytes: int = DEFAULT_MEMORY_TIER_BYTES
     memory_tier_bits: int | None = None
     disk_tier: str | None = None
@@ -120,6 +127,7 @@ class CacheConfig:
             raise MlxkvError(f"memory tier budget must be >= 0, got {self.memory_tier_bytes}")
         if self.disk_tier_bytes is not None and self.disk_tier_bytes <= 0:
             raise MlxkvError(f"disk tier budget must be positive, got {self.disk_tier_bytes}")
+        self._check_kv_format()
         self._check_tiers()
         if not isinstance(self.checkpoint_interval, int) or self.checkpoint_interval < 1:
             raise MlxkvError(f"checkpoint interval must be a whole number of tokens >= 1, got {self.checkpoint_interval!r}")
@@ -137,6 +145,24 @@ class CacheConfig:
             raise MlxkvError(
                 f"attention must be auto, reference or kernel, got {self.attention!r}"
             )
+
+    def _check_kv_format(self) -> None:
+        from mlxkv.cache.kv_format import KVFormat
+
+        for name in ("kv_bits", "kv_group_size"):
+            if isinstance(getattr(self, name), bool):
+                raise MlxkvError(f"{name} must be a number, got {getattr(self, name)!r}")
+        KVFormat(self.kv_bits, self.kv_group_size)  # checks both
+        if self.kv_bits is not None and self.memory_tier_bits is not None:
+            raise MlxkvError("--memory-tier-bits quantizes a full-precision pool's blocks; a pool of "
+                             "--kv-bits holds them quantized already, and the memory tier keeps them as they are")
+
+    @property
+    def kv_format(self):
+        """How the pool stores K/V (cache/kv_format.py)."""
+        from mlxkv.cache.kv_format import KVFormat
+
+        return KVFormat(self.kv_bits, self.kv_group_size)
 
     def _check_tiers(self) -> None:
         floor = self.disk_tier_min_free_bytes

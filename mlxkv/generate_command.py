@@ -47,7 +47,7 @@ def _generate_concurrent(engine, prompts: list[str], args) -> int:
             failed += 1
             print(f"mlxkv: error: {error}", file=sys.stderr)
         elif args.json:
-            print(json.dumps({**result.as_json(), "connector": _connector_stats(engine)}), flush=True)
+            print(json.dumps(_json_row(engine, result)), flush=True)
         else:
             print(result.text, flush=True)
             _print_stats(result.stats)
@@ -59,9 +59,16 @@ def _generate_one(engine, text: str, args) -> None:
     options = _options(args)
     if args.json:
         result = engine.generate(tokens, **options)
-        print(json.dumps({**result.as_json(), "connector": _connector_stats(engine)}), flush=True)
+        print(json.dumps(_json_row(engine, result)), flush=True)
     else:
         _print_stream(engine.stream(tokens, **options))
+
+
+def _json_row(engine, result) -> dict:
+    """A reply's JSON row: the result, how the pool stores K/V, and the tiers' counters."""
+    layout = engine.kv_layout
+    return {**result.as_json(), "kv_format": layout.kv_format, "kv_bytes_per_token": layout.bytes_per_token,
+            "connector": _connector_stats(engine)}
 
 
 def _connector_stats(engine) -> dict:

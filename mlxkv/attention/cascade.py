@@ -14,13 +14,17 @@ and read B times. Cascade attention splits each row's context in two:
    split-softmax (flash-decoding) merge, so the result is the softmax over
    the whole context.
 
-Computed in float32 and cast back to the query dtype. The Metal kernels
-read the pool per row and do not use this.
+Computed in float32 and cast back to the query dtype. Over a quantized
+pool both parts stay quantized (the prefix's copy is the pool's own
+parts) and the products are quantized matmuls, as in quantized.py. The
+Metal kernels read the pool per row and do not use this.
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
+
+from mlxkv.cache.kv_format import FULL, KVFormat
 
 # The row max of an all-masked (empty) tail: finite, so its weight in the
 # merge comes out exp(-huge) = 0 rather than NaN.
@@ -29,39 +33,49 @@ _EMPTY_MAX = -1e30
 
 def cascade_decode(queries: mx.array, cache, scale: float) -> mx.array:
     """Decode attention `[B, Hq, 1, Dv]` of a `PagedKVCache` whose batch has a shared prefix."""
-    b, layer = cache.batch, cache.layer
+    b, layer, pool = cache.batch, cache.layer, cache.pool
     prefix = b.prefix
-    tail_k, tail_v = cache.pool.gather(layer, b.block_tables[:, prefix.num_blocks :])
+    tables = b.block_tables[:, prefix.num_blocks :]
+    tail_k, tail_v = pool.gather_quantized(layer, tables) if pool.kv.quantized else pool.gather(layer, tables)
     tail_lens = mx.array(b.context_lens) - prefix.num_tokens
     return cascade_attention(
-        queries, prefix.keys[layer], prefix.values[layer], tail_k, tail_v, tail_lens, scale
+        queries, prefix.keys[layer], prefix.values[layer], tail_k, tail_v, tail_lens, scale, pool.kv
     )
 
 
-def cascade_attention(queries, prefix_k, prefix_v, tail_k, tail_v, tail_lens, scale: float) -> mx.array:
+def cascade_attention(queries, prefix_k, prefix_v, tail_k, tail_v, tail_lens, scale: float,
+                      kv: KVFormat = FULL) -> mx.array:
     """softmax(q K^T * scale) V over [shared prefix; each row's tail].
 
     queries `[B, Hq, 1, D]`; prefix K/V `[1, Hkv, P, D]`; tail K/V
-    `[B, Hkv, T, D]` of which row b's first `tail_lens[b]` keys are real.
+    `[B, Hkv, T, D]` of which row b's first `tail_lens[b]` keys are real;
+    in format `kv` (quantized: each a tuple of mx.quantize's parts).
     """
     B, n_heads, _, D = queries.shape
-    n_kv = prefix_k.shape[1]
+    n_kv = (prefix_k[0] if kv.quantized else prefix_k).shape[1]
     q = (queries.astype(mx.float32) * scale).reshape(B, n_kv, n_heads // n_kv, D)
-    shared = _partial(_group_rows(q), _f32(prefix_k), _f32(prefix_v))
+    shared = _partial(_group_rows(q), _f32(prefix_k), _f32(prefix_v), kv)
     shared = tuple(_ungroup_rows(x, B) for x in shared)
-    mask = mx.arange(tail_k.shape[2]) < tail_lens[:, None, None, None]
-    own = _partial(q, _f32(tail_k), _f32(tail_v), mask)
+    mask = mx.arange((tail_k[0] if kv.quantized else tail_k).shape[2]) < tail_lens[:, None, None, None]
+    own = _partial(q, _f32(tail_k), _f32(tail_v), kv, mask)
     return _merge(shared, own).reshape(B, n_heads, 1, -1).astype(queries.dtype)
 
 
-def _partial(q, k, v, mask=None):
+def _partial(q, k, v, kv: KVFormat, mask=None):
     """Unnormalized softmax(q k^T) v over some keys, with the row max and sum it used."""
-    scores = q @ k.swapaxes(-1, -2)
+    scores = _matmul(q, k, kv, transpose=True)
     if mask is not None:
         scores = mx.where(mask, scores, -mx.inf)
     row_max = mx.maximum(scores.max(axis=-1, keepdims=True), _EMPTY_MAX)
     p = mx.exp(scores - row_max)
-    return p @ v, row_max, p.sum(axis=-1, keepdims=True)
+    return _matmul(p, v, kv, transpose=False), row_max, p.sum(axis=-1, keepdims=True)
+
+
+def _matmul(x: mx.array, w, kv: KVFormat, transpose: bool) -> mx.array:
+    """x @ w (w^T with `transpose`), for w an array or quantized parts."""
+    if kv.quantized:
+        return mx.quantized_matmul(x, *w, transpose=transpose, group_size=kv.group_size, bits=kv.bits)
+    return x @ (w.swapaxes(-1, -2) if transpose else w)
 
 
 def _merge(a, b) -> mx.array:
@@ -83,5 +97,8 @@ def _ungroup_rows(x: mx.array, B: int) -> mx.array:
     return x.reshape(n_kv, B, n // B, X).transpose(1, 0, 2, 3)
 
 
-def _f32(x: mx.array) -> mx.array:
+def _f32(x):
+    """x in float32; quantized parts as they are (their products come out float32 for float32 queries)."""
+    if isinstance(x, tuple):
+        return x
     return x if x.dtype == mx.float32 else x.astype(mx.float32)

@@ -30,6 +30,8 @@ from mlxkv.attention import kernels, self_check, speed_gate
 from mlxkv.attention.self_check import KernelCheck
 from mlxkv.attention.speed_gate import AttentionShape, SpeedGate
 from mlxkv.attention.cascade import cascade_decode
+from mlxkv.cache.kv_format import FULL, KVFormat
+from mlxkv.attention.quantized import quantized_attention
 from mlxkv.errors import MlxkvError, MlxkvWarning
 from mlxkv.models import compat
 from mlxkv.attention.paged_cache import PagedKVCache
@@ -102,11 +104,8 @@ def choose_attention(mode: str | None, dtype, head_dim: int, v_head_dim: int, bl
         return AttentionChoice("reference", check)
     if requested_attention(mode) != "auto":
         return AttentionChoice("kernel", check)  # asked for: every decode
-    if kv_bits:
-        # The gate cannot time a quantized pool's reference path yet (the pool's own,
-        # mlx-lm's quantized SDPA): without a timing, auto keeps to the reference path.
-        return AttentionChoice("reference", check)
-    shape = AttentionShape(dtype, head_dim, block_size, n_heads, n_kv_heads)
+    shape = AttentionShape(dtype, head_dim, block_size, n_heads, n_kv_heads,
+                           KVFormat(kv_bits, kv_group_size) if kv_bits else FULL)
     try:
         gate = speed_gate.measure(shape, run=run, timer=timer)
     except Exception as e:  # a GPU fault while timing: as a failed check
@@ -127,7 +126,10 @@ def paged_attention(queries, keys, values, cache: PagedKVCache, scale: float, ma
     `keys`/`values` are the gathered contiguous K/V from `update_and_fetch`;
     the reference path uses them, a kernel reads the pool directly and
     leaves that gather unevaluated, and so does cascade attention. `sinks`
-    (gpt-oss): one logit per query head that joins every softmax.
+    (gpt-oss): one logit per query head that joins every softmax. Over a
+    quantized pool the given K/V are the dequantized fetch: a decode or
+    verify step attends over the quantized pages instead (quantized.py),
+    a prefill chunk over the given K/V (its score matrix would outweigh them).
     """
     n_queries = queries.shape[2]
     if cache.batch.prefix is not None and n_queries == 1 and sinks is None:
@@ -136,6 +138,10 @@ def paged_attention(queries, keys, values, cache: PagedKVCache, scale: float, ma
         out = _kernel_attention(queries, cache, scale, sinks)
         if out is not None:
             return out
+    pages = cache.quantized_pages(keys) if n_queries <= kernels.MAX_QUERIES else None
+    if pages is not None:
+        kv = cache.pool.kv
+        return quantized_attention(queries, *pages, scale, mask, kv.bits, kv.group_size, sinks)
     return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
 
 

@@ -1,9 +1,11 @@
 """What `mlxkv doctor` says of attention: the path decode takes here, the kernels' self-check,
-and under `auto` the speed gate's timings and choice per (queries, batch, context) bucket.
+under `auto` the speed gate's timings and choice per (queries, batch, context) bucket, and
+the KV format (`--kv-bits`): its bytes per token against float16.
 
 No model is loaded, so the check and the gate run on a common shape (fp16,
-head dim 128, 16-token blocks, 32 query heads over 8 KV heads: Llama-3-8B);
-a model checks and times its own shape when it loads (dispatch.choose_attention).
+head dim 128, 16-token blocks, 32 query heads over 8 KV heads, 32 layers:
+Llama-3-8B); a model checks and times its own shape when it loads
+(dispatch.choose_attention), over its own pool's format.
 """
 
 from __future__ import annotations
@@ -13,13 +15,33 @@ import warnings
 import mlx.core as mx
 
 from mlxkv.attention.dispatch import choose_attention, resolve_attention
+from mlxkv.cache.kv_format import FULL, KVFormat
+from mlxkv.cache.kv_pool import KVLayout
 
 SHAPE = dict(dtype=mx.float16, head_dim=128, v_head_dim=128, block_size=16, n_heads=32, n_kv_heads=8)
+LAYERS = 32
 
 
-def attention_report(run=None, timer=None, metal: bool | None = None) -> dict:
-    """{"path", "check", "gate", "why"}: the path a model of the common shape would decode on.
-    `run`, `timer`, `metal`: the kernel runner, the gate's timer, whether Metal is here (tests)."""
+def kv_report(kv: KVFormat = FULL) -> dict:
+    """The KV format and its bytes per token on the common shape, against float16."""
+    def layout(fmt):
+        return KVLayout(LAYERS, SHAPE["n_kv_heads"], SHAPE["head_dim"], SHAPE["v_head_dim"], SHAPE["block_size"],
+                        SHAPE["dtype"], kv=fmt)
+
+    ours, full = layout(kv), layout(FULL)
+    return {"format": ours.kv_format, "bytes_per_token": ours.bytes_per_token,
+            "float16_bytes_per_token": full.bytes_per_token, "ratio": ours.bytes_per_token / full.bytes_per_token}
+
+
+def kv_lines(report: dict) -> list[tuple[str, str]]:
+    return [("kv format", f"{report['format']}: {report['bytes_per_token'] / 1024:g} KiB per token on Llama-3-8B's "
+                          f"shape, {report['ratio']:.3f}x float16's {report['float16_bytes_per_token'] / 1024:g} KiB")]
+
+
+def attention_report(run=None, timer=None, metal: bool | None = None, kv: KVFormat = FULL) -> dict:
+    """{"path", "check", "gate", "why"}: the path a model of the common shape would decode on,
+    over a pool of format `kv`. `run`, `timer`, `metal`: the kernel runner, the gate's timer,
+    whether Metal is here (tests)."""
     metal = mx.metal.is_available() if metal is None else metal
     if resolve_attention(None, metal) == "reference":
         why = ("no Metal GPU: decode runs on the pure-MLX reference path" if not metal
@@ -27,7 +49,8 @@ def attention_report(run=None, timer=None, metal: bool | None = None) -> dict:
         return {"path": "reference", "check": None, "gate": None, "why": why}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the report says it
-        choice = choose_attention(None, run=run, timer=timer, metal=metal, **SHAPE)
+        choice = choose_attention(None, run=run, timer=timer, metal=metal, kv_bits=kv.bits,
+                                  kv_group_size=kv.group_size if kv.quantized else None, **SHAPE)
     return {**choice.as_dict(), "why": _why(choice)}
 
 

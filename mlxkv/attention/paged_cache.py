@@ -12,7 +12,10 @@ a chunked group's (Llama 4) hides what is before the query's chunk.
 A slot of a shape other than its page layer's reads and writes its own
 unit heads of it (`PageView`, cache/page_format.py). A layer that reads
 another layer's K/V (gemma3n, afm7: `keys_and_values()`) reads what that
-layer fetched in this step, the same blocks.
+layer fetched in this step, the same blocks. Over a quantized pool a fetch
+returns the K/V dequantized, lazily: what any model code can read, while
+attention over the pool reads the quantized pages (`stored`) and leaves
+the dequantized copy unevaluated.
 """
 
 from __future__ import annotations
@@ -113,6 +116,7 @@ class PagedKVCache(BaseCache):
         self.index = (self.slot if index == -1 else index)
         self.tables = batch.groups[group]
         self._fetched = None  # this step's K/V, for a layer that shares them
+        self.stored = None  # this step's K/V as the pool stores them (a quantized pool's parts)
 
     @property
     def offset(self):
@@ -143,30 +147,47 @@ class PagedKVCache(BaseCache):
 
     def update_and_fetch(self, keys, values):
         b, t = self.batch, self.tables
-        self.pool.write(self.layer, t.write_blocks, b.write_offsets, keys, values, self.view)
+        new = self.pool.write(self.layer, t.write_blocks, b.write_offsets, keys, values, self.view)
         if b.mirror is not None and t.window is None and t.chunk is None and self.index is not None:
-            self._fetched = self._fetch_mirrored(keys, values)
+            self.stored = self._fetch_mirrored(*new)
         else:
-            self._fetched = self._gather()
+            self.stored = self._gather_stored()
+        quantized = self.pool.kv.quantized
+        self._fetched = self.pool.dequantized(self.stored) if quantized else self.stored
         return self._fetched
 
     def keys_and_values(self):
         """This step's K/V of the slot: what a layer that shares them attends to."""
         return self._fetched if self._fetched is not None else self._gather()
 
+    def quantized_pages(self, keys):
+        """This step's quantized K and V pages, when `keys` is what the step fetched (a model
+        may pass K/V it changed: those are attended as given); None over a full-precision pool."""
+        fetched = self._fetched
+        if not self.pool.kv.quantized or fetched is None or keys is not fetched[0]:
+            return None
+        return self.stored
+
     def _gather(self):
         # The gathered copy is what any attention code can use; when the
         # kernel path or cascade attention serves instead, MLX never evaluates it.
-        length = self.lengths[0] if self.batch.batch_size == 1 else None
-        return self.pool.gather(self.layer, self.tables.block_tables, length, self.view, self.heads)
+        return self.pool.gather(self.layer, self.tables.block_tables, self._length, self.view, self.heads)
+
+    @property
+    def _length(self) -> int | None:
+        return self.lengths[0] if self.batch.batch_size == 1 else None
+
+    def _gather_stored(self):
+        if self.pool.kv.quantized:
+            return self.pool.gather_quantized(self.layer, self.tables.block_tables, self._length)
+        return self._gather()
 
     def _fetch_mirrored(self, keys, values):
+        """K/V from the lone sequence's mirror, as the pool stores them (`keys`, `values`: the new ones)."""
         mirror, offset = self.batch.mirror, self.batch.offsets[0]
         if not mirror.covers(self.index, offset):
             # First step of a request (maybe on prefix hits): copy once from the pool.
-            k, v = self.pool.gather(self.layer, self.tables.block_tables, self.batch.context_lens[0], self.view,
-                                    self.heads)
-            return mirror.reset(self.index, k, v)
+            return mirror.reset(self.index, *self._gather_stored())
         return mirror.write(self.index, offset, keys, values)
 
     # Models chain graph dependencies through a cache's arrays (deepseek_v32's
@@ -224,7 +245,7 @@ class PagedKVCache(BaseCache):
 
     @property
     def nbytes(self):
-        return self.pool.keys[self.layer].nbytes + self.pool.values[self.layer].nbytes
+        return self.pool.layer_nbytes(self.layer)
 
 
 class UnusedSlotCache(PagedKVCache):

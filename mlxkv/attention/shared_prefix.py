@@ -7,7 +7,7 @@ it from the pool once per row, per layer, per step.
 
 The copy is keyed by the blocks' content hashes (a block id can hold other
 content after an eviction) and is float32, the precision cascade attention
-computes in. It is gathered from the pool once and changes only when the
+computes in; over a quantized pool it is the pool's own quantized parts. It is gathered from the pool once and changes only when the
 key does: the part common to the old and new key is kept, the rest gathered.
 It stays equal to the pool's blocks: shared blocks are full and immutable
 while referenced, and the copy is dropped when no row that used it is left.
@@ -18,6 +18,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from mlxkv.cache.block_pool import Block
+from mlxkv.cache.kv_format import page_map, parts_of
 from mlxkv.cache.kv_pool import KVPool
 
 
@@ -36,7 +37,7 @@ def shared_blocks(tables: list[list[Block]], computed: int, block_size: int) -> 
 
 
 class SharedPrefix:
-    """Per-layer float32 K/V `[1, H, P, D]` of a shared prefix, and the rows using it."""
+    """Per-layer float32 K/V `[1, H, P, D]` of a shared prefix (a quantized pool's parts), and the rows using it."""
 
     def __init__(self, num_layers: int):
         self.key: tuple[bytes, ...] = ()
@@ -52,7 +53,7 @@ class SharedPrefix:
 
     @property
     def nbytes(self) -> int:
-        return sum(x.nbytes for x in self.keys + self.values if x is not None)
+        return sum(x.nbytes for page in self.keys + self.values if page is not None for x in parts_of(page))
 
     def update(self, blocks: list[Block], pool: KVPool, rows: set[int]) -> None:
         """Make the copy hold `blocks`, gathering from the pool only what it lacks."""
@@ -67,23 +68,34 @@ class SharedPrefix:
             self.keys[layer], self.values[layer] = self._grown(layer, common * bs, ids, pool)
         # Evaluated now: no lazy read of a pool array may outlive the step
         # (kv_pool.py). It waits for a step in flight, only when the key changes.
-        mx.eval(self.keys, self.values)
+        mx.eval([parts_of(page) for page in self.keys + self.values])
         self.key, self.num_tokens = key, len(key) * bs
         self.gathers += int(common < len(key))
 
     def _grown(self, layer: int, keep: int, ids: mx.array, pool: KVPool):
         """The layer's first `keep` tokens, then the blocks `ids [1, n]` gathered from the pool."""
-        parts = [(self.keys[layer][:, :, :keep], self.values[layer][:, :, :keep])] if keep else []
+        parts = ([(page_map(lambda x: x[:, :, :keep], self.keys[layer]),
+                   page_map(lambda x: x[:, :, :keep], self.values[layer]))] if keep else [])
         if ids.size:
-            parts.append(tuple(x.astype(mx.float32) for x in pool.gather(layer, ids)))
+            if pool.kv.quantized:
+                parts.append(pool.gather_quantized(layer, ids))
+            else:
+                parts.append(tuple(x.astype(mx.float32) for x in pool.gather(layer, ids)))
         if len(parts) == 1:
-            return tuple(mx.contiguous(x) for x in parts[0])  # a shrink's slice is strided
-        return tuple(mx.concatenate(xs, axis=2) for xs in zip(*parts))
+            return tuple(page_map(mx.contiguous, x) for x in parts[0])  # a shrink's slice is strided
+        return tuple(_joined(a, b) for a, b in zip(*parts))
 
     def release(self, row: int) -> bool:
         """Forget a finished row; True when no row uses the copy any more."""
         self.rows.discard(row)
         return not self.rows
+
+
+def _joined(a, b):
+    """Two pages' tokens one after the other (arrays, or quantized parts each)."""
+    if isinstance(a, tuple):
+        return tuple(mx.concatenate([x, y], axis=2) for x, y in zip(a, b))
+    return mx.concatenate([a, b], axis=2)
 
 
 def _common_length(a: tuple, b: tuple) -> int:

@@ -12,7 +12,9 @@ GATE_BUDGET_S in all:
 - reference: what the engine runs instead. At batch 1 that is SDPA over a
   contiguous copy (the engine's mirror, mlx-lm's own cache); at larger
   batches the gather of the rows' blocks, then SDPA with a length mask
-  (and, for several queries, the causal rule among them).
+  (and, for several queries, the causal rule among them). Over a
+  quantized pool both run the quantized matmuls (quantized.py) over the
+  quantized pages, as the engine does.
 
 A step then goes to the bucket of its kind (one query, or several: the
 nearest query count on a log scale), nearest its batch and longest context
@@ -33,6 +35,8 @@ import numpy as np
 
 from mlxkv.attention import kernels
 from mlxkv.attention.paged_cache import PagedBatch, PagedKVCache
+from mlxkv.attention.quantized import quantized_attention
+from mlxkv.cache.kv_format import FULL, KVFormat, parts_of
 from mlxkv.cache.kv_pool import KVLayout, KVPool
 
 GATE_QUERIES = (1, 4)  # decode; a verify step of 3 proposals, adaptive k's middle
@@ -51,6 +55,7 @@ class AttentionShape:
     block_size: int
     n_heads: int
     n_kv_heads: int
+    kv: KVFormat = FULL  # the pool's format
 
 
 @dataclass(frozen=True)
@@ -165,11 +170,14 @@ class DecodeCase:
                  queries: int = 1):
         per_row = -(-context // shape.block_size)
         n_blocks = per_row * (batch if distinct else 1)
-        layout = KVLayout(1, shape.n_kv_heads, shape.head_dim, shape.head_dim, shape.block_size, shape.dtype)
+        self.kv = shape.kv
+        layout = KVLayout(1, shape.n_kv_heads, shape.head_dim, shape.head_dim, shape.block_size, shape.dtype,
+                          kv=shape.kv)
         self.pool = KVPool(layout, n_blocks)
         blocks = (n_blocks, shape.n_kv_heads, shape.block_size, shape.head_dim)
-        self.pool.keys[0] = mx.random.normal(blocks).astype(shape.dtype)
-        self.pool.values[0] = mx.random.normal(blocks).astype(shape.dtype)
+        for pages in (self.pool.keys, self.pool.values):
+            x = mx.random.normal(blocks).astype(shape.dtype)
+            pages[0] = self.kv.quantize(x) if self.kv.quantized else x
         order = rng.permutation(n_blocks) if distinct else None
         tables = [[int(x) for x in (order[i * per_row:(i + 1) * per_row] if distinct else rng.permutation(per_row))]
                   for i in range(batch)]
@@ -178,12 +186,18 @@ class DecodeCase:
         self.queries = mx.random.normal((batch, shape.n_heads, queries, shape.head_dim)).astype(shape.dtype)
         self.scale = shape.head_dim ** -0.5
         self.context, self.batch = context, batch
-        gathered = self.pool.gather(0, self.paged_batch.block_tables)
-        self.keys, self.values = (mx.contiguous(x[:, :, :context]) for x in gathered)
+        self.keys, self.values = self._gathered(self.paged_batch.block_tables, context)
+
+    def _gathered(self, tables, length: int | None):
+        """The rows' K/V as the engine's reference path reads them (a quantized pool's parts)."""
+        if self.kv.quantized:
+            return self.pool.gather_quantized(0, tables, length)
+        k, v = self.pool.gather(0, tables)
+        return (k, v) if length is None else (mx.contiguous(k[:, :, :length]), mx.contiguous(v[:, :, :length]))
 
     def inputs(self, contiguous: bool = False) -> tuple[mx.array, ...]:
-        pools = (self.pool.keys[0], self.pool.values[0], self.queries)
-        return pools + ((self.keys, self.values) if contiguous else ())
+        pools = (*parts_of(self.pool.keys[0]), *parts_of(self.pool.values[0]), self.queries)
+        return pools + ((*parts_of(self.keys), *parts_of(self.values)) if contiguous else ())
 
     def paged(self, path: str, run=None):
         """The engine's decode attention on `path`: the kernels read the pool; the reference
@@ -199,7 +213,10 @@ class DecodeCase:
         length = self.context if self.batch == 1 else None
 
         def reference():
-            keys, values = self.pool.gather(0, cache.tables.block_tables, length)
+            keys, values = self._gathered(cache.tables.block_tables, length)
+            if self.kv.quantized:
+                return quantized_attention(self.queries, keys, values, self.scale, mask, self.kv.bits,
+                                           self.kv.group_size)
             return paged_attention(self.queries, keys, values, cache, self.scale, mask)
 
         return reference
@@ -208,5 +225,8 @@ class DecodeCase:
         """SDPA over the same K/V laid out contiguously, as mlx-lm's cache (and the engine's
         mirror of a lone sequence) holds them; several queries under the causal rule."""
         mask = "causal" if self.queries.shape[2] > 1 else None
+        if self.kv.quantized:
+            return quantized_attention(self.queries, self.keys, self.values, self.scale, mask, self.kv.bits,
+                                       self.kv.group_size)
         return mx.fast.scaled_dot_product_attention(self.queries, self.keys, self.values, scale=self.scale,
                                                     mask=mask)

@@ -46,6 +46,14 @@ def _tiers(args) -> tuple[list[dict], str]:
     return rows, format_rows(rows)
 
 
+def _memory(args) -> tuple[list[dict], str]:
+    from mlxkv.benchmarks.kv_formats import QUICK, FormatSizes
+    from mlxkv.benchmarks.memory import format_rows, run_memory_benchmark
+
+    rows = run_memory_benchmark(formats=QUICK if getattr(args, "quick", False) else FormatSizes())
+    return rows, format_rows(rows)
+
+
 def _at_defaults(module: str, run: str):
     """A suite that takes no flags: its module's `run` at its defaults, printed by its `format_rows`."""
 
@@ -65,7 +73,7 @@ SUITES = {
     "blas": _at_defaults("blas", "run_blas_benchmark"),
     "windows": _at_defaults("windows", "run_windows_benchmark"),
     "hybrid": _at_defaults("hybrid", "run_hybrid_benchmark"),
-    "memory": _at_defaults("memory", "run_memory_benchmark"),
+    "memory": _memory,
     "serve": _at_defaults("serve", "run_serve_benchmark"),
     "agents": _at_defaults("agents", "run_agents_benchmark"),
     "speculative": _at_defaults("speculative", "run_speculative_benchmark"),
@@ -82,6 +90,8 @@ def run_suite(args) -> int:
         return 0
     if getattr(args, "efficiency", False) and args.suite != "kernels":
         raise MlxkvError("--efficiency is a flag of `mlxkv bench kernels`")
+    if getattr(args, "quick", False) and args.suite not in ("memory", "all"):
+        raise MlxkvError("--quick is a flag of `mlxkv bench memory`")
     names = list(SUITES) if args.suite == "all" else [args.suite]
     for i, name in enumerate(names):
         rows, table = SUITES[name](args)

@@ -1,7 +1,8 @@
 """The model fingerprint that roots every block hash.
 
 Blocks are only interchangeable between runs of the same weights, dtype,
-block size and KV layout, so all of these go in. Hashing every weight byte
+block size, KV layout and KV format (a quantized pool's bits and group),
+so all of these go in. Hashing every weight byte
 of a multi-GB model would add seconds to each start, so each tensor
 contributes its name, shape, dtype and an evenly strided sample of its
 values: any fine-tune or re-initialisation changes the sample.
@@ -31,9 +32,10 @@ def _sample_bytes(param: mx.array) -> bytes:
 
 
 def model_fingerprint(model, config: dict, kv_dtype: mx.Dtype, block_size: int,
-                      groups: str | None = None) -> bytes:
+                      groups: str | None = None, kv_format: str | None = None) -> bytes:
     """`groups`: the layer-group layout (GroupLayout.describe) of a model that
-    is not one full-attention group; a plain model's fingerprint is as before."""
+    is not one full-attention group; `kv_format`: a quantized pool's ("q8g64").
+    A plain full-precision model's fingerprint is as before."""
     h = hashlib.sha256(b"mlxkv-fingerprint\0")
     header = {
         "layout_version": LAYOUT_VERSION,
@@ -43,6 +45,8 @@ def model_fingerprint(model, config: dict, kv_dtype: mx.Dtype, block_size: int,
     }
     if groups is not None:
         header["groups"] = groups
+    if kv_format is not None:
+        header["kv_format"] = kv_format
     h.update(json.dumps(header, sort_keys=True, default=str).encode())
     for name, param in sorted(tree_flatten(model.parameters()), key=lambda kv: kv[0]):
         h.update(f"\0{name}:{param.shape}:{param.dtype}\0".encode())

@@ -2,7 +2,9 @@
 
 Each pool is `[num_blocks, n_kv_heads, block_size, head_dim]` in the model's
 activation dtype, so one (block, head) tile is contiguous: the gather path,
-the Metal kernels and the spill tiers all read whole tiles.
+the Metal kernels and the spill tiers all read whole tiles. A quantized
+pool (cache/kv_format.py) holds each as `mx.quantize`'s three arrays of
+that layout (packed words, scales, biases), written a token vector at a time.
 
 Writes use MLX indexed assignment on the only live reference to the pool
 array, so MLX donates the buffer and scatters in place. A second reference
@@ -11,13 +13,19 @@ array, so MLX donates the buffer and scatters in place. A second reference
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, replace
 
 import mlx.core as mx
 
 from mlxkv.cache.block_kv import BlockKV, KVRun
+from mlxkv.cache.kv_format import FULL, KVFormat, page_map, parts_of
 from mlxkv.cache.layer_groups import GroupLayout
 from mlxkv.cache.page_format import EMPTY, KEYS, OWN
+from mlxkv.errors import MlxkvError
+
+log = logging.getLogger(__name__)
+QUANTIZABLE = (mx.float16, mx.bfloat16, mx.float32)  # scales in the model's dtype, as the kernels read
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +42,7 @@ class KVLayout:
     dtype: mx.Dtype
     groups: GroupLayout | None = None  # None: one full-attention group of all layers
     v_heads: int | None = None  # None: n_kv_heads
+    kv: KVFormat = FULL  # how pages store K/V: full precision, or quantized
 
     @property
     def group_layout(self) -> GroupLayout:
@@ -46,12 +55,49 @@ class KVLayout:
     @property
     def bytes_per_token(self) -> int:
         """K and V bytes one token takes across all page layers."""
-        per_layer = self.n_kv_heads * self.head_dim + self.num_v_heads * self.v_head_dim
-        return self.num_layers * per_layer * self.dtype.size
+        per_layer = (self.n_kv_heads * self.kv.vector_bytes(self.head_dim, self.dtype)
+                     + self.num_v_heads * self.kv.vector_bytes(self.v_head_dim, self.dtype))
+        return self.num_layers * per_layer
+
+    @property
+    def kv_format(self) -> str:
+        """The format's name: the dtype ("float16") or "q8g64"."""
+        return self.kv.name(self.dtype)
+
+    @property
+    def stored_page(self) -> tuple[int, int, int, int]:
+        """A page layer outside the pool (the tiers): K heads, K's last axis, V heads, V's."""
+        kv, dtype = self.kv, self.dtype
+        return (self.n_kv_heads, kv.stored_dim(self.head_dim, dtype), self.num_v_heads,
+                kv.stored_dim(self.v_head_dim, dtype))
 
     @property
     def bytes_per_block(self) -> int:
         return self.bytes_per_token * self.block_size
+
+
+def with_kv_format(layout: KVLayout, kv: KVFormat) -> KVLayout:
+    """The layout with its pages stored in `kv`; MlxkvError where a quantized pool cannot hold them.
+
+    Only pages of one K/V shape quantize: a page shared by slots of other
+    shapes (cache/page_format.py) holds unit heads that the quantized
+    reference path and the kernels do not read. A hybrid's recurrent state
+    is not KV: it stays in the model's dtype.
+    """
+    if not kv.quantized:
+        return layout
+    if not layout.num_layers:
+        log.warning("this model keeps no K/V (its layers are recurrent state alone): --kv-bits changes nothing")
+        return layout
+    groups = layout.group_layout
+    if not groups.uniform:
+        raise MlxkvError(f"a quantized KV pool holds layers of one K/V shape, and this model's differ (its pages "
+                         f"hold unit heads of several shapes, {groups.page.describe()}); run it without --kv-bits")
+    if layout.dtype not in QUANTIZABLE:
+        raise MlxkvError(f"a quantized KV pool needs K/V in float16, bfloat16 or float32, not {layout.dtype}")
+    for dim in (layout.head_dim, layout.v_head_dim):
+        kv.check(dim)
+    return replace(layout, kv=kv)
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,12 +118,15 @@ class PageView:
 
 
 class KVPool:
+    """Every page layer's K and V: an array each, or a quantized pool's (packed, scales, biases)."""
+
     def __init__(self, layout: KVLayout, num_blocks: int):
         self.layout = layout
+        self.kv = layout.kv
         self.num_blocks = num_blocks
-        self.keys = [mx.zeros(self._k_shape(num_blocks), layout.dtype) for _ in range(layout.num_layers)]
-        self.values = [mx.zeros(self._v_shape(num_blocks), layout.dtype) for _ in range(layout.num_layers)]
-        mx.eval(self.keys, self.values)
+        self.keys = [self.kv.zeros(self._k_shape(num_blocks), layout.dtype) for _ in range(layout.num_layers)]
+        self.values = [self.kv.zeros(self._v_shape(num_blocks), layout.dtype) for _ in range(layout.num_layers)]
+        mx.eval(self.arrays)
         self._heads = mx.arange(layout.n_kv_heads)
 
     def _k_shape(self, num_blocks: int) -> tuple[int, ...]:
@@ -94,8 +143,10 @@ class KVPool:
             return
         for layer in range(self.layout.num_layers):
             for pools, shape in ((self.keys, self._k_shape(extra)), (self.values, self._v_shape(extra))):
-                pools[layer] = mx.concatenate([pools[layer], mx.zeros(shape, self.layout.dtype)])
-                mx.eval(pools[layer])
+                zeros = parts_of(self.kv.zeros(shape, self.layout.dtype))
+                grown = [mx.concatenate([old, new]) for old, new in zip(parts_of(pools[layer]), zeros)]
+                pools[layer] = tuple(grown) if self.kv.quantized else grown[0]
+                mx.eval(grown)
         self.num_blocks = num_blocks
 
     def shrink(self, moves: list[tuple[int, int]], num_blocks: int) -> None:
@@ -105,36 +156,50 @@ class KVPool:
         dst = mx.array([new for _, new in moves], dtype=mx.int32) if moves else None
         for layer in range(self.layout.num_layers):
             for pools in (self.keys, self.values):
-                pool = pools[layer]
-                if moves:
-                    pool[dst] = pool[src]
-                pools[layer] = mx.array(pool[:num_blocks])  # a copy: the old buffer can go
-                mx.eval(pools[layer])
+                for pool in parts_of(pools[layer]):
+                    if moves:
+                        pool[dst] = pool[src]
+                # a copy: the old buffer can go
+                pools[layer] = page_map(lambda pool: mx.array(pool[:num_blocks]), pools[layer])
+                mx.eval(parts_of(pools[layer]))
         self.num_blocks = num_blocks
         mx.clear_cache()  # give the freed buffers back to the system, not MLX's cache
 
     @property
     def arrays(self) -> list[mx.array]:
-        """Every layer's K and V pool: what to evaluate so queued writes land."""
-        return [*self.keys, *self.values]
+        """Every layer's K and V pool arrays: what to evaluate so queued writes land."""
+        return [a for page in (*self.keys, *self.values) for a in parts_of(page)]
 
     @property
     def nbytes(self) -> int:
         return self.num_blocks * self.layout.bytes_per_block
 
+    def layer_nbytes(self, layer: int) -> int:
+        return sum(a.nbytes for a in parts_of(self.keys[layer]) + parts_of(self.values[layer]))
+
     def write(self, layer: int, block_ids: mx.array, offsets: mx.array, keys: mx.array, values: mx.array,
-              view: PageView | None = None) -> None:
-        """Scatter new K/V `[B, H, L, D]` to slots given as `[B, L]` block ids and in-block offsets."""
+              view: PageView | None = None):
+        """Scatter new K/V `[B, H, L, D]` to slots given as `[B, L]` block ids and in-block offsets.
+
+        Returns the new K and V as stored: as given, or a quantized pool's
+        (packed, scales, biases) of each token's vector.
+        """
         blk = block_ids[..., None]
         off = offsets[..., None]
         # Index arrays broadcast to [B, L, H]; the values must be laid out the same.
+        if self.kv.quantized:  # uniform pages only: with_kv_format refuses page views
+            stored = self.kv.quantize(keys), self.kv.quantize(values)
+            for pool, new in zip(self.keys[layer] + self.values[layer], stored[0] + stored[1]):
+                pool[blk, self._heads, off] = new.transpose(0, 2, 1, 3)
+            return stored
         if view is None:
             self.keys[layer][blk, self._heads, off] = keys.transpose(0, 2, 1, 3)
             self.values[layer][blk, self._heads, off] = values.transpose(0, 2, 1, 3)
-            return
+            return keys, values
         self.keys[layer][blk, _heads(view.k_head, keys, view.k_split), off] = _to_units(keys, view.k_split)
         if view.values == OWN:
             self.values[layer][blk, _heads(view.v_head, values, view.v_split), off] = _to_units(values, view.v_split)
+        return keys, values
 
     def gather(self, layer: int, block_tables: mx.array, length: int | None = None, view: PageView | None = None,
                heads: int = 0):
@@ -144,8 +209,12 @@ class KVPool:
         gathers exactly its context, which keeps results bit-identical to a
         contiguous cache). Contiguity matters: SDPA on a strided view was
         measured 3-10x slower on CPU. `view`: the slot's place in the page,
-        `heads` its real K heads.
+        `heads` its real K heads. A quantized pool's come dequantized: what
+        any attention code can read (attention over the pool reads
+        `gather_quantized` instead, and this is never evaluated).
         """
+        if self.kv.quantized:
+            return self.dequantized(self.gather_quantized(layer, block_tables, length))
         if view is None:
             return (
                 self._gather_one(self.keys[layer], block_tables, length),
@@ -158,6 +227,15 @@ class KVPool:
             return keys, mx.zeros((*keys.shape[:1], view.v_heads, keys.shape[2], 0), keys.dtype)
         v_heads = heads if view.v_heads == 0 else view.v_heads
         return keys, _gather_units(self.values[layer], block_tables, length, view.v_head, v_heads, view.v_split)
+
+    def gather_quantized(self, layer: int, block_tables: mx.array, length: int | None = None):
+        """A quantized pool's K and V parts `[B, H, T, ...]` for block tables `[B, nb]`, as `gather`."""
+        return tuple(tuple(self._gather_one(p, block_tables, length) for p in pages)
+                     for pages in (self.keys[layer], self.values[layer]))
+
+    def dequantized(self, stored):
+        """Quantized K and V parts as arrays in the model's dtype."""
+        return tuple(self.kv.dequantize(parts, self.layout.dtype) for parts in stored)
 
     @staticmethod
     def _gather_one(pool: mx.array, block_tables: mx.array, length: int | None) -> mx.array:
@@ -176,11 +254,16 @@ class KVPool:
         it, so a tier can keep or write the run whole. Evaluated at once so no
         lazy slice of a pool outlives this call (it would turn the next
         in-place write into a full copy). `groups`: each block's layer group.
+        A quantized pool's pages come as their bytes (kv_format.py).
         """
         idx = mx.array(block_ids)
-        run = KVRun(mx.stack([k[idx] for k in self.keys]), mx.stack([v[idx] for v in self.values]))
+        run = KVRun(mx.stack([self._page_copy(k, idx) for k in self.keys]),
+                    mx.stack([self._page_copy(v, idx) for v in self.values]))
         mx.eval(run.keys, run.values)
         return run.blocks(groups)
+
+    def _page_copy(self, page, idx: mx.array) -> mx.array:
+        return self.kv.to_bytes([p[idx] for p in page]) if self.kv.quantized else page[idx]
 
     def write_blocks(self, block_ids: list[int], blocks: list[BlockKV]) -> None:
         """Fill whole blocks (hydrate) with K/V read back from a tier.
@@ -191,14 +274,21 @@ class KVPool:
         moves about 0.7 GB/s and every extra op costs a dispatch. Blocks that
         are no run's views are first stacked into one.
         """
-        dtype = self.layout.dtype
         for dst, run, src, n in _segments(block_ids, blocks):
             for layer in range(self.layout.num_layers):
                 # One indexing op per side: a slice of a slice was measured to
                 # make MLX's CPU slice update copy at half the speed.
-                self.keys[layer][dst : dst + n] = run.keys[layer, src : src + n].astype(dtype)
-                self.values[layer][dst : dst + n] = run.values[layer, src : src + n].astype(dtype)
-        mx.eval(self.keys, self.values)
+                self._fill(self.keys[layer], dst, n, run.keys[layer, src : src + n], self.layout.head_dim)
+                self._fill(self.values[layer], dst, n, run.values[layer, src : src + n], self.layout.v_head_dim)
+        mx.eval(self.arrays)
+
+    def _fill(self, page, dst: int, n: int, stored: mx.array, dim: int) -> None:
+        dtype = self.layout.dtype
+        if not self.kv.quantized:
+            page[dst : dst + n] = stored.astype(dtype)
+            return
+        for pool, part in zip(page, self.kv.from_bytes(stored, dim, dtype)):
+            pool[dst : dst + n] = part
 
 
 def _heads(first: int, x: mx.array, split: int) -> mx.array:

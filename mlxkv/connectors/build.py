@@ -25,9 +25,9 @@ def _dtype(layout) -> str:
     return str(layout.dtype).removeprefix("mlx.core.")
 
 
-def _page(layout) -> tuple[int, int, int, int]:
-    """A page layer's shape, so a tier never returns pages of another format."""
-    return (layout.n_kv_heads, layout.head_dim, layout.num_v_heads, layout.v_head_dim)
+def _kv_format(layout) -> str | None:
+    """A quantized pool's format, which its files carry; None for full precision."""
+    return layout.kv_format if layout.kv.quantized else None
 
 
 def _disk_tier(cache_config, fingerprint: bytes, layout):
@@ -43,7 +43,8 @@ def _disk_tier(cache_config, fingerprint: bytes, layout):
         dtype=_dtype(layout),
         budget_bytes=cache_config.disk_tier_bytes,
         min_free_bytes=cache_config.disk_tier_min_free_bytes,
-        page=_page(layout),
+        page=layout.stored_page,  # so a tier never returns pages of another shape
+        kv_format=_kv_format(layout),
     )
     if disk.disabled:  # it warned why; left in, it would show as an empty tier
         disk.close()
@@ -68,5 +69,6 @@ def _remote_tier(cache_config, fingerprint: bytes, layout):
         ttl_s=cache_config.remote_tier_ttl_s,
         timeout_s=cache_config.remote_tier_timeout_ms / 1000,
         checkpoints=layout.group_layout.has_recurrent,
-        page=_page(layout),
+        page=layout.stored_page,  # so a tier never returns pages of another shape
+        kv_format=_kv_format(layout),
     )

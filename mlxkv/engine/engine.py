@@ -14,7 +14,7 @@ from mlxkv.attention.dispatch import choose_attention
 from mlxkv.cache.coordinator import KVCacheCoordinator
 from mlxkv.cache.fingerprint import model_fingerprint
 from mlxkv.cache.hashing import root_hash
-from mlxkv.cache.kv_pool import KVPool
+from mlxkv.cache.kv_pool import KVPool, with_kv_format
 from mlxkv.cache.pool_sizing import checkpoint_budget, initial_blocks, size_pool
 from mlxkv.chat import prompting
 from mlxkv.config import CacheConfig
@@ -57,10 +57,11 @@ class Engine:
         self.tokenizer = loaded.tokenizer
         self.cache_config = cache
         self.draft: Engine | None = None  # the draft model's own engine, under speculative="draft"
-        self.kv_layout = probe_kv_layout(loaded, cache.block_size)
-        groups = self.kv_layout.group_layout
+        self.kv_layout = with_kv_format(probe_kv_layout(loaded, cache.block_size), cache.kv_format)
+        groups, kv = self.kv_layout.group_layout, self.kv_layout.kv
         self.fingerprint = model_fingerprint(self.model, loaded.config, self.kv_layout.dtype, cache.block_size,
-                                             None if groups.is_plain else groups.describe())
+                                             None if groups.is_plain else groups.describe(),
+                                             self.kv_layout.kv_format if kv.quantized else None)
         budget = size_pool(cache, self.kv_layout, loaded.max_context, device)
         # The pool grows on demand to its budget (block_pool.py): memory as sequences need it.
         self.kv_pool = KVPool(self.kv_layout, initial_blocks(budget))
@@ -72,7 +73,8 @@ class Engine:
         self.block_pool = self.cache.pool
         lay = self.kv_layout
         self.attention = choose_attention(cache.attention, lay.dtype, lay.head_dim, lay.v_head_dim, lay.block_size,
-                                          loaded.config.get("num_attention_heads", lay.n_kv_heads), lay.n_kv_heads)
+                                          loaded.config.get("num_attention_heads", lay.n_kv_heads), lay.n_kv_heads,
+                                          kv_bits=kv.bits, kv_group_size=kv.group_size if kv.quantized else None)
         self.runner = ModelRunner(self.model, self.kv_pool, self.cache, self.attention)
         model_bytes = sum(v.nbytes for _, v in tree_flatten(self.model.parameters()))
         self.loop = BatchLoop(self.cache, self.runner, self.tokenizer.eos_token_ids, prefill_chunk, max_running,
@@ -233,6 +235,8 @@ class Engine:
         return {
             "model": self.loaded.name,
             "block_size": self.kv_layout.block_size,
+            "kv_format": self.kv_layout.kv_format,
+            "kv_bytes_per_token": self.kv_layout.bytes_per_token,
             "kv_bytes_per_block": self.kv_layout.bytes_per_block,
             "pool_bytes": self.kv_pool.nbytes,
             "pool_budget_bytes": self.block_pool.budget * self.kv_layout.bytes_per_block,

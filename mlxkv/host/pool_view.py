@@ -40,6 +40,8 @@ class PoolSnapshot:
     block_size: int
     requests: int = 0
     mark_counts: dict[str, int] = field(default_factory=dict)
+    kv_format: str = ""  # how the pool stores K/V: the dtype ("float16"), or "q8g64" (cache/kv_format.py)
+    kv_bytes_per_token: int = 0
 
     @property
     def num_blocks(self) -> int:
@@ -53,13 +55,17 @@ class PoolWatcher:
     snapshot; `connector` gives the tiers' counters.
     """
 
-    def __init__(self, pool: BlockPool, loop: BatchLoop, connector, block_size: int):
+    def __init__(self, pool: BlockPool, loop: BatchLoop, connector, block_size: int, kv_format: str = "",
+                 kv_bytes_per_token: int = 0):
         self.pool, self.loop, self.connector, self.block_size = pool, loop, connector, block_size
+        self.kv_format, self.kv_bytes_per_token = kv_format, kv_bytes_per_token
         self.begin()
 
     @classmethod
     def of(cls, engine) -> PoolWatcher:
-        return cls(engine.block_pool, engine.loop, engine.connector, engine.kv_layout.block_size)
+        layout = engine.kv_layout
+        return cls(engine.block_pool, engine.loop, engine.connector, layout.block_size, layout.kv_format,
+                   layout.bytes_per_token)
 
     def begin(self) -> None:
         blocks = self.pool.blocks
@@ -87,6 +93,8 @@ class PoolWatcher:
             requests=self.loop.requests_served,
             mark_counts={m: marks.count(m) for m in (MARK_POOL_HIT, MARK_MEMORY, MARK_DISK, MARK_REMOTE, MARK_NEW,
                                                      MARK_SPILL)},
+            kv_format=self.kv_format,
+            kv_bytes_per_token=self.kv_bytes_per_token,
         )
 
     def _mark_spills(self, blocks) -> None:

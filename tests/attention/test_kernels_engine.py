@@ -107,7 +107,7 @@ def test_under_the_speed_gate_each_step_takes_its_buckets_path(family, kernel_at
     gate = SpeedGate(tuple(Bucket(b, c, 2.0 if b == 1 else 0.5, 1.0) for b in (1, 8) for c in (512, 4096, 16384)))
     checked = engine_module.choose_attention
     monkeypatch.setattr(engine_module, "choose_attention",
-                        lambda *shape: dataclasses.replace(checked(*shape), gate=gate))
+                        lambda *shape, **fmt: dataclasses.replace(checked(*shape, **fmt), gate=gate))
     _, path, model, tokenizer = family
     engine = Engine.load(path, CacheConfig(block_size=16, num_blocks=64, memory_tier_bytes=0))
     prompt = [(3 * i + 1) % 200 + 3 for i in range(30)]
@@ -118,3 +118,23 @@ def test_under_the_speed_gate_each_step_takes_its_buckets_path(family, kernel_at
     for p, result in zip(prompts, engine.generate_batch(prompts, max_tokens=5)):
         assert result.tokens == [r.token for r in stream_generate(model, tokenizer, p, max_tokens=5)]
     assert {launch.grid[2] for launch in kernel_attention} >= {4}
+
+
+def test_a_quantized_pool_decodes_on_the_kernel_as_on_its_reference_path(family, kernel_attention, monkeypatch):
+    """--kv-bits: the kernels read the pool's own quantized pages; greedy tokens equal the
+    reference path's over the same pool (its quantized matmuls), batched and alone."""
+    _, path, _, _ = family
+    prompts = [[(5 * i + 2) % 200 + 3 for i in range(20 + 9 * j)] for j in range(3)]
+
+    def run():
+        config = CacheConfig(block_size=16, num_blocks=64, memory_tier_bytes=0, kv_bits=8, kv_group_size=32)
+        engine = Engine.load(path, config)
+        return [r.tokens for r in engine.generate_batch(prompts, max_tokens=5)] + [
+            engine.generate(prompts[0], max_tokens=5).tokens]
+
+    on_kernels = run()
+    quantized = {kernels.kernel("paged_decode", quantized=True), kernels.kernel("paged_decode_multi", quantized=True)}
+    assert all(launch.kernel in quantized | {kernels.kernel("paged_reduce")} for launch in kernel_attention)
+    assert any(launch.kernel in quantized for launch in kernel_attention)
+    monkeypatch.setenv(ATTENTION_ENV, "reference")
+    assert run() == on_kernels

@@ -1,8 +1,8 @@
 """Quantized pools (K and V as mx.quantize lays them out: packed words, scales, biases) on
 the decode kernels, one query per row and several.
 
-The pools here are built with mx.quantize directly; the pool that stores them is another
-part's. Checked against the float64 oracle of the dequantized values, and against the
+The pools here are built with mx.quantize directly, in the layout the quantized KVPool
+holds (cache/kv_format.py). Checked against the float64 oracle of the dequantized values, and against the
 full-precision kernels run on the same values dequantized; planted bugs in the
 dequantization must fail, and the sanitizers see an out-of-range block and no race.
 """
@@ -17,6 +17,7 @@ import pytest
 
 from mlxkv.attention import dispatch as attention, kernels
 from mlxkv.attention.paged_cache import PagedKVCache
+from mlxkv.cache.kv_format import KVFormat
 from mlxkv.cache.kv_pool import KVLayout, KVPool
 from mlxkv.errors import MlxkvError
 from msl.harness import SKIP_REASON, HarnessError, clang_available, shared_harness
@@ -48,8 +49,10 @@ def test_the_quantized_kernels_equal_the_full_precision_ones_on_the_same_values(
 
 def test_a_verify_step_on_a_quantized_pool_runs_on_the_kernels_through_paged_attention(on_device):
     case = make_case(mx.bfloat16, 64, 2, context_lens=(40, 9), queries=3, kv_bits=4, kv_group_size=32, seed=4)
-    pool = KVPool(KVLayout(1, 2, 64, 64, 16, mx.bfloat16), 1)
-    pool.keys[0], pool.values[0] = case.k_pool, case.v_pool  # as a quantized pool will hold a page layer
+    pool = KVPool(KVLayout(1, 2, 64, 64, 16, mx.bfloat16, kv=KVFormat(4, 32)), 1)
+    assert all(a.shape[1:] == b.shape[1:] and a.dtype == b.dtype  # the pool's own layout is the kernels'
+               for a, b in zip(pool.keys[0] + pool.values[0], case.k_pool + case.v_pool))
+    pool.keys[0], pool.values[0] = case.k_pool, case.v_pool
     cache = PagedKVCache(pool, 0, case.batch("kernel"))
     out = attention.paged_attention(case.queries, None, None, cache, case.scale, cache.make_mask(3))
     assert_close(out, oracle(case), mx.bfloat16)

@@ -158,15 +158,21 @@ def test_a_passing_check_keeps_the_kernels(checked_once):
     assert choice.path == "kernel" and choice.check.ok
 
 
-def test_a_quantized_pool_is_checked_in_its_format_and_auto_waits_for_a_timing():
+def test_a_quantized_pool_is_checked_in_its_format_and_auto_times_it():
+    timed = []
+
+    def timer(kernel, reference, budget_s):  # the gate times the quantized pool's own steps
+        timed.append(kernel.queries)
+        return 1e-3, 2e-3
+
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         forced = choose_attention("kernel", mx.float16, 64, 64, 16, 2, 2, run=harness_run(), kv_bits=8,
                                   kv_group_size=64)
         auto = choose_attention("auto", mx.float16, 64, 64, 16, 2, 2, run=harness_run(), metal=True, kv_bits=8,
-                                kv_group_size=64, timer=lambda *a: pytest.fail("no gate for a quantized pool yet"))
+                                kv_group_size=64, timer=timer)
     assert forced.path == "kernel" and forced.check.instantiation.endswith("8-bit pool in groups of 64")
-    assert auto.path == "reference" and auto.check.ok
+    assert auto.path == "kernel" and auto.check.ok and auto.gate is not None and timed
     unsupported = choose_attention("kernel", mx.float16, 96, 96, 16, 2, 2, run=broken_compiler, kv_bits=4,
                                    kv_group_size=64)
     assert unsupported.path == "reference" and unsupported.check.reason == "no kernel serves this shape"

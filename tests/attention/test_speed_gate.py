@@ -103,6 +103,25 @@ def test_the_steps_it_times_are_the_real_ones():
         assert mx.allclose(alone.paged("kernel", harness_run())(), alone.contiguous(), atol=1e-4).item()
 
 
+@pytest.mark.slow  # the quantized kernels in the harness, both kinds
+def test_a_quantized_pools_steps_are_timed_on_its_own_reference_path(monkeypatch, checked_once):
+    from mlxkv.cache.kv_format import KVFormat
+
+    shape = AttentionShape(mx.float32, 64, 16, 4, 2, KVFormat(8, 32))
+    for queries in speed_gate.GATE_QUERIES:
+        for batch in (1, 3):
+            case = speed_gate.DecodeCase(shape, 70, batch, np.random.default_rng(0), distinct=False, queries=queries)
+            assert isinstance(case.pool.keys[0], tuple) and isinstance(case.keys, tuple)  # the pages, quantized
+            kernel = case.paged("kernel", harness_run())()
+            reference = (case.contiguous if batch == 1 else case.paged("reference"))()
+            assert kernel.shape == (batch, 4, queries, 64) and mx.allclose(kernel, reference, atol=1e-4).item()
+    monkeypatch.delenv(ATTENTION_ENV, raising=False)
+    choice = choose_attention("auto", mx.float16, 64, 64, 16, 4, 2, run=harness_run(), timer=FakeGPU(TIMES).timer,
+                              metal=True, kv_bits=8, kv_group_size=64)
+    assert choice.path == "kernel" and choice.gate is not None  # auto times a quantized pool too
+    assert [choice.path_for(1, c) for c in (512, 4096, 16384)] == ["reference", "reference", "kernel"]
+
+
 def test_alternate_times_per_call_with_an_injected_clock():
     now = [0.0]
 

@@ -33,6 +33,14 @@ def test_the_private_names_compat_takes_exist():
     model_class, args_class = compat.model_classes("mistral")
     assert model_class.__module__ == "mlx_lm.models.llama"  # remapped as mlx_lm.load does
     assert hasattr(args_class, "from_dict")
+    quantized = compat.quantized_kv_cache(32, 4)  # the quantized pool's peer (benchmarks/kv_formats.py)
+    assert (quantized.group_size, quantized.bits, quantized.offset) == (32, 4, 0)
+    import mlx.nn as nn
+
+    model = nn.Sequential(nn.Linear(64, 64))
+    nn.quantize(model, group_size=32, bits=4)
+    compat.dequantize_model(model)  # the quality rows' float copy of the demo model
+    assert type(model.layers[0]) is nn.Linear
 
 
 @pytest.fixture(scope="module")

@@ -63,6 +63,8 @@ def fixed_snapshot(num_blocks: int = 96) -> PoolSnapshot:
         block_size=16,
         requests=3,
         mark_counts={"p": 5, "m": 3, "d": 3, "n": 1, "x": 1},
+        kv_format="q8g64",
+        kv_bytes_per_token=69_632,  # Llama-3-8B: 32 layers x 8 KV heads x (128 + 8) bytes, K and V
     )
 
 

@@ -26,7 +26,8 @@ class CachePanel(VerticalScroll):
         self.border_title = "KV cache"
 
     def show_snapshot(self, snapshot: PoolSnapshot) -> None:
-        self.query_one(PoolUsage).show(snapshot.usage, snapshot.block_size)
+        self.query_one(PoolUsage).show(snapshot.usage, snapshot.block_size, snapshot.kv_format,
+                                       snapshot.kv_bytes_per_token)
         self.query_one(TierTable).show_tiers(snapshot.tiers, snapshot.usage["cached"])
         self.query_one(BlockMap).show(snapshot)
 

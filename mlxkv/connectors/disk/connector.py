@@ -81,6 +81,7 @@ class DiskKVCacheConnector:
         tier_name: str = DISK,
         read_io=None,
         page: tuple[int, int, int, int] | None = None,
+        kv_format: str | None = None,
     ):
         if not isinstance(fingerprint, bytes) or len(fingerprint) != cache_dir.HASH_LEN:
             raise ValueError("the model fingerprint must be 32 bytes")
@@ -92,7 +93,7 @@ class DiskKVCacheConnector:
         self.fingerprint = fingerprint
         self.block_size = block_size
         self.num_layers = num_layers
-        self.spec, self._mx_dtype = file_spec(fingerprint, block_size, num_layers, dtype, page)
+        self.spec, self._mx_dtype = file_spec(fingerprint, block_size, num_layers, dtype, page, kv_format)
         self.dtype = self.spec.dtype
         self.budget_bytes = budget_bytes
         self.max_pending_bytes = max_pending_bytes

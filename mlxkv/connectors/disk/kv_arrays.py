@@ -1,7 +1,9 @@
 """K/V between MLX and the files' numpy arrays: dtypes, the tier's FileSpec, and copies for the writer.
 
 numpy has no bfloat16, so bfloat16 is stored as its raw uint16 bit
-patterns (the file's metadata names the real dtype). The SSD tier's
+patterns (the file's metadata names the real dtype). A quantized pool's
+pages are bytes (`uint8`, cache/kv_format.py), and the file names their
+format ("q8g64") beside the dtype of their scales. The SSD tier's
 writes and the remote tier's values go through here alike, so a block's
 bytes are the same on disk and on the server.
 """
@@ -32,11 +34,13 @@ def normalize_dtype(dtype) -> str:
 
 
 def file_spec(fingerprint: bytes, block_size: int, num_layers: int, dtype,
-              page: tuple[int, int, int, int] | None = None) -> tuple[FileSpec, mx.Dtype]:
-    """What every file (or remote value) of a tier says about itself, and the MLX dtype its K/V come back in."""
+              page: tuple[int, int, int, int] | None = None,
+              kv_format: str | None = None) -> tuple[FileSpec, mx.Dtype]:
+    """What every file (or remote value) of a tier says about itself, and the MLX dtype its K/V come back in.
+    `kv_format`: a quantized pool's ("q8g64"), whose pages are bytes; None: full precision."""
     name = normalize_dtype(dtype)
-    mx_dtype, np_dtype = DTYPES[name]
-    return FileSpec(fingerprint, block_size, num_layers, name, np_dtype, page), mx_dtype
+    mx_dtype, np_dtype = (mx.uint8, np.dtype(np.uint8)) if kv_format else DTYPES[name]
+    return FileSpec(fingerprint, block_size, num_layers, name, np_dtype, page, kv_format), mx_dtype
 
 
 def to_numpy(kvs: Sequence[BlockKV], spec: FileSpec, mx_dtype: mx.Dtype) -> tuple[np.ndarray, np.ndarray]:

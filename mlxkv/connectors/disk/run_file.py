@@ -9,7 +9,8 @@ names the whole prefix and so everything the file holds; `block_hashes` in
 the metadata lists every block's hash, so any part of the run is found.
 
 Metadata also holds the format version, model fingerprint, block size,
-dtype, layer count, the layer group the blocks belong to (absent in files
+dtype, layer count, a quantized pool's KV format (`kv_format`, "q8g64":
+its tensors are each vector's bytes; absent in full-precision files), the layer group the blocks belong to (absent in files
 written before groups: group 0) and a checksum of the tensor bytes, named by
 `checksum_algo`: XXH3-64 in files written now, CRC-32 in files written
 before; both are read. Anything that does not check out raises
@@ -45,7 +46,7 @@ HEAD_READ = 16 << 10  # first read of a header; more only if it is longer
 MAX_HEADER = 1 << 20
 ALIGN = 4096  # O_DIRECT wants buffer, offset and length aligned to the device's blocks; a page is enough
 
-_NP_DTYPES = {"F32": np.float32, "F16": np.float16, "U16": np.uint16}
+_NP_DTYPES = {"F32": np.float32, "F16": np.float16, "U16": np.uint16, "U8": np.uint8}
 
 
 class CorruptBlockError(ValueError):
@@ -62,10 +63,11 @@ class FileSpec:
     dtype: str  # the real dtype (bfloat16 is stored as uint16 bits)
     np_dtype: np.dtype
     page: tuple[int, int, int, int] | None = None  # a page layer's (K heads, K dim, V heads, V dim); None: any
+    kv_format: str | None = None  # a quantized pool's ("q8g64": the dims are bytes); None: full precision
 
     def fixed_metadata(self) -> dict[str, str]:
         """The fields every file of the tier has in common."""
-        return {
+        meta = {
             "format": FORMAT,
             "format_version": FORMAT_VERSION,
             "fingerprint": self.fingerprint.hex(),
@@ -73,6 +75,7 @@ class FileSpec:
             "num_layers": str(self.num_layers),
             "dtype": self.dtype,
         }
+        return {**meta, "kv_format": self.kv_format} if self.kv_format else meta
 
     def metadata(self, block_hashes, shape, group: int = 0) -> dict[str, str]:
         return {
@@ -84,7 +87,8 @@ class FileSpec:
 
     def block_hashes(self, meta: dict, name: bytes) -> tuple[bytes, ...]:
         """The run's block hashes, once every field but shape and checksum checks out."""
-        for field, want in self.fixed_metadata().items():
+        # kv_format is absent from a full-precision file: a quantized one is never read as one.
+        for field, want in {"kv_format": None, **self.fixed_metadata()}.items():
             if meta.get(field) != want:
                 raise CorruptBlockError(f"metadata {field}={meta.get(field)!r}, expected {want!r}")
         return listed_hashes(meta, name)

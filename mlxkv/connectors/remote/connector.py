@@ -77,8 +77,8 @@ class RemoteKVCacheConnector:
                  block_nbytes: int = 1 << 20, prefix: str = DEFAULT_PREFIX, ttl_s: int | None = None,
                  timeout_s: float = DEFAULT_TIMEOUT_S, max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES,
                  checkpoints: bool = False, tier_name: str = REMOTE,
-                 page: tuple[int, int, int, int] | None = None):
-        self.spec, self._mx_dtype = file_spec(fingerprint, block_size, num_layers, dtype, page)
+                 page: tuple[int, int, int, int] | None = None, kv_format: str | None = None):
+        self.spec, self._mx_dtype = file_spec(fingerprint, block_size, num_layers, dtype, page, kv_format)
         self.block_size = block_size
         self.block_nbytes = block_nbytes
         self.tier_name = tier_name
