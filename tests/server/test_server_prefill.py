@@ -135,6 +135,13 @@ def test_openai_streams_open_before_the_prefill_and_keep_alive(slow, path, body,
     assert rest.count(": keep-alive") >= 3
 
 
+def answer_time(server, path: str) -> float:
+    began = time.perf_counter()
+    status, _, _ = raw(server, "GET", path)
+    assert status == 200, path
+    return time.perf_counter() - began
+
+
 @pytest.mark.slow
 def test_health_metrics_models_and_stats_answer_at_once_during_a_long_prefill(llama_dir):
     load = SlowSteps(1.0, CHUNK)  # a step as long as a 2k-token chunk of a real model on a Mac
@@ -143,10 +150,10 @@ def test_health_metrics_models_and_stats_answer_at_once_during_a_long_prefill(ll
                     {"messages": [{"role": "user", "content": long_text(60, 200)}], "max_tokens": 2})
         assert wait_for(lambda: server.engine.open_requests == 1 and load.steps >= 1)
         for path in ["/health", "/metrics", "/v1/models", "/v1/cache/stats", "/"]:
-            began = time.perf_counter()
-            status, _, _ = raw(server, "GET", path)
             # Within a tenth of a step, where waiting for the engine would take up to a whole one.
-            assert status == 200 and time.perf_counter() - began < 0.1 * load.step_s + 0.05, path
+            # The best of three: a loaded machine may delay one answer, an engine wait delays all
+            # three (each one after the first arrives at the start of a step).
+            assert min(answer_time(server, path) for _ in range(3)) < 0.1 * load.step_s + 0.05, path
         hang_up(conn)
 
 
