@@ -11,20 +11,26 @@ decode tok/s, and the tokens must be identical.
 - free chat: a story, nothing to copy;
 - a batch of 8 code edits, against the same batch without speculation;
 - a draft model: the demo model drafting for itself (the one trained
-  model here), against mlx-lm's speculative decoding on the same pair;
-- the code edit and chat again on a float32 copy of a quantized model:
-  this CPU's quantized matmul does not batch query tokens as a Mac's GPU does.
+  model here), against mlx-lm's speculative decoding on the same pair,
+  as a user gets it and with every step verifying (the guard off);
+- every row again on a float32 copy of a quantized model: this CPU's
+  quantized matmul does not batch query tokens as a Mac's GPU does.
 """
 
 from __future__ import annotations
 
 import inspect
+import json
+import os
+import shutil
 import statistics
+import tempfile
 import time
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.generate import stream_generate
+from mlx.utils import tree_flatten
 from mlx_lm.utils import dequantize_model
 
 from mlxkv.benchmarks.engine import _alternate, _fresh_copy, _mlx_lm_prefill, _stderr, _timed, describe_model
@@ -33,6 +39,7 @@ from mlxkv.config import CacheConfig
 from mlxkv.engine.engine import Engine
 from mlxkv.models.fetch import fetch_model
 from mlxkv.models.loader import load_model
+from mlxkv.speculative.step_cost import AlwaysSpeculate
 
 ROUNDS = 3
 EDIT_LINES = 150
@@ -54,7 +61,7 @@ CHAT = [{"role": "user", "content": "Tell me a story about the sea and the ships
 
 
 def run_speculative_benchmark(model: str = "demo", rounds: int = ROUNDS, log=None, float_copy: bool = True) -> list[dict]:
-    """The rows on the model as it is, then (`float_copy`) the lookup rows again on a float32 copy of it.
+    """The rows on the model as it is, then (`float_copy`) again on a float32 copy of it.
 
     The demo model is quantized; on a CPU, a quantized matmul of several
     query tokens costs about their number of single-token ones, where a
@@ -63,31 +70,53 @@ def run_speculative_benchmark(model: str = "demo", rounds: int = ROUNDS, log=Non
     """
     log = log or _stderr
     path = fetch_model(model, lambda text, fraction=None: None)
-    loaded = load_model(path)
-    rows = _lookup_rows(loaded, rounds, log, batch=True)
-    draft = Engine(loaded, CacheConfig(memory_tier_bytes=0, speculative="draft", draft_model=model))
-    rows.append(_against_mlx_lm("code edit (draft: itself)", draft, _edit(draft), EDIT_TOKENS, rounds, None, log,
-                                draft_model=loaded.model))
-    for r in rows:
-        r["model"] = describe_model(draft)
-    if float_copy and _is_quantized(loaded.model):
-        copy = load_model(path)
-        copy.model = dequantize_model(copy.model)
-        copy.model.set_dtype(mx.float32)
-        extra = _lookup_rows(copy, rounds, log, batch=False, label=", float32 copy")
-        for r in extra:
-            r["model"] = describe_model(Engine(copy, CacheConfig(memory_tier_bytes=0)))
-        rows += extra
+    rows = _rows(path, rounds, log)
+    if float_copy and _is_quantized(load_model(path).model):
+        with tempfile.TemporaryDirectory(prefix="mlxkv-float-copy-") as copy:
+            _write_float_copy(path, copy)
+            rows += _rows(copy, rounds, log, label=", float32 copy")
     return rows
 
 
-def _lookup_rows(loaded, rounds: int, log, batch: bool, label: str = "") -> list[dict]:
+def _rows(path: str, rounds: int, log, label: str = "") -> list[dict]:
+    """Lookup (code edit, chat, a batch of 8) and the model drafting for itself."""
+    loaded = load_model(path)
     plain = Engine(loaded, CacheConfig(memory_tier_bytes=0))
     lookup = Engine(loaded, CacheConfig(memory_tier_bytes=0, speculative="lookup"))
     rows = [_against_mlx_lm(f"code edit (lookup{label})", lookup, _edit(plain), EDIT_TOKENS, rounds, CODE_GOAL, log),
             _against_mlx_lm(f"free chat (lookup{label})", lookup, plain.apply_chat_template(CHAT), CHAT_TOKENS,
-                            rounds, CHAT_GOAL, log)]
-    return rows + ([_batch_row(plain, lookup, rounds, log)] if batch else [])
+                            rounds, CHAT_GOAL, log),
+            _batch_row(plain, lookup, rounds, log, label)]
+    del plain, lookup
+    draft = Engine(loaded, CacheConfig(memory_tier_bytes=0, speculative="draft", draft_model=path))
+    rows.append(_against_mlx_lm(f"code edit (draft: itself{label})", draft, _edit(draft), EDIT_TOKENS, rounds, None,
+                                log, draft_model=loaded.model))
+    # The same with every step verifying: the draft path itself against mlx-lm's, where the row
+    # above is what a user gets (the step-cost guard decodes plain where drafting does not pay).
+    draft.loop.speculation.cost = AlwaysSpeculate()
+    rows.append(_against_mlx_lm(f"code edit (draft: itself, every step{label})", draft, _edit(draft), EDIT_TOKENS,
+                                rounds, None, log, draft_model=loaded.model))
+    for r in rows:
+        r["model"] = describe_model(draft)
+    return rows
+
+
+def _write_float_copy(src: str, dst: str) -> None:
+    """The model at `src` with its weights dequantized to float32, as a model directory at `dst`
+    (a draft model is loaded by path)."""
+    loaded = load_model(src)
+    model = dequantize_model(loaded.model)
+    model.set_dtype(mx.float32)
+    mx.save_safetensors(os.path.join(dst, "model.safetensors"), dict(tree_flatten(model.parameters())))
+    with open(os.path.join(src, "config.json")) as f:
+        config = json.load(f)
+    config.pop("quantization", None)
+    config.pop("quantization_config", None)
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(config, f)
+    for name in os.listdir(src):  # the tokenizer's files
+        if name.startswith("tokenizer") or name.endswith((".model", ".tiktoken")) or name == "chat_template.jinja":
+            shutil.copy(os.path.join(src, name), dst)
 
 
 def _edit(engine: Engine) -> list[int]:
@@ -133,7 +162,7 @@ def _against_mlx_lm(name: str, engine: Engine, prompt: list[int], n: int, rounds
     )
 
 
-def _batch_row(plain: Engine, lookup: Engine, rounds: int, log) -> dict:
+def _batch_row(plain: Engine, lookup: Engine, rounds: int, log, label: str = "") -> dict:
     """Eight code edits as one batch: aggregate tok/s with speculation against without."""
     names = ["BatchScheduler", "StepScheduler", "Planner", "Admitter", "Dispatcher", "Queue", "Runner", "Pacer"]
     prompts = [plain.apply_chat_template(code_edit_messages(rename=n)) for n in names]
@@ -147,7 +176,7 @@ def _batch_row(plain: Engine, lookup: Engine, rounds: int, log) -> dict:
     outputs, rates = _alternate({"lookup": side(lookup), "plain": side(plain)}, rounds, log)
     identical = all(o == outputs["plain"][0] for o in outputs["lookup"] + outputs["plain"])
     ratio = statistics.median(o / t for o, t in zip(rates["lookup"], rates["plain"]))
-    return row(f"batch of {len(prompts)} code edits (lookup)", "total tok/s", statistics.median(rates["lookup"]),
+    return row(f"batch of {len(prompts)} code edits (lookup{label})", "total tok/s", statistics.median(rates["lookup"]),
                statistics.median(rates["plain"]), "mlxkv without speculation", "report", True,
                f"aggregate tokens over wall time, decode after a cached prefill; greedy tokens "
                f"{'identical' if identical else 'DIFFER'}", ratio=ratio, tokens_identical=identical)

@@ -116,3 +116,11 @@ class StepCost:
         return {str(key): {"speculated_tok_s": round(b.rates[True].per_second, 2),
                            "plain_tok_s": round(b.rates[False].per_second, 2)}
                 for key, b in sorted(self._buckets.items())}
+
+
+class AlwaysSpeculate(StepCost):
+    """Every step verifies proposals, whatever the clock says: for measuring speculation itself
+    (a benchmark's row, a test of what it does) apart from whether this machine gains from it."""
+
+    def speculate(self, rows: int) -> bool:
+        return True

@@ -180,8 +180,8 @@ def test_speculative_benchmark_rows(llama_dir, monkeypatch):
     monkeypatch.setattr(speculative, "CHAT_TOKENS", 12)
     monkeypatch.setattr(speculative, "_is_quantized", lambda model: True)  # the float copy's rows, on a float model
     rows = speculative.run_speculative_benchmark(llama_dir, rounds=1, log=lambda message: None)
-    assert [r["name"] for r in rows] == ["code edit (lookup)", "free chat (lookup)",
-                                         "batch of 8 code edits (lookup)", "code edit (draft: itself)",
-                                         "code edit (lookup, float32 copy)", "free chat (lookup, float32 copy)"]
+    names = ["code edit (lookup)", "free chat (lookup)", "batch of 8 code edits (lookup)", "code edit (draft: itself)",
+             "code edit (draft: itself, every step)"]
+    assert [r["name"] for r in rows] == names + [n.replace(")", ", float32 copy)") for n in names]
     assert all(r["tokens_identical"] for r in rows)
-    assert rows[3]["acceptance"] == 1.0  # a model drafting for itself is always right
+    assert rows[4]["acceptance"] == 1.0 and rows[9]["acceptance"] == 1.0  # a model drafting for itself is always right

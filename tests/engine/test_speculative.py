@@ -30,7 +30,7 @@ from mlxkv.models.tiny import TinyModelSpec, write_tiny_model
 from mlxkv.speculative.prompt_lookup import PromptLookup
 from mlxkv.speculative.proposal_length import EMPTY_LIMIT, PAUSE_STEPS, ProposalLength
 from mlxkv.speculative.proposer import Proposal
-from mlxkv.speculative.step_cost import StepCost
+from mlxkv.speculative.step_cost import AlwaysSpeculate
 from mlxkv.speculative.verify import greedy_tokens, sampled_tokens
 
 BLOCK = 16
@@ -72,17 +72,10 @@ class ScriptedProposer:
         pass
 
 
-class AlwaysPays(StepCost):
-    """Verify steps always pay: these tests check what speculation does, not whether this CPU gains from it
-    (test_step_cost.py)."""
-
-    def speculate(self, rows):
-        return True
-
-
 def always_speculating(engine: Engine) -> Engine:
     if engine.loop.speculation is not None:  # None: speculation off, or a hybrid model
-        engine.loop.speculation.cost = AlwaysPays()
+        # These tests check what speculation does, not whether this CPU gains from it (test_step_cost.py).
+        engine.loop.speculation.cost = AlwaysSpeculate()
     return engine
 
 
