@@ -6,7 +6,8 @@ The sessions are shaped like Claude Code's or Codex's: a long head (a system
 prompt and tool schemas, rendered by a template that renders tools), turns
 that each add a tool result of 0.5-5k tokens, a new session on the same head
 every few turns, one request cancelled in the middle of its prefill and sent
-again, then a restart of the server and one more turn per session. The model
+again, then a restart of the server and one more turn per session, each
+resuming with a short message (the restore, not a new prefill). The model
 is the agent test model (random weights, the demo model's real tokenizer:
 agent_model.py), small enough for this to run in minutes on two CPU cores.
 
@@ -109,15 +110,18 @@ def _play(start_server, w: AgentWorkload) -> Played:
         for s, chat in enumerate(chats):  # a new session on the same head every `turns` turns
             for t in range(w.turns):
                 turn(server, chat, p.ttft)
-                size = w.tool_tokens[(s + t) % len(w.tool_tokens)]
-                chat.append({"role": "user", "content": f"Tool result {t}: " + _words(size, 31 * s + t)})
+                if t < w.turns - 1 or s == 0:  # the next turn's tool result (session 0's is sent, cancelled, resent)
+                    size = w.tool_tokens[(s + t) % len(w.tool_tokens)]
+                    chat.append({"role": "user", "content": f"Tool result {t}: " + _words(size, 31 * s + t)})
             if s == 0:  # the agent's Esc mid-prefill, then the same request again
                 _cancel_mid_prefill(server, chat, tools, after_s=0.5)
                 retried = []
                 p.retried = len(p.requests)
                 turn(server, chat, retried)
                 p.retry_ttft = retried[0]
-                chat.append({"role": "user", "content": "Go on."})
+            # After the restart each session resumes with a short message, so that row measures the
+            # restore, not the prefill of a tool result no cache could hold (as bench serve does).
+            chat.append({"role": "user", "content": "Go on."})
         p.wall_s = time.perf_counter() - begin
     finally:
         server.stop()
