@@ -31,12 +31,12 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.generate import stream_generate
 from mlx.utils import tree_flatten
-from mlx_lm.utils import dequantize_model
 
 from mlxkv.benchmarks.engine import _alternate, _fresh_copy, _mlx_lm_prefill, _stderr, _timed, describe_model
 from mlxkv.benchmarks.rows import format_rows, row  # noqa: F401  (format_rows: the suite's printer)
 from mlxkv.config import CacheConfig
 from mlxkv.engine.engine import Engine
+from mlxkv.models import compat
 from mlxkv.models.fetch import fetch_model
 from mlxkv.models.loader import load_model
 from mlxkv.speculative.step_cost import AlwaysSpeculate
@@ -105,7 +105,7 @@ def _write_float_copy(src: str, dst: str) -> None:
     """The model at `src` with its weights dequantized to float32, as a model directory at `dst`
     (a draft model is loaded by path)."""
     loaded = load_model(src)
-    model = dequantize_model(loaded.model)
+    model = compat.dequantize_model(loaded.model)
     model.set_dtype(mx.float32)
     mx.save_safetensors(os.path.join(dst, "model.safetensors"), dict(tree_flatten(model.parameters())))
     with open(os.path.join(src, "config.json")) as f:
