@@ -7,6 +7,7 @@ import subprocess
 import pytest
 
 from faults import mount_tmpfs
+from real_parts import require
 
 from mlxkv.models.tiny import TinyModelSpec, write_tiny_model
 
@@ -63,8 +64,7 @@ def redis_server(tmp_path):
     config and data directory (LocalRedisServer's options: password, settings), stopped after the test."""
     from mlxkv.connectors.remote.local_server import LocalRedisServer, server_binary
 
-    if server_binary() is None:
-        pytest.skip("redis-server is not installed (.ci/run installs Debian's)")
+    require("redis-server", server_binary())
     started = []
 
     def start(**options):

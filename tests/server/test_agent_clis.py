@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -23,6 +22,7 @@ import pytest
 from mlxkv.benchmarks.agent_model import agent_model_path
 from mlxkv.config import CacheConfig
 from mlxkv.server.server import Server, ServerOptions
+from real_parts import require
 
 pytestmark = pytest.mark.slow
 BLOCK = 16
@@ -32,10 +32,7 @@ GOAL = 0.95
 
 
 def _cli(name: str) -> str:
-    path = shutil.which(name)
-    if path is None:
-        pytest.skip(f"{name} is not installed (.ci/run installs it from npm)")
-    return path
+    return require(name)
 
 
 class Recorded:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import re
 import shlex
-import shutil
 import sqlite3
 import subprocess
 import sys
@@ -14,8 +13,14 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed (.ci/run installs it)")]
+from real_parts import require
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(autouse=True)
+def _tmux():
+    require("tmux")
 
 
 def tmux(*args: str) -> str:
