@@ -103,12 +103,21 @@ def _add_doctor(sub) -> None:
     p.set_defaults(func=cmd_doctor)
 
 
+class OneLineErrors(argparse.ArgumentParser):
+    """argparse, but a bad flag is one line, as every other mlxkv error is: the
+    usage block it prints first buried the error under a screen of flags.
+    Subcommands' parsers are of this class too (add_subparsers takes it)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from mlxkv import __version__
     from mlxkv.connectors.commands import add_cache_parser
     from mlxkv.models.commands import add_models_parser
 
-    parser = argparse.ArgumentParser(prog="mlxkv", description=__doc__.splitlines()[0])
+    parser = OneLineErrors(prog="mlxkv", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="store_true", help="print versions, BLAS and Metal, then exit")
     sub = parser.add_subparsers(dest="command")
     _add_generate(sub)
@@ -209,6 +218,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # `mlxkv ... | head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's flush finds a sink
+        return 141  # as a shell reports a writer killed by SIGPIPE
 
 
 def _log_to_stderr() -> None:

@@ -49,6 +49,24 @@ def test_a_closed_pipe_is_no_error(llama_dir):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("argv", [["doctor", "--json"], ["models", "list"]])
+def test_a_reader_that_left_before_the_output_is_no_traceback(argv):
+    """`mlxkv doctor --json | head -1`: head may be gone before the command prints at all."""
+    proc = subprocess.Popen([MLXKV, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()  # the reader left at once
+    err = proc.stderr.read()
+    assert proc.wait(120) == 141 and "Traceback" not in err, err[-2000:]
+
+
+@pytest.mark.slow
+def test_a_bad_flag_is_one_line():
+    done = mlxkv("generate", "--kv-bits", "3")
+    assert done.returncode == 2
+    assert done.stderr.splitlines() == [
+        "mlxkv generate: error: argument --kv-bits: invalid choice: 3 (choose from 8, 4) (see mlxkv generate --help)"]
+
+
+@pytest.mark.slow
 def test_commands_under_load_all_come_back(llama_dir):
     burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
     try:
