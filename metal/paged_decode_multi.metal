@@ -26,7 +26,10 @@
 // smallest of 1, 2, 4, 8 covering group x L rows over NSG simdgroups),
 // BS (block size), NSG (simdgroups); quantized: BITS.
 // params: n_heads, n_kv_heads, group, table_width, part_tokens, n_parts,
-//         has_sinks, q_len, window (0: none), quantization group.
+//         has_sinks, q_len, window (0: none), chunk (0: none), quantization group.
+// Chunked attention (Llama 4): a query sees only its own chunk of `chunk`
+// positions. window_starts is then the first query's chunk start, and a
+// step may cross into the next chunk: each query's bound counts from there.
 // A group's rows are (head, query) pairs in the order of out [B, Hq, L, D].
 
   constexpr int TILE = 8;
@@ -50,6 +53,7 @@
   const bool has_sinks = params[6] != 0;
   const int q_len = params[7];
   const int window = params[8];
+  const int chunk = params[9];
 
   const int part = int(threadgroup_position_in_grid.x);
   const int kv_head = int(threadgroup_position_in_grid.y);
@@ -90,6 +94,9 @@
     const int j = r % q_len;  // the row's query
     hi[i] = r < rows ? ctx - q_len + j + 1 : 0;
     lo[i] = window > 0 ? max(0, hi[i] - window) : 0;
+    if (chunk > 0 && r < rows) {  // its own chunk's start (start is the first query's)
+      lo[i] = start + (hi[i] - 1 - start) / chunk * chunk;
+    }
     for (int e = 0; e < E; e++) {
       const bool real = r < rows && (FULL || dims[e] < D);
       q[i][e] = real ? float(queries[(row0 + r) * D + dims[e]]) * scale : 0.0f;
@@ -115,7 +122,7 @@
       threadgroup float* dst = (is_v ? v_tile : k_tile) + (t0 - p0) * D + x;
 #if defined(MLXKV_QUANTIZED)
       mlxkv_dequantize_chunk<T, D, BITS>(dst, is_v ? v_pool : k_pool, is_v ? v_scales : k_scales,
-                                         is_v ? v_biases : k_biases, prow + x / D, x % D, params[9]);
+                                         is_v ? v_biases : k_biases, prow + x / D, x % D, params[10]);
 #else
       const device T* src = (is_v ? v_pool : k_pool) + prow * D + x;
       for (int w = 0; w < CHUNK; w++) {

@@ -150,15 +150,16 @@ def _kernel_attention(queries, cache: PagedKVCache, scale: float, sinks=None):
     they do not serve the shape. A page layer may be quantized: (packed, scales, biases).
 
     The kernels let query j of L see its row's tokens up to position
-    context - L + j, within the window: what the reference path's mask keeps
+    context - L + j, within the window or its own chunk: what the reference path's mask keeps
     visible (PagedKVCache.make_mask), so the mask is not needed.
     """
     k_pool = cache.pool.keys[cache.layer]
     v_pool = cache.pool.values[cache.layer]
     if not kernels.serves(queries.dtype, *queries.shape[1:], k_pool, v_pool):
         return None
-    return kernels.paged_decode(queries, k_pool, v_pool, cache.tables.kernel_tables, cache.lengths, scale,
-                                window=cache.window, sinks=sinks)
+    t = cache.tables
+    return kernels.paged_decode(queries, k_pool, v_pool, t.kernel_tables, cache.lengths, scale,
+                                window=t.window, sinks=sinks, chunk=t.chunk, table_starts=t.starts)
 
 
 def route_model_attention(model) -> bool:

@@ -126,13 +126,6 @@ class PagedKVCache(BaseCache):
         return mx.array(self.batch.offsets)
 
     @property
-    def window(self) -> int | None:
-        chunk = self.tables.chunk
-        if chunk is not None:  # one row at a time: its query's own chunk, so far
-            return self.batch.offsets[0] % chunk + self.batch.num_new
-        return self.tables.window
-
-    @property
     def start_position(self) -> int:
         """Position of the first token a fetch returns (ChunkedKVCache's; one row at a time)."""
         return self.tables.starts[0]
