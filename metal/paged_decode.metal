@@ -89,9 +89,13 @@
     l[g] = sink_here && g < group ? 1.0f : 0.0f;
   }
 
+  // Each token's block id is loaded an iteration ahead, so the K/V loads never wait on it.
+  int block = first + sg < last ? table[(first + sg) / BS] : 0;
   for (int t = first + sg; t < last; t += NSG) {
+    const int next_block = t + NSG < last ? table[(t + NSG) / BS] : 0;
     // The token's row of the pools [blocks, kv heads, BS, ...].
-    const size_t row = (size_t(table[t / BS]) * n_kv_heads + kv_head) * BS + t % BS;
+    const size_t row = (size_t(block) * n_kv_heads + kv_head) * BS + t % BS;
+    block = next_block;
     float k[E];
     float v[E];
 #if defined(MLXKV_QUANTIZED)
