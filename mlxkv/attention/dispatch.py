@@ -162,7 +162,8 @@ def _kernel_attention(queries, cache: PagedKVCache, scale: float, sinks=None):
         return None
     t = cache.tables
     return kernels.paged_decode(queries, k_pool, v_pool, t.kernel_tables, cache.lengths, scale,
-                                window=t.window, sinks=sinks, chunk=t.chunk, table_starts=t.starts)
+                                window=t.window, sinks=sinks, chunk=t.chunk, table_starts=t.starts,
+                                memo=t.kernel_memo)
 
 
 def route_model_attention(model) -> bool:
