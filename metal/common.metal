@@ -7,10 +7,16 @@
 
 // Running maxima start here rather than at -INFINITY, so that an empty
 // partition's maximum minus another's is 0 or hugely negative, never
-// -inf - -inf = NaN: exp() of anything this far below a real score is
-// exactly 0. (MLX builds kernels without fast math since 2024, so exp() is
-// the precise one and infinities would be reliable; NaN would not be.)
+// -inf - -inf = NaN: exp2() of anything this far below a real score is
+// exactly 0, fast or precise. (NaN would not be reliable either way.)
 constant constexpr float MLXKV_NO_SCORE = -1e30f;
+
+// Scores are kept in log2 units: queries are pre-scaled by scale * log2(e)
+// (and sinks by log2(e)), so each softmax term is one exp2 rather than an
+// exp, whose argument the hardware multiplies by log2(e) anyway. Running
+// maxima and sums, and the partials' maxima, are in those units; the
+// reduce (paged_reduce.metal) merges them with exp2 too.
+constant constexpr float MLXKV_LOG2E = 1.4426950408889634f;
 
 // ---- quantized pools ---------------------------------------------------------
 // A quantized pool holds each K or V row as MLX's affine quantization along

@@ -72,25 +72,30 @@
     dims[e] = (e / W) * 32 * W + lane * W + e % W;
   }
 
+  const float scale_log2 = scale * MLXKV_LOG2E;  // scores in log2 units (common.metal)
   float q[G][E];
   float m[G];     // running maximum
-  float l[G];     // running sum of exp(score - m)
-  float o[G][E];  // running sum of exp(score - m) x V
+  float l[G];     // running sum of exp2(score - m)
+  float o[G][E];  // running sum of exp2(score - m) x V
   const bool sink_here = has_sinks && part == 0 && sg == 0;
   for (int g = 0; g < G; g++) {
     for (int e = 0; e < E; e++) {
       const bool real = g < group && (FULL || dims[e] < D);
-      q[g][e] = real ? float(queries[size_t(row0 + g) * D + dims[e]]) * scale : 0.0f;
+      q[g][e] = real ? float(queries[size_t(row0 + g) * D + dims[e]]) * scale_log2 : 0.0f;
       o[g][e] = 0.0f;
     }
-    // exp(sink - m) == 1 when the running maximum starts at the sink.
-    m[g] = sink_here && g < group ? sinks[head0 + g] : MLXKV_NO_SCORE;
+    // exp2(sink - m) == 1 when the running maximum starts at the sink.
+    m[g] = sink_here && g < group ? sinks[head0 + g] * MLXKV_LOG2E : MLXKV_NO_SCORE;
     l[g] = sink_here && g < group ? 1.0f : 0.0f;
   }
 
+  // Each token's block id is loaded an iteration ahead, so the K/V loads never wait on it.
+  int block = first + sg < last ? table[(first + sg) / BS] : 0;
   for (int t = first + sg; t < last; t += NSG) {
+    const int next_block = t + NSG < last ? table[(t + NSG) / BS] : 0;
     // The token's row of the pools [blocks, kv heads, BS, ...].
-    const size_t row = (size_t(table[t / BS]) * n_kv_heads + kv_head) * BS + t % BS;
+    const size_t row = (size_t(block) * n_kv_heads + kv_head) * BS + t % BS;
+    block = next_block;
     float k[E];
     float v[E];
 #if defined(MLXKV_QUANTIZED)
@@ -106,14 +111,17 @@
     }
 #endif
     for (int g = 0; g < G; g++) {
+      if (g >= group) {
+        break;  // G rounds the group up: the padded heads do no work (uniform over the threadgroup)
+      }
       float s = 0.0f;
       for (int e = 0; e < E; e++) {
         s += q[g][e] * k[e];
       }
       s = simd_sum(s);
       const float m_new = max(m[g], s);
-      const float correction = exp(m[g] - m_new);
-      const float p = exp(s - m_new);
+      const float correction = fast::exp2(m[g] - m_new);
+      const float p = fast::exp2(s - m_new);
       l[g] = l[g] * correction + p;
       m[g] = m_new;
       for (int e = 0; e < E; e++) {
@@ -141,9 +149,9 @@
       }
       float total = 0.0f;
       for (int w = 0; w < NSG; w++) {
-        total += l_s[w * G + g] * exp(m_s[w * G + g] - m_max);
+        total += l_s[w * G + g] * fast::exp2(m_s[w * G + g] - m_max);
       }
-      const float own = exp(m[g] - m_max);
+      const float own = fast::exp2(m[g] - m_max);
       for (int e = 0; e < E; e++) {
         if (FULL || dims[e] < D) {
           o_s[sg * D + dims[e]] = o[g][e] * own;

@@ -26,7 +26,10 @@
 // smallest of 1, 2, 4, 8 covering group x L rows over NSG simdgroups),
 // BS (block size), NSG (simdgroups); quantized: BITS.
 // params: n_heads, n_kv_heads, group, table_width, part_tokens, n_parts,
-//         has_sinks, q_len, window (0: none), quantization group.
+//         has_sinks, q_len, window (0: none), chunk (0: none), quantization group.
+// Chunked attention (Llama 4): a query sees only its own chunk of `chunk`
+// positions. window_starts is then the first query's chunk start, and a
+// step may cross into the next chunk: each query's bound counts from there.
 // A group's rows are (head, query) pairs in the order of out [B, Hq, L, D].
 
   constexpr int TILE = 8;
@@ -50,6 +53,7 @@
   const bool has_sinks = params[6] != 0;
   const int q_len = params[7];
   const int window = params[8];
+  const int chunk = params[9];
 
   const int part = int(threadgroup_position_in_grid.x);
   const int kv_head = int(threadgroup_position_in_grid.y);
@@ -79,10 +83,11 @@
     dims[e] = (e / W) * 32 * W + lane * W + e % W;
   }
 
+  const float scale_log2 = scale * MLXKV_LOG2E;  // scores in log2 units (common.metal)
   float q[RS][E];
   float m[RS];     // running maximum
-  float l[RS];     // running sum of exp(score - m)
-  float o[RS][E];  // running sum of exp(score - m) x V
+  float l[RS];     // running sum of exp2(score - m)
+  float o[RS][E];  // running sum of exp2(score - m) x V
   int lo[RS];      // the row's visible positions: lo .. hi - 1
   int hi[RS];
   for (int i = 0; i < RS; i++) {
@@ -90,14 +95,17 @@
     const int j = r % q_len;  // the row's query
     hi[i] = r < rows ? ctx - q_len + j + 1 : 0;
     lo[i] = window > 0 ? max(0, hi[i] - window) : 0;
+    if (chunk > 0 && r < rows) {  // its own chunk's start (start is the first query's)
+      lo[i] = start + (hi[i] - 1 - start) / chunk * chunk;
+    }
     for (int e = 0; e < E; e++) {
       const bool real = r < rows && (FULL || dims[e] < D);
-      q[i][e] = real ? float(queries[(row0 + r) * D + dims[e]]) * scale : 0.0f;
+      q[i][e] = real ? float(queries[(row0 + r) * D + dims[e]]) * scale_log2 : 0.0f;
       o[i][e] = 0.0f;
     }
-    // exp(sink - m) == 1 when the running maximum starts at the sink.
+    // exp2(sink - m) == 1 when the running maximum starts at the sink.
     const bool sink_here = has_sinks && part == 0 && stream == 0 && r < rows;
-    m[i] = sink_here ? sinks[head0 + r / q_len] : MLXKV_NO_SCORE;
+    m[i] = sink_here ? sinks[head0 + r / q_len] * MLXKV_LOG2E : MLXKV_NO_SCORE;
     l[i] = sink_here ? 1.0f : 0.0f;
   }
 
@@ -115,7 +123,7 @@
       threadgroup float* dst = (is_v ? v_tile : k_tile) + (t0 - p0) * D + x;
 #if defined(MLXKV_QUANTIZED)
       mlxkv_dequantize_chunk<T, D, BITS>(dst, is_v ? v_pool : k_pool, is_v ? v_scales : k_scales,
-                                         is_v ? v_biases : k_biases, prow + x / D, x % D, params[9]);
+                                         is_v ? v_biases : k_biases, prow + x / D, x % D, params[10]);
 #else
       const device T* src = (is_v ? v_pool : k_pool) + prow * D + x;
       for (int w = 0; w < CHUNK; w++) {
@@ -141,8 +149,8 @@
             }
             s = simd_sum(s);
             const float m_new = max(m[i], s);
-            const float correction = exp(m[i] - m_new);
-            const float p = exp(s - m_new);
+            const float correction = fast::exp2(m[i] - m_new);
+            const float p = fast::exp2(s - m_new);
             l[i] = l[i] * correction + p;
             m[i] = m_new;
             for (int e = 0; e < E; e++) {
@@ -172,7 +180,7 @@
       for (int w = 0; w < streams; w++) {
         m_max = max(m_max, m_s[(w * n_sets + set) * RS + i]);
       }
-      const float own = exp(m[i] - m_max);
+      const float own = fast::exp2(m[i] - m_max);
       for (int e = 0; e < E; e++) {
         if (FULL || dims[e] < D) {
           o_s[sg * D + dims[e]] = o[i][e] * own;
@@ -192,7 +200,7 @@
         float total = 0.0f;
         float sum = 0.0f;
         for (int w = 0; w < streams; w++) {
-          total += l_s[(w * n_sets + s) * RS + i] * exp(m_s[(w * n_sets + s) * RS + i] - m_max);
+          total += l_s[(w * n_sets + s) * RS + i] * fast::exp2(m_s[(w * n_sets + s) * RS + i] - m_max);
           sum += o_s[(w * n_sets + s) * D + d];
         }
         // total is 0 only for a row that sees nothing in this partition.

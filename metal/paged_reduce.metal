@@ -5,7 +5,7 @@
 // whose partitions are all empty (no token visible) is 0, as in one pass.
 //
 // Template: T (output dtype). partials: [B, n_heads, n_parts, D + 2], each
-// row D outputs then the partition's maximum and sum.
+// row D outputs then the partition's maximum (in log2 units: common.metal) and sum.
 // params: n_heads, head_dim, n_parts.
 
   const int n_heads = params[0];
@@ -29,7 +29,7 @@
   float total = 0.0f;
   float o = 0.0f;
   for (int p = 0; p < n_parts; p++) {
-    const float w = rows[p * stride + head_dim + 1] * exp(rows[p * stride + head_dim] - m_max);
+    const float w = rows[p * stride + head_dim + 1] * fast::exp2(rows[p * stride + head_dim] - m_max);  // log2 units
     total += w;
     o += w * rows[p * stride + d];
   }

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from mlxkv.attention import kernels, self_check, speed_gate
+from mlxkv.attention import gate_store, kernels, self_check
 from mlxkv.attention.self_check import KernelCheck
 from mlxkv.attention.speed_gate import AttentionShape, SpeedGate
 from mlxkv.attention.cascade import cascade_decode
@@ -79,15 +79,18 @@ class AttentionChoice:
 
     def as_dict(self) -> dict:
         return {"path": self.path, "check": None if self.check is None else self.check.as_dict(),
-                "gate": None if self.gate is None else self.gate.as_list()}
+                "gate": None if self.gate is None else self.gate.as_list(),
+                "gate_source": None if self.gate is None else self.gate.source}
 
 
 def choose_attention(mode: str | None, dtype, head_dim: int, v_head_dim: int, block_size: int,
                      n_heads: int, n_kv_heads: int, run=None, timer=None, metal: bool | None = None,
-                     kv_bits: int | None = None, kv_group_size: int | None = None) -> AttentionChoice:
+                     kv_bits: int | None = None, kv_group_size: int | None = None,
+                     store: gate_store.GateStore | None = None) -> AttentionChoice:
     """The configured path, with the kernels checked first (self_check.py): a shape they do not
     serve, or a failed check, decodes on the reference path; the failure is one warning line.
-    Under `auto` the speed gate then times them on this shape (speed_gate.py; `timer`).
+    Under `auto` the speed gate then times them on this shape (speed_gate.py; `timer`), or
+    reuses what it stored for it (gate_store.py; `store`, default the cache directory's).
     kv_bits/kv_group_size: the pool's quantization (None: full precision)."""
     path = resolve_attention(mode, metal)
     if path == "reference":
@@ -107,7 +110,7 @@ def choose_attention(mode: str | None, dtype, head_dim: int, v_head_dim: int, bl
     shape = AttentionShape(dtype, head_dim, block_size, n_heads, n_kv_heads,
                            KVFormat(kv_bits, kv_group_size) if kv_bits else FULL)
     try:
-        gate = speed_gate.measure(shape, run=run, timer=timer)
+        gate = gate_store.stored_or_measured(shape, run=run, timer=timer, store=store)
     except Exception as e:  # a GPU fault while timing: as a failed check
         log.exception("the speed gate of the Metal attention kernels failed")
         warnings.warn(f"timing the Metal attention kernels failed ({self_check.failure(e)}); "
@@ -150,15 +153,17 @@ def _kernel_attention(queries, cache: PagedKVCache, scale: float, sinks=None):
     they do not serve the shape. A page layer may be quantized: (packed, scales, biases).
 
     The kernels let query j of L see its row's tokens up to position
-    context - L + j, within the window: what the reference path's mask keeps
+    context - L + j, within the window or its own chunk: what the reference path's mask keeps
     visible (PagedKVCache.make_mask), so the mask is not needed.
     """
     k_pool = cache.pool.keys[cache.layer]
     v_pool = cache.pool.values[cache.layer]
     if not kernels.serves(queries.dtype, *queries.shape[1:], k_pool, v_pool):
         return None
-    return kernels.paged_decode(queries, k_pool, v_pool, cache.tables.kernel_tables, cache.lengths, scale,
-                                window=cache.window, sinks=sinks)
+    t = cache.tables
+    return kernels.paged_decode(queries, k_pool, v_pool, t.kernel_tables, cache.lengths, scale,
+                                window=t.window, sinks=sinks, chunk=t.chunk, table_starts=t.starts,
+                                memo=t.kernel_memo)
 
 
 def route_model_attention(model) -> bool:

@@ -71,6 +71,8 @@ def attention_lines(report: dict) -> list[tuple[str, str]]:
     if check is not None:
         reason = f": {check['reason']}" if check["reason"] else ""
         lines.append(("kernel check", f"{'passed' if check['ok'] else 'FAILED'}: {check['instantiation']}{reason}"))
+    if report.get("gate_source"):
+        lines.append(("speed gate", f"choice {report['gate_source']}"))
     for b in report.get("gate") or []:
         queries = f"{b['queries']} queries per row, " if b["queries"] > 1 else ""
         lines.append(("speed gate", f"{queries}batch {b['batch']}, context {b['context']}: kernels "

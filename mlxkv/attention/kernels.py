@@ -202,14 +202,49 @@ def _padded(values: list) -> list:
     return list(values) + [0] * (MIN_ELEMENTS - len(values))
 
 
-def window_starts(context_lens, window: int | None, queries: int = 1) -> list[int]:
+def _index_array(memo: dict | None, values, dtype=mx.int32) -> mx.array:
+    """`values` padded as an array, built once per `memo` (a step's: every layer of a step passes
+    the same lengths, starts, scale and params, so only the first layer's call builds them)."""
+    key = (tuple(values) if isinstance(values, (list, tuple)) else values, dtype)
+    if memo is not None and key in memo:
+        return memo[key]
+    out = mx.array(_padded(values) if isinstance(values, (list, tuple)) else values, dtype=dtype)
+    if memo is not None:
+        memo[key] = out
+    return out
+
+
+def _sinks_f32(memo: dict | None, sinks, n_heads: int) -> mx.array:
+    """The sinks as fp32 (zeros without), cast once per `memo` for each sinks array."""
+    if sinks is None:
+        return _index_array(memo, [0.0] * max(n_heads, MIN_ELEMENTS), mx.float32)
+    key = ("sinks", id(sinks))
+    if memo is not None and key in memo and memo[key][0] is sinks:
+        return memo[key][1]
+    cast = sinks.astype(mx.float32)
+    if memo is not None:
+        memo[key] = (sinks, cast)  # holding sinks keeps its id from being reused
+    return cast
+
+
+def window_starts(context_lens, window: int | None, queries: int = 1, chunk: int | None = None,
+                  table_starts=None) -> list[int]:
     """Each row's first visible token: the last `window` of its context before its first
-    query (of `queries`, the last ones of the context), or all of it."""
+    query (of `queries`, the last ones of the context), or the start of that query's chunk
+    of `chunk` tokens (Llama 4), or all of it. Positions count from each row's table start;
+    chunks from position 0, which is `table_starts` (default 0) before the table's."""
+    if chunk:
+        if window is not None:
+            raise MlxkvError("a layer is either chunked or windowed, not both")
+        table_starts = table_starts or [0] * len(context_lens)
+        firsts = [s + max(n - queries, 0) for n, s in zip(context_lens, table_starts)]
+        return [p - p % chunk - s for p, s in zip(firsts, table_starts)]
     return [0 if window is None else max(0, n - queries + 1 - window) for n in context_lens]
 
 
 def decode_launch(queries, k_pool, v_pool, block_tables, context_lens, scale: float, partition: int = 0,
-                  decode_kernel=None, window_starts=None, sinks=None, window: int | None = None) -> Launch:
+                  decode_kernel=None, window_starts=None, sinks=None, window: int | None = None,
+                  chunk: int | None = None, memo: dict | None = None) -> Launch:
     """The first (or only) launch of paged attention.
 
     queries [B, Hq, D] (one token per row: mlxkv_paged_decode) or [B, Hq, L, D] (L of 2 to
@@ -218,7 +253,10 @@ def decode_launch(queries, k_pool, v_pool, block_tables, context_lens, scale: fl
     them out; block_tables [B, nb] int32 (rows padded with any valid id); context_lens: B
     ints; partition: tokens per partition, 0 for a single pass; window_starts: B ints, each
     row's first visible token (None: all from 0); window: a sliding window's size (several
-    queries: each sees its own last `window`); sinks: [Hq] logits that join every softmax.
+    queries: each sees its own last `window`); chunk: chunked attention's chunk size (several
+    queries: each sees from its own chunk's start, counted from window_starts, the first query's
+    chunk start; one query: window_starts alone says it); sinks: [Hq] logits that join every softmax;
+    memo: a step's store of the small index arrays (`_index_array`), None to build them here.
     """
     multi = queries.ndim == 4
     B, n_heads, n_queries, D = queries.shape if multi else (*queries.shape[:2], 1, queries.shape[2])
@@ -233,9 +271,9 @@ def decode_launch(queries, k_pool, v_pool, block_tables, context_lens, scale: fl
     part_tokens = partition if n_parts > 1 else max(max_span, 1)
     has_sinks = sinks is not None
     # Sinks of under 8 heads (tiny models only) reach the kernel as constant memory.
-    sinks = sinks.astype(mx.float32) if has_sinks else mx.array(_padded([0.0] * n_heads), dtype=mx.float32)
+    sinks = _sinks_f32(memo, sinks, n_heads)
     params = [n_heads, n_kv_heads, group, block_tables.shape[1], part_tokens, n_parts, int(has_sinks)]
-    params += [n_queries, window or 0] if multi else []
+    params += [n_queries, window or 0, chunk or 0] if multi else []
     params += [fmt[1]] if fmt else []
     rows = n_heads * n_queries
     partials_shape = (B, rows, n_parts, D + 2) if n_parts > 1 else (1,)
@@ -249,11 +287,11 @@ def decode_launch(queries, k_pool, v_pool, block_tables, context_lens, scale: fl
             queries,
             *(tuple(k_pool) + tuple(v_pool) if fmt else (k_pool, v_pool)),
             block_tables.astype(mx.int32),
-            mx.array(_padded(context_lens), dtype=mx.int32),
-            mx.array(_padded(window_starts), dtype=mx.int32),
+            _index_array(memo, list(context_lens)),
+            _index_array(memo, window_starts),
             sinks,
-            mx.array(scale, dtype=mx.float32),
-            mx.array(_padded(params), dtype=mx.int32),
+            _index_array(memo, float(scale), mx.float32),
+            _index_array(memo, params),
         ),
         template=template,
         grid=(THREADS * n_parts, n_kv_heads, B),
@@ -286,14 +324,25 @@ def _served(dtype, n_heads: int, n_queries: int, D: int, k_pool, v_pool) -> tupl
     return fmt, n_kv_heads, block_size
 
 
-def reduce_launch(partials: mx.array, dtype, reduce_kernel=None) -> Launch:
+def _reduce_params(memo: dict | None, n_rows: int, D: int, n_parts: int) -> mx.array:
+    """The reduce's params, once per `memo` (3 elements: the reduce's own signature takes them so)."""
+    key = ("reduce", n_rows, D, n_parts)
+    if memo is None or key not in memo:
+        out = mx.array([n_rows, D, n_parts], dtype=mx.int32)
+        if memo is None:
+            return out
+        memo[key] = out
+    return memo[key]
+
+
+def reduce_launch(partials: mx.array, dtype, reduce_kernel=None, memo: dict | None = None) -> Launch:
     """The second pass: merge partials [B, rows, parts, D + 2] into [B, rows, D] (rows: the
     query heads x query tokens of a row)."""
     B, n_rows, n_parts, row = partials.shape
     D = row - 2
     return Launch(
         kernel=reduce_kernel or kernel("paged_reduce"),
-        inputs=(partials, mx.array([n_rows, D, n_parts], dtype=mx.int32)),
+        inputs=(partials, _reduce_params(memo, n_rows, D, n_parts)),
         template=(("T", dtype),),
         grid=(D, n_rows, B),
         threadgroup=(REDUCE_THREADS, 1, 1),
@@ -304,7 +353,8 @@ def reduce_launch(partials: mx.array, dtype, reduce_kernel=None) -> Launch:
 
 def paged_decode(queries, k_pool, v_pool, block_tables, context_lens, scale: float,
                  partition: int | None = None, kernels: dict | None = None, window: int | None = None,
-                 sinks=None, run=None) -> mx.array:
+                 sinks=None, run=None, chunk: int | None = None, table_starts=None,
+                 memo: dict | None = None) -> mx.array:
     """Attention `[B, Hq, L, D]` of the last L (1 to MAX_QUERIES) tokens of each sequence
     over the pool, each query seeing the row's tokens up to its own (a decode step at L = 1,
     a speculative verify step above).
@@ -314,13 +364,16 @@ def paged_decode(queries, k_pool, v_pool, block_tables, context_lens, scale: flo
     partition: tokens per partition, 0 for one pass, None to choose (`partition_size`).
     kernels: replacements for the shipped kernel objects, by name ("paged_decode",
     "paged_decode_multi", "paged_reduce"). window: a sliding window's size in tokens, the
-    query included (None: full attention); sinks: [Hq]. run: what runs a Launch
-    (run_launch: the GPU).
+    query included (None: full attention); chunk: chunked attention's chunk size (Llama 4:
+    each query sees only its own chunk, and a step may cross a chunk's end), `table_starts`
+    each row's position of its table's first token (None: 0); sinks: [Hq]. run: what runs a
+    Launch (run_launch: the GPU). memo: a dict the step's layers share, so that their small
+    index arrays are built once per step (paged_cache.GroupTables.kernel_memo).
     """
     kernels = kernels or {}
     run = run or run_launch
     B, n_heads, n_queries, D = queries.shape
-    starts = window_starts(context_lens, window, n_queries)
+    starts = window_starts(context_lens, window, n_queries, chunk, table_starts)
     if n_queries > 1:
         name, spans = "paged_decode_multi", [n - s + s % TILE for n, s in zip(context_lens, starts)]
     else:
@@ -329,8 +382,8 @@ def paged_decode(queries, k_pool, v_pool, block_tables, context_lens, scale: flo
         n_kv_heads = (k_pool[0] if isinstance(k_pool, (tuple, list)) else k_pool).shape[1]
         partition = partition_size(B, n_kv_heads, max(spans))
     first = decode_launch(queries, k_pool, v_pool, block_tables, context_lens, scale, partition,
-                          kernels.get(name), starts, sinks, window)
+                          kernels.get(name), starts, sinks, window, chunk, memo)
     out, partials = run(first)
     if partials.ndim > 1:
-        (out,) = run(reduce_launch(partials, queries.dtype, kernels.get("paged_reduce")))
+        (out,) = run(reduce_launch(partials, queries.dtype, kernels.get("paged_reduce"), memo))
     return out.reshape(B, n_heads, n_queries, D)

@@ -5,7 +5,7 @@ layers (full precision, or quantized as `mx.quantize` lays them out, whose
 dequantized values `scale * q + bias` are computed exactly here), block
 tables and context lengths. Query j of L in a row sits at position
 n - L + j and sees the row's tokens up to its own, with a sliding window
-only its last `window`; a sink is one more logit per head, with no value.
+only its last `window`, with chunked attention only those of its own chunk; a sink is one more logit per head, with no value.
 
 Besides the outputs it gives each output row's accumulation slack, in
 units of the fp32 roundoff, which `self_check.tolerance` turns into what
@@ -38,7 +38,7 @@ def dequantized(pages, head_dim: int) -> np.ndarray:
 
 
 def attention(queries, k_pool, v_pool, tables, context_lens, scale: float, window: int | None = None,
-              sinks=None) -> tuple[np.ndarray, np.ndarray]:
+              sinks=None, chunk: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """The outputs [B, Hq, L, D] of queries [B, Hq, L, D] and each row's slack [B, Hq, L].
 
     Row b's keys are the first context_lens[b] tokens of its table's blocks. The slack
@@ -58,7 +58,7 @@ def attention(queries, k_pool, v_pool, tables, context_lens, scale: float, windo
         qs = q[b] * scale  # [H, L, D]
         scores = np.einsum("hld,htd->hlt", qs, keys[heads])
         magnitude = np.einsum("hld,htd->hlt", np.abs(qs), np.abs(keys[heads]))
-        visible = _visible(n, L, window)  # [L, n]
+        visible = _visible(n, L, window, chunk)  # [L, n]
         top = np.where(visible, scores, -np.inf).max(-1)
         if sink is not None:
             top = np.maximum(top, sink[:, None])
@@ -70,9 +70,11 @@ def attention(queries, k_pool, v_pool, tables, context_lens, scale: float, windo
     return out, slack
 
 
-def _visible(n: int, L: int, window: int | None) -> np.ndarray:
+def _visible(n: int, L: int, window: int | None, chunk: int | None = None) -> np.ndarray:
     """[L, n]: whether query j (at position n - L + j) sees token t."""
     t = np.arange(n)
     position = n - L + np.arange(L)[:, None]
     seen = t <= position
+    if chunk:
+        seen = seen & (position // chunk == t // chunk)
     return seen if window is None else seen & (position - t < window)

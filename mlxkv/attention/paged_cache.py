@@ -20,7 +20,7 @@ the dequantized copy unevaluated.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 
@@ -41,6 +41,9 @@ class GroupTables:
     window: int | None = None  # tokens a query sees (itself included); None: all before it
     kernel_tables: mx.array | None = None  # block_tables, wide enough for the kernels (kernels.table_width)
     chunk: int | None = None  # a query sees only its own chunk of this many tokens
+    # The kernels' small index arrays of this step, built by its first layer's call and reused
+    # by the others (kernels._index_array): no per-layer mx.array for what a step shares.
+    kernel_memo: dict = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def build(cls, tables: list[list[int]], starts: list[int], offsets: list[int], num_new: int,
@@ -124,13 +127,6 @@ class PagedKVCache(BaseCache):
         if self.batch.batch_size == 1:
             return self.batch.offsets[0]
         return mx.array(self.batch.offsets)
-
-    @property
-    def window(self) -> int | None:
-        chunk = self.tables.chunk
-        if chunk is not None:  # one row at a time: its query's own chunk, so far
-            return self.batch.offsets[0] % chunk + self.batch.num_new
-        return self.tables.window
 
     @property
     def start_position(self) -> int:

@@ -9,8 +9,9 @@ decode can take, on a small random case, against a float64 oracle:
   partitioned path with its reduce, some partitions empty;
 - rows of many tiles (a tile is one token per simdgroup), so that the
   online softmax rescales and the simdgroups merge;
-- a sliding window that starts mid-block, and attention sinks; and the
-  plain case, neither;
+- a sliding window that starts mid-block, and attention sinks; chunked
+  attention (Llama 4) with a chunk boundary inside the step of several
+  queries; and the plain case, none of these;
 - one query token per row, and several (a speculative verify step): one
   query count for each multi-query instantiation the model can use;
 - a quantized pool's format, when the model's pool is quantized.
@@ -48,10 +49,14 @@ _WINDOW = 277  # starts mid-block in the long row, covers the others
 _MULTI_CONTEXT = (130, 21)
 _MULTI_WINDOW = 100
 _PARTITION = 64  # the long row in 5 partitions of 8 tiles; the others leave 4 empty
-_CALLS = (  # (what, partition, window and sinks)
-    ("single pass", 0, True),
-    ("partitioned", _PARTITION, True),
-    ("partitioned, no window or sinks", _PARTITION, False),
+# Chunks of 43: position 129 starts one, so the long multi-query row's step (its last 2 to 8
+# tokens) crosses a boundary whatever its query count; the long one-query row starts mid-block.
+_CHUNK = 43
+_CALLS = (  # (what, partition, the visibility rule: window and sinks, chunks, or neither)
+    ("single pass", 0, "window"),
+    ("partitioned", _PARTITION, "window"),
+    ("partitioned, no window or sinks", _PARTITION, None),
+    ("chunk boundary", _PARTITION, "chunk"),
 )
 
 
@@ -90,8 +95,8 @@ def check_kernels(dtype, head_dim: int, block_size: int, n_heads: int, n_kv_head
     try:
         case = _case(dtype, head_dim, block_size, n_heads, n_kv_heads, kv_bits, kv_group_size)
         for n_queries in query_counts(group):
-            for what, partition, windowed in _CALLS:
-                problem = _check_call(case, n_queries, partition, windowed, dtype, run)
+            for what, partition, rule in _CALLS:
+                problem = _check_call(case, n_queries, partition, rule, dtype, run)
                 if problem:
                     queries = f"{n_queries} queries per row, " if n_queries > 1 else ""
                     return KernelCheck(name, False, f"{queries}{what}: {problem}")
@@ -100,17 +105,19 @@ def check_kernels(dtype, head_dim: int, block_size: int, n_heads: int, n_kv_head
     return KernelCheck(name, True)
 
 
-def _check_call(case: dict, n_queries: int, partition: int, windowed: bool, dtype, run) -> str:
+def _check_call(case: dict, n_queries: int, partition: int, rule: str | None, dtype, run) -> str:
     """Why one call of the kernels is off the oracle, or ""."""
     multi = n_queries > 1
-    window, sinks = ((_MULTI_WINDOW if multi else _WINDOW), case["sinks"]) if windowed else (None, None)
+    window, sinks = ((_MULTI_WINDOW if multi else _WINDOW), case["sinks"]) if rule == "window" else (None, None)
+    chunk = _CHUNK if rule == "chunk" else None
     contexts = [*_MULTI_CONTEXT, n_queries] if multi else list(_CONTEXT)
     queries = case["queries"][:, :, :n_queries]
     got = kernels.paged_decode(queries, case["k_pool"], case["v_pool"], case["block_tables"], contexts,
-                               case["scale"], partition=partition, window=window, sinks=sinks, run=run)
+                               case["scale"], partition=partition, window=window, sinks=sinks, run=run,
+                               chunk=chunk)
     got = np.array(got.astype(mx.float32), np.float64)  # waits for the GPU
     want, slack = oracle.attention(queries, case["k_pool"], case["v_pool"], case["tables"], contexts,
-                                   case["scale"], window, sinks)
+                                   case["scale"], window, sinks, chunk)
     return _compare(got, want, slack, dtype)
 
 

@@ -25,8 +25,9 @@ import numpy as np
 from mlxkv.attention.dispatch import resolve_attention
 from mlxkv.attention.speed_gate import AttentionShape, DecodeCase, alternate
 
-CONTEXTS = (1024, 4096, 16384)
+CONTEXTS = (512, 4096, 16384, 32768)
 BATCHES = (1, 8)
+QUERIES = (1, 4)  # a decode step; a verify step of 3 proposals (another kernel)
 GOAL = 1.10  # paged over contiguous, kernel path on Apple GPUs
 # Attention shaped like Llama 3 8B: 32 query heads over 8 KV heads, head dim 128.
 N_HEADS, N_KV_HEADS, HEAD_DIM = 32, 8, 128
@@ -35,8 +36,9 @@ BUDGET_S = 0.6  # per case and side, split over the rounds
 
 
 def run_kernel_benchmark(contexts=CONTEXTS, batches=BATCHES, budget_s: float = BUDGET_S,
-                         dtype=None, attention: str = "auto", seed: int = 0) -> list[dict]:
-    """Rows of {context, batch, path, dtype, paged_ms, sdpa_ms, ratio, goal}.
+                         dtype=None, attention: str = "auto", seed: int = 0, queries=QUERIES) -> list[dict]:
+    """Rows of {context, batch, queries, path, dtype, paged_ms, sdpa_ms, ratio, goal}: per query
+    count (new tokens per row; several: under the causal rule among them, as a verify step).
 
     dtype: float16 with Metal, else float32 (the CPU back-end emulates fp16
     arithmetic, which would measure the emulation).
@@ -46,30 +48,30 @@ def run_kernel_benchmark(contexts=CONTEXTS, batches=BATCHES, budget_s: float = B
     shape = AttentionShape(dtype, HEAD_DIM, BLOCK_SIZE, N_HEADS, N_KV_HEADS)
     rng = np.random.default_rng(seed)
     rows = []
-    for context in contexts:
-        for batch in batches:
-            case = DecodeCase(shape, context, batch, rng)
-            mx.eval(*case.inputs(contiguous=True))
-            paged_s, sdpa_s = alternate(case.paged(path), case.contiguous, budget_s)
-            rows.append({
-                "context": context,
-                "batch": batch,
-                "path": path,
-                "dtype": str(dtype).removeprefix("mlx.core."),
-                "paged_ms": paged_s * 1e3,
-                "sdpa_ms": sdpa_s * 1e3,
-                "ratio": paged_s / sdpa_s,
-                "goal": GOAL if path == "kernel" else None,
-            })
-            del case
+    for context, batch, n_queries in ((c, b, q) for c in contexts for b in batches for q in queries):
+        case = DecodeCase(shape, context, batch, rng, queries=n_queries)
+        mx.eval(*case.inputs(contiguous=True))
+        paged_s, sdpa_s = alternate(case.paged(path), case.contiguous, budget_s)
+        rows.append({
+            "context": context,
+            "batch": batch,
+            "queries": n_queries,
+            "path": path,
+            "dtype": str(dtype).removeprefix("mlx.core."),
+            "paged_ms": paged_s * 1e3,
+            "sdpa_ms": sdpa_s * 1e3,
+            "ratio": paged_s / sdpa_s,
+            "goal": GOAL if path == "kernel" else None,
+        })
+        del case
     return rows
 
 
 def format_rows(rows: list[dict]) -> str:
     """A plain-text table and what the ratio is measured against."""
-    header = ("context", "batch", "path", "dtype", "paged ms", "sdpa ms", "paged/sdpa")
+    header = ("context", "batch", "queries", "path", "dtype", "paged ms", "sdpa ms", "paged/sdpa")
     table = [header] + [
-        (str(r["context"]), str(r["batch"]), r["path"], r["dtype"], f"{r['paged_ms']:.3f}",
+        (str(r["context"]), str(r["batch"]), str(r.get("queries", 1)), r["path"], r["dtype"], f"{r['paged_ms']:.3f}",
          f"{r['sdpa_ms']:.3f}", f"{r['ratio']:.2f}x")
         for r in rows
     ]

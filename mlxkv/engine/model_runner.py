@@ -142,7 +142,7 @@ class ModelRunner:
     def _forward(self, seqs: list[Sequence], tokens: mx.array, mirror: bool, every_position: bool) -> StepOutput:
         num_new = tokens.shape[1]
         offsets = [s.num_computed for s in seqs]
-        path = self.attention.path_for(len(seqs), max(offsets) + num_new)
+        path = self.attention.path_for(len(seqs), max(offsets) + num_new, num_new)
         if not self.group_layout.uniform:
             path = "reference"  # the kernels read whole page layers of one shape
         bs = self.kv_pool.layout.block_size

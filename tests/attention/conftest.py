@@ -52,3 +52,10 @@ def checked_once(monkeypatch):
         return _checks[key]
 
     monkeypatch.setattr(self_check, "check_kernels", once)
+
+
+@pytest.fixture(autouse=True)
+def _own_gate_store(tmp_path, monkeypatch):
+    """Each test's speed gate stores its choice in its own cache dir: a gate one test timed
+    with canned times is never another's."""
+    monkeypatch.setenv("MLXKV_CACHE_DIR", str(tmp_path / "cache"))

@@ -183,3 +183,30 @@ def test_the_bench_reports_a_row_per_instantiation_and_pass(monkeypatch, capsys)
 def test_efficiency_is_a_flag_of_bench_kernels_only(capsys):
     assert main(["bench", "tiers", "--efficiency"]) == 2
     assert capsys.readouterr().err.strip() == "mlxkv: error: --efficiency is a flag of `mlxkv bench kernels`"
+
+
+# ---- instructions per KV byte ------------------------------------------------------------------
+
+needs_valgrind = pytest.mark.skipif(not (clang_available() and __import__("msl.ops").ops.valgrind_available()),
+                                    reason="needs clang-19 and valgrind")
+
+
+@needs_valgrind
+@pytest.mark.slow  # three kernel runs under valgrind
+def test_ops_per_byte_counts_the_kernels_arithmetic():
+    """The shipped kernel against the baseline, and a planted one that computes each score twice: the
+    count follows the arithmetic (and a kernel doing more per token counts more)."""
+    from msl import ops
+
+    harness = shared_harness()
+    inst = Instantiation(mx.float16, 128, 4, 16)
+    ours = ops.ops_per_byte(harness, inst)
+    body = kernels.kernel_source("paged_decode")
+    old = "        s += q[g][e] * k[e];\n"
+    assert body.count(old) == 1
+    doubled = kernels.make_kernel("paged_decode", body=body.replace(old, old + old.replace("q[g]", "0.5f * q[g]")))
+    assert ops.ops_per_byte(harness, inst, decode_kernel=doubled) > 1.05 * ours
+    rows = run_efficiency([inst], contexts=SMALL, count_ops=True)
+    assert rows[0]["ops_per_byte"] == pytest.approx(ours) and rows[0]["baseline_ops_per_byte"] > 0
+    assert rows[0]["ops_ratio"] == pytest.approx(ours / rows[0]["baseline_ops_per_byte"])
+    assert "the baseline kernel's instructions per KV byte (goal <= 0.6x)" in format_rows(rows)

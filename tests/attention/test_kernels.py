@@ -160,6 +160,34 @@ def test_paged_attention_runs_decode_on_the_kernels(on_device):
 # ---- dispatch, without running a kernel -----------------------------------------------
 
 
+def test_a_steps_layers_share_their_small_inputs(monkeypatch):
+    """The lengths, window starts, scale, params and cast sinks are built by a step's first
+    layer and reused by the others: no per-layer mx.array for what the step shares."""
+    launches = []
+
+    def fake(launch):
+        launches.append(launch)
+        return [mx.zeros(s, d) for s, d in zip(launch.output_shapes, launch.output_dtypes)]
+
+    monkeypatch.setattr(kernels, "run_launch", fake)
+    case = make_case(mx.float16, 64, 2, context_lens=(700, 9), seed=11, sinks=True)
+    n_blocks, n_kv, bs, D = case.k_pool.shape
+    pool = KVPool(KVLayout(2, n_kv, D, D, bs, mx.float16), n_blocks)
+    batch = case.batch("kernel")
+    for layer in range(2):
+        pool.keys[layer], pool.values[layer] = case.k_pool, case.v_pool
+        attention.paged_attention(case.queries, None, None, PagedKVCache(pool, layer, batch), case.scale, None,
+                                  case.sinks)
+    first, second = [x for x in launches if x.kernel is kernels.kernel("paged_decode")]
+    assert all(a is b for a, b in list(zip(first.inputs, second.inputs))[4:])  # lens .. params
+    reduces = [x for x in launches if x.kernel is kernels.kernel("paged_reduce")]
+    assert len(reduces) == 2 and reduces[0].inputs[1] is reduces[1].inputs[1]
+    # Another step (its own tables) builds its own.
+    attention.paged_attention(case.queries, None, None, PagedKVCache(pool, 0, case.batch("kernel")), case.scale,
+                              None, case.sinks)
+    assert launches[-2].inputs[4] is not first.inputs[4]
+
+
 @pytest.mark.slow  # enumerates every shape the engine could ask for: 14 s of pure Python
 def test_every_instantiation_the_engine_can_dispatch_is_tested():
     formats = [()] + [(bits, group) for bits in range(1, 17) for group in (16, 32, 64, 128)]

@@ -138,3 +138,50 @@ def test_a_quantized_pool_decodes_on_the_kernel_as_on_its_reference_path(family,
     assert any(launch.kernel in quantized for launch in kernel_attention)
     monkeypatch.setenv(ATTENTION_ENV, "reference")
     assert run() == on_kernels
+
+
+class _Scripted:
+    """Proposes mlx-lm's continuation, every third proposal spoiled: verify steps of every length."""
+
+    def __init__(self, answers: dict[tuple, list[int]]):
+        self.answers, self.count = answers, 0
+
+    def propose(self, requests, lengths):
+        from mlxkv.speculative.proposer import Proposal
+
+        out = []
+        for request, k in zip(requests, lengths):
+            tokens = self.answers[tuple(request.prompt)][len(request.output):len(request.output) + k]
+            self.count += len(tokens)
+            out.append(Proposal([t if (self.count + i) % 3 else (t + 1) % 500 + 3 for i, t in enumerate(tokens)]))
+        return out
+
+    def forget(self, request):
+        pass
+
+
+def test_llama4_verify_steps_across_chunk_boundaries_equal_mlx_lm(tmp_path, kernel_attention):
+    """Llama 4's chunked layers (chunks of 32) on the kernels, with speculative verify steps of up
+    to 4 proposals: steps that cross a chunk's end keep greedy tokens equal to mlx-lm's."""
+    from mlxkv.engine.speculation import Speculation
+    from mlxkv.speculative.step_cost import AlwaysSpeculate
+
+    spec = TinyModelSpec(family="llama4", num_layers=4, hidden_size=64, num_heads=4, num_kv_heads=1,
+                         head_dim=64, seed=27, sliding_window=32)
+    path = str(write_tiny_model(tmp_path / "llama4", spec))
+    model, tokenizer = mlx_lm.load(path)
+    prompts = [[(7 * i + 3) % 300 + 3 for i in range(n)] for n in (27, 58)]
+    answers = {tuple(p): [r.token for r in stream_generate(model, tokenizer, p, max_tokens=24)] for p in prompts}
+    config = CacheConfig(block_size=16, num_blocks=64, memory_tier_bytes=0, speculative="lookup",
+                         speculative_tokens=4)
+    engine = Engine.load(path, config)
+    engine.loop.speculation = Speculation(_Scripted(answers), 4, AlwaysSpeculate())
+    for prompt in prompts:
+        assert engine.generate(prompt, max_tokens=24).tokens == answers[tuple(prompt)]
+    crossing = []
+    for launch in kernel_attention:
+        if launch.kernel is kernels.kernel("paged_decode_multi") and launch.inputs[-1].tolist()[9]:
+            n_queries, chunk = launch.inputs[-1].tolist()[7], launch.inputs[-1].tolist()[9]
+            ctx, start = launch.inputs[4].tolist()[0], launch.inputs[5].tolist()[0]
+            crossing.append(ctx - 1 >= start + chunk and ctx - n_queries < start + chunk)
+    assert any(crossing), "no verify step crossed a chunk boundary on the kernels"

@@ -14,7 +14,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlxkv.attention import kernels, self_check
+from mlxkv.attention import kernels, oracle, self_check
 from mlxkv.attention.dispatch import ATTENTION_ENV, KernelCheckWarning, choose_attention
 from mlxkv.config import CacheConfig
 from mlxkv.engine.engine import Engine
@@ -93,6 +93,48 @@ def wrong_multi_partitioned(launch):
     return [outs[0], outs[1] * 1.01] if is_multi(launch) and outs[1].ndim > 1 else outs
 
 
+def forgets_chunks(launch):
+    """Right but for chunked attention over several queries: every query sees from the first
+    one's chunk start, as the kernels did before issue 47."""
+    if not is_multi(launch):
+        return harness_run()(launch)
+    inputs = list(launch.inputs)
+    params = inputs[-1].tolist()
+    inputs[-1] = mx.array(params[:9] + [0] + params[10:], dtype=mx.int32)
+    return harness_run()(dataclasses.replace(launch, inputs=tuple(inputs)))
+
+
+def fp32_tolerance(queries, k_pool, v_pool, table, n: int, start: int, scale: float, want: float) -> float:
+    """What the check allows output element (row 0, head 0, dim 0) of an fp32 one-query call,
+    written out here so that a looser self_check.tolerance or oracle slack fails the test:
+    2 roundoffs of the output, plus fp32 accumulation (4 roundoffs per visible token and per
+    head-dim term of the largest |score|, times max |V|)."""
+    u = 2.0 ** -24
+    tokens = [table[t // k_pool.shape[2]] * k_pool.shape[2] + t % k_pool.shape[2] for t in range(start, n)]
+    keys = np.array(k_pool[:, 0].reshape(-1, k_pool.shape[-1]), np.float64)[tokens]
+    values = np.array(v_pool[:, 0].reshape(-1, v_pool.shape[-1]), np.float64)[tokens]
+    q = np.array(queries[0, 0], np.float64) * scale
+    largest = (np.abs(q) * np.abs(keys)).sum(-1).max()
+    return 2 * u * abs(want) + u * np.abs(values).max() * 4 * (len(tokens) + q.size * largest)
+
+
+def just_outside_tolerance(launch):
+    """The real kernels, except one element of the fp32 one-query single pass, off the float64
+    oracle by 1.2x what the check allows there: a looser tolerance would let it through."""
+    outs = harness_run()(launch)
+    if not is_decode(launch) or outs[1].ndim > 1:
+        return outs
+    queries, k_pool, v_pool, tables, lens, starts, sinks, scale, params = launch.inputs
+    n, start, table = lens.tolist()[0], starts.tolist()[0], tables.tolist()[0]
+    sinks = sinks if params.tolist()[6] else None
+    want, _ = oracle.attention(queries[:1, :, None], k_pool, v_pool, [table], [n], scale.item(),
+                               (n - start) or None, sinks)
+    allowed = fp32_tolerance(queries, k_pool, v_pool, table, n, start, scale.item(), want[0, 0, 0, 0])
+    out = np.array(outs[0].astype(mx.float32))
+    out[0, 0, 0] = want[0, 0, 0, 0] + 1.2 * allowed
+    return [mx.array(out).astype(outs[0].dtype), outs[1]]
+
+
 class Fault:
     """What a failed command buffer looks like: MLX raises it at the next wait."""
 
@@ -142,13 +184,23 @@ def test_every_multi_query_instantiation_a_model_uses_is_checked():
     (wrong_reduce, "partitioned: differs from the float64 oracle"),
     (wrong_multi, "2 queries per row, single pass: differs from the float64 oracle"),
     (wrong_multi_partitioned, "2 queries per row, partitioned: differs from the float64 oracle"),
-], ids=["compile", "gpu-fault", "lying", "second-tile", "single-pass", "reduce", "multi", "multi-partitioned"])
+    (forgets_chunks, "2 queries per row, chunk boundary: differs from the float64 oracle"),
+], ids=["compile", "gpu-fault", "lying", "second-tile", "single-pass", "reduce", "multi", "multi-partitioned",
+        "forgets-chunks"])
 def test_a_kernel_that_fails_its_check_sends_decode_to_the_reference_path(run, says):
     with pytest.warns(KernelCheckWarning) as caught:
         choice = choose_attention("kernel", mx.float16, 64, 64, 16, 4, 2, run=run)
     assert choice.path == "reference" and not choice.check.ok and says in choice.check.reason
     assert len(caught) == 1 and "\n" not in str(caught[0].message)
     assert "float16, head dim 64, block 16, group 2" in str(caught[0].message)
+
+
+def test_a_kernel_just_outside_the_tolerance_fails_its_check():
+    """Off by 1.2x what rounding allows, at one element: loosening the tolerance (x1.2, or by
+    0.01 absolute) would pass a kernel that is wrong."""
+    check = self_check.check_kernels(mx.float32, 64, 16, 4, 2, just_outside_tolerance)
+    assert not check.ok and "single pass: differs from the float64 oracle" in check.reason
+    assert "at row 0, head 0" in check.reason
 
 
 def test_a_passing_check_keeps_the_kernels(checked_once):

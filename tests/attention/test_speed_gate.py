@@ -92,14 +92,15 @@ def test_the_steps_it_times_are_the_real_ones():
     # Small contexts, the kernels on the harness: the timed steps run and agree.
     gpu = FakeGPU({(b, c): 1.0 for b in (1, 3) for c in (20, 70)}, run_steps=True)
     shape = AttentionShape(mx.float32, 64, 16, 4, 2)
-    gate = speed_gate.measure(shape, run=harness_run(), timer=gpu.timer, batches=(1, 3), contexts=(20, 70))
+    gate = speed_gate.measure(shape, run=harness_run(), timer=gpu.timer, batches=(1, 3), contexts=(20, 70),
+                              working_set_bytes=1)
     assert [(b.queries, b.batch, b.context) for b in gate.buckets] == [
         (q, b, c) for q in speed_gate.GATE_QUERIES for b in (1, 3) for c in (20, 70)]
     for queries in speed_gate.GATE_QUERIES:
         case = speed_gate.DecodeCase(shape, 70, 3, np.random.default_rng(0), distinct=False, queries=queries)
         kernel, reference = case.paged("kernel", harness_run())(), case.paged("reference")()
         assert kernel.shape == (3, 4, queries, 64) and mx.allclose(kernel, reference, atol=1e-4).item()
-        alone = speed_gate.DecodeCase(shape, 70, 1, np.random.default_rng(0), distinct=False, queries=queries)
+        alone = speed_gate.DecodeCase(shape, 70, 1, np.random.default_rng(0), queries=queries, layers=2)
         assert mx.allclose(alone.paged("kernel", harness_run())(), alone.contiguous(), atol=1e-4).item()
 
 
@@ -111,7 +112,8 @@ def test_a_quantized_pools_steps_are_timed_on_its_own_reference_path(monkeypatch
     for queries in speed_gate.GATE_QUERIES:
         for batch in (1, 3):
             case = speed_gate.DecodeCase(shape, 70, batch, np.random.default_rng(0), distinct=False, queries=queries)
-            assert isinstance(case.pool.keys[0], tuple) and isinstance(case.keys, tuple)  # the pages, quantized
+            assert isinstance(case.pool.keys[0], tuple)  # the pages, quantized
+            assert batch > 1 or isinstance(case.contiguous_kv[0][0], tuple)
             kernel = case.paged("kernel", harness_run())()
             reference = (case.contiguous if batch == 1 else case.paged("reference"))()
             assert kernel.shape == (batch, 4, queries, 64) and mx.allclose(kernel, reference, atol=1e-4).item()
@@ -182,3 +184,133 @@ def test_doctor_shows_the_timings_and_the_choice(monkeypatch, checked_once):
     assert ("speed gate", "batch 8, context 512: kernels 0.500 ms, reference 1.000 ms: kernel") in lines
     assert ("speed gate", "4 queries per row, batch 8, context 512: kernels 0.500 ms, reference 1.000 ms: "
                           "kernel") in lines
+
+
+# ---- what the engine runs: verify buckets, pipelined steps of many layers, distinct rows ----
+
+
+def test_the_kernels_must_win_by_the_margin():
+    """A near tie stays on the reference path: a bucket that flips between loads would not."""
+    assert speed_gate.MARGIN == 0.03
+    assert Bucket(1, 512, 0.98, 1.0).path == "reference"  # 2% faster: not enough
+    assert Bucket(1, 512, 0.96, 1.0).path == "kernel"
+    assert Bucket(1, 512, 1.0, 1.0).path == "reference"
+
+
+def test_verify_steps_ask_for_the_verify_buckets(llama_dir, monkeypatch):
+    """The engine passes each step's query count: a verify step of k proposals asks for k + 1
+    queries (the gate's several-query buckets), a decode step for 1, a prefill chunk for more."""
+    from mlxkv.config import CacheConfig
+    from mlxkv.engine import engine as engine_module
+    from mlxkv.engine.engine import Engine
+    from mlxkv.speculative.step_cost import AlwaysSpeculate
+
+    asked = []
+
+    class Recording(AttentionChoice):
+        def path_for(self, batch, context, queries=1):
+            asked.append(queries)
+            return "reference"
+
+    monkeypatch.setattr(engine_module, "choose_attention", lambda *a, **k: Recording("reference"))
+    config = CacheConfig(block_size=16, num_blocks=64, memory_tier_bytes=0, speculative="lookup",
+                         speculative_tokens=4)
+    engine = Engine.load(llama_dir, config)
+    engine.loop.speculation.cost = AlwaysSpeculate()
+    prompt = [5, 6, 7, 8, 9] * 6  # prompt lookup proposes its repeats
+    engine.generate(prompt, max_tokens=12)
+    assert 1 in asked and max(asked) > 8  # a decode step; the prompt, a prefill chunk
+    assert any(1 < q <= 5 for q in asked), asked  # verify steps: their own kind of bucket
+
+
+def test_a_step_reads_distinct_rows_of_enough_layers():
+    llama3 = AttentionShape(mx.float16, 128, 16, 32, 8)
+    # 4 KiB of K/V per token and layer: 64 layers at 512 tokens (128 MiB, over any system-level cache),
+    # 8 at 4k, one at 16k x 8.
+    assert speed_gate.layers_for(llama3, 512, 1) == 64 and speed_gate.layers_for(llama3, 4096, 1) == 8
+    assert speed_gate.layers_for(llama3, 16384, 8) == 1
+    case = speed_gate.DecodeCase(AttentionShape(mx.float32, 64, 16, 4, 2), 70, 3, np.random.default_rng(0),
+                                 layers=3)
+    tables = [set(row) for row in case.paged_batch.block_tables.tolist()]
+    assert all(not (a & b) for i, a in enumerate(tables) for b in tables[i + 1:])  # no row reads another's
+    assert len(case.pool.keys) == 3 and not mx.array_equal(case.pool.keys[0], case.pool.keys[1]).item()
+
+
+def test_the_timing_loop_times_work_done():
+    """A loop that stopped evaluating (timing lazy graph building only) would report a step far
+    cheaper than evaluating it once: the lower bound fails it."""
+    import time
+
+    a = mx.random.normal((384, 384))
+
+    def step():
+        return (a @ a).sum()
+
+    once = []
+    for _ in range(3):
+        start = time.perf_counter()
+        mx.eval(step())
+        once.append(time.perf_counter() - start)
+    per_call, _ = alternate(step, step, budget_s=0.06)
+    assert per_call > 0.3 * min(once), (per_call, min(once))
+
+
+def test_pipelined_steps_are_each_evaluated(monkeypatch):
+    """Each step is submitted as the engine submits it, and waited for before the loop ends."""
+    submitted, waited = [], []
+    real_async, real_eval = mx.async_eval, mx.eval
+    monkeypatch.setattr(mx, "async_eval", lambda *xs: submitted.extend(xs) or real_async(*xs))
+    monkeypatch.setattr(mx, "eval", lambda *xs: waited.extend(xs) or real_eval(*xs))
+    now = [0.0]
+
+    def step():
+        now[0] += 0.001
+        return mx.array(1.0) + 1
+
+    per_call = speed_gate._per_call(step, 0.01, lambda: now[0])
+    assert per_call == pytest.approx(0.001)
+    assert len(submitted) == 10 and all(any(x is y for y in waited) for x in submitted)
+
+
+# ---- the stored choice ----------------------------------------------------------------------
+
+
+def test_a_stored_choice_is_reused_and_says_so(monkeypatch, checked_once, tmp_path):
+    from mlxkv.attention import gate_store
+    from mlxkv.attention.doctor import attention_lines
+
+    monkeypatch.delenv(ATTENTION_ENV, raising=False)
+    store = gate_store.GateStore(tmp_path / "gates")
+    gpu = FakeGPU(TIMES)
+    first = choose_attention("auto", mx.float16, 64, 64, 16, 4, 2, run=harness_run(), timer=gpu.timer,
+                             metal=True, store=store)
+    assert len(gpu.timed) == 12 and first.gate.source.startswith("timed at this load")
+    assert str(store.directory) in first.gate.source
+
+    def never(kernel, reference, budget_s):
+        raise AssertionError("a stored gate was timed again")
+
+    again = choose_attention("auto", mx.float16, 64, 64, 16, 4, 2, run=harness_run(), timer=never,
+                             metal=True, store=store)  # a restart
+    assert again.gate.buckets == first.gate.buckets and again.gate.source.startswith("stored in ")
+    report = again.as_dict()
+    assert ("speed gate", f"choice {again.gate.source}") in attention_lines({**report, "why": ""})
+    # Another MLX version (or chip, or kernels) is another key: timed again.
+    monkeypatch.setattr(mx, "__version__", "0.0.1")
+    gpu2 = FakeGPU(TIMES)
+    choose_attention("auto", mx.float16, 64, 64, 16, 4, 2, run=harness_run(), timer=gpu2.timer, metal=True,
+                     store=store)
+    assert len(gpu2.timed) == 12 and len(list(store.directory.glob("*.json"))) == 2
+
+
+def test_an_unreadable_stored_choice_is_timed_again(tmp_path, caplog):
+    from mlxkv.attention import gate_store
+
+    store = gate_store.GateStore(tmp_path)
+    shape = AttentionShape(mx.float16, 64, 16, 4, 2)
+    key = gate_store.gate_key(shape)
+    store.path(key).write_text("{not json")
+    gpu = FakeGPU(TIMES)
+    gate = gate_store.stored_or_measured(shape, timer=gpu.timer, store=store)
+    assert len(gpu.timed) == 12 and "unreadable" in caplog.text
+    assert store.load(key).buckets == gate.buckets  # rewritten

@@ -11,7 +11,8 @@ from mlxkv.benchmarks.kernels import GOAL, format_rows, run_kernel_benchmark
 
 def test_rows_pair_the_paged_path_with_contiguous_sdpa():
     rows = run_kernel_benchmark(contexts=(64, 100), batches=(1, 2), budget_s=0.01)
-    assert [(r["context"], r["batch"]) for r in rows] == [(64, 1), (64, 2), (100, 1), (100, 2)]
+    assert [(r["context"], r["batch"], r["queries"]) for r in rows] == [
+        (c, b, q) for c in (64, 100) for b in (1, 2) for q in (1, 4)]  # decode and verify steps
     expected_path = "kernel" if mx.metal.is_available() else "reference"
     for r in rows:
         assert r["path"] == expected_path

@@ -271,11 +271,12 @@ class Harness:
         self._compile(out, [*flags, "-c", str(HERE / "runtime.cpp")])
         return out
 
-    def build(self, tu: str, sanitizer: str | None = None, traced: bool = False) -> Path:
+    def build(self, tu: str, sanitizer: str | None = None, traced: bool = False, counted: bool = False) -> Path:
         """The executable for translation unit `tu`, compiled on first use;
-        `traced`: its loads reported to the runtime (see runtime.cpp)."""
+        `traced`: its loads reported to the runtime (see runtime.cpp); `counted`: built
+        for instruction counts (simd operations out of line: metal_shim.h, ops.py)."""
         flags = _FLAGS + _SANITIZER_FLAGS[sanitizer]
-        kernel_flags = flags + (_TRACE_FLAGS if traced else [])
+        kernel_flags = flags + (_TRACE_FLAGS if traced else []) + (["-DMLXKV_MSL_OPS"] if counted else [])
         exe = self.cache_dir / f"kernel-{self._key(tu, *kernel_flags)}"
         if exe.exists():
             return exe
@@ -334,7 +335,12 @@ class Harness:
             outs = self._execute(launch, src, exe, env)
             return outs, np.fromfile(path, dtype=TRACE_RECORD)
 
-    def _execute(self, launch, src: Source, exe: Path, extra_env: dict) -> list[mx.array]:
+    def run_under(self, launch, prefix: list[str]) -> list[mx.array]:
+        """Execute `launch`, built for instruction counts, run by the command `prefix` (a profiler)."""
+        src = self.source(launch)
+        return self._execute(launch, src, self.build(translate(src), counted=True), {}, prefix)
+
+    def _execute(self, launch, src: Source, exe: Path, extra_env: dict, prefix=()) -> list[mx.array]:
         n_in = len(launch.inputs)
         buffer_params = sorted((p for p in src.params if p.attribute == "buffer"),
                                key=lambda p: p.index)
@@ -348,7 +354,7 @@ class Harness:
         header += b"".join(struct.pack("<QI", len(b), 0) for b in ins)
         header += b"".join(struct.pack("<QI", n, 1) for n in out_sizes)
         env = dict(os.environ, **_SANITIZER_ENV, **extra_env)
-        done = subprocess.run([str(exe)], input=header + b"".join(ins), capture_output=True,
+        done = subprocess.run([*prefix, str(exe)], input=header + b"".join(ins), capture_output=True,
                               env=env, timeout=600)
         if done.returncode != 0:
             err = done.stderr.decode(errors="replace")

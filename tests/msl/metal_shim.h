@@ -277,6 +277,14 @@ inline void threadgroup_barrier(mem_flags, unsigned site = MLXKV_SITE) {
 }
 
 // ---- simdgroup operations: every active lane's value, gathered ---------------
+// Built for instruction counts (tests/msl/ops.py, -DMLXKV_MSL_OPS) they stay
+// out of line, so that the lane exchange they emulate (a few instructions on
+// a GPU, hundreds here) is not counted as the kernel's own.
+#if defined(MLXKV_MSL_OPS)
+#define MLXKV_SIMD_OP __attribute__((noinline))
+#else
+#define MLXKV_SIMD_OP
+#endif
 template <typename T>
 struct simd_lanes {
   T v[32];
@@ -286,7 +294,7 @@ struct simd_lanes {
 };
 
 template <typename T>
-simd_lanes<T> simd_gather(const T& x, unsigned site) {
+MLXKV_SIMD_OP simd_lanes<T> simd_gather(const T& x, unsigned site) {
   static_assert(sizeof(T) <= 16, "simd operands are at most 16 bytes");
   unsigned char raw[32][16];
   simd_lanes<T> r;
@@ -301,7 +309,7 @@ inline void simdgroup_barrier(mem_flags, unsigned site = MLXKV_SITE) {
 
 // Reductions run in lane order.
 template <typename T>
-T simd_sum(T x, unsigned site = MLXKV_SITE) {
+MLXKV_SIMD_OP T simd_sum(T x, unsigned site = MLXKV_SITE) {
   simd_lanes<T> a = simd_gather(x, site);
   T s = T(0);
   for (unsigned i = 0; i < 32; i++)
@@ -309,7 +317,7 @@ T simd_sum(T x, unsigned site = MLXKV_SITE) {
   return s;
 }
 template <typename T>
-T simd_product(T x, unsigned site = MLXKV_SITE) {
+MLXKV_SIMD_OP T simd_product(T x, unsigned site = MLXKV_SITE) {
   simd_lanes<T> a = simd_gather(x, site);
   T s = T(1);
   for (unsigned i = 0; i < 32; i++)
@@ -317,21 +325,21 @@ T simd_product(T x, unsigned site = MLXKV_SITE) {
   return s;
 }
 template <typename T>
-T simd_max(T x, unsigned site = MLXKV_SITE) {
+MLXKV_SIMD_OP T simd_max(T x, unsigned site = MLXKV_SITE) {
   simd_lanes<T> a = simd_gather(x, site);
   for (unsigned i = 0; i < 32; i++)
     if (a.has(i)) x = max(x, a.v[i]);
   return x;
 }
 template <typename T>
-T simd_min(T x, unsigned site = MLXKV_SITE) {
+MLXKV_SIMD_OP T simd_min(T x, unsigned site = MLXKV_SITE) {
   simd_lanes<T> a = simd_gather(x, site);
   for (unsigned i = 0; i < 32; i++)
     if (a.has(i)) x = min(x, a.v[i]);
   return x;
 }
 template <typename T>
-T simd_prefix_exclusive_sum(T x, unsigned site = MLXKV_SITE) {
+MLXKV_SIMD_OP T simd_prefix_exclusive_sum(T x, unsigned site = MLXKV_SITE) {
   simd_lanes<T> a = simd_gather(x, site);
   T s = T(0);
   for (unsigned i = 0; i < a.lane; i++)
@@ -339,41 +347,41 @@ T simd_prefix_exclusive_sum(T x, unsigned site = MLXKV_SITE) {
   return s;
 }
 template <typename T>
-T simd_prefix_inclusive_sum(T x, unsigned site = MLXKV_SITE) {
+MLXKV_SIMD_OP T simd_prefix_inclusive_sum(T x, unsigned site = MLXKV_SITE) {
   return simd_prefix_exclusive_sum(x, site) + x;
 }
 // Shuffles read another lane's value; from an inactive or out-of-range lane
 // they return the caller's own (undefined in MSL).
 template <typename T>
-T simd_shuffle(T x, ushort from, unsigned site = MLXKV_SITE) {
+MLXKV_SIMD_OP T simd_shuffle(T x, ushort from, unsigned site = MLXKV_SITE) {
   simd_lanes<T> a = simd_gather(x, site);
   return a.has(from) ? a.v[from] : x;
 }
 template <typename T>
-T simd_broadcast(T x, ushort from, unsigned site = MLXKV_SITE) {
+MLXKV_SIMD_OP T simd_broadcast(T x, ushort from, unsigned site = MLXKV_SITE) {
   return simd_shuffle(x, from, site);
 }
 template <typename T>
-T simd_broadcast_first(T x, unsigned site = MLXKV_SITE) {
+MLXKV_SIMD_OP T simd_broadcast_first(T x, unsigned site = MLXKV_SITE) {
   simd_lanes<T> a = simd_gather(x, site);
   for (unsigned i = 0; i < 32; i++)
     if (a.has(i)) return a.v[i];
   return x;
 }
 template <typename T>
-T simd_shuffle_xor(T x, ushort mask, unsigned site = MLXKV_SITE) {
+MLXKV_SIMD_OP T simd_shuffle_xor(T x, ushort mask, unsigned site = MLXKV_SITE) {
   simd_lanes<T> a = simd_gather(x, site);
   unsigned from = a.lane ^ mask;
   return a.has(from) ? a.v[from] : x;
 }
 template <typename T>
-T simd_shuffle_down(T x, ushort delta, unsigned site = MLXKV_SITE) {
+MLXKV_SIMD_OP T simd_shuffle_down(T x, ushort delta, unsigned site = MLXKV_SITE) {
   simd_lanes<T> a = simd_gather(x, site);
   unsigned from = a.lane + delta;
   return a.has(from) ? a.v[from] : x;
 }
 template <typename T>
-T simd_shuffle_up(T x, ushort delta, unsigned site = MLXKV_SITE) {
+MLXKV_SIMD_OP T simd_shuffle_up(T x, ushort delta, unsigned site = MLXKV_SITE) {
   simd_lanes<T> a = simd_gather(x, site);
   return a.lane >= delta && a.has(a.lane - delta) ? a.v[a.lane - delta] : x;
 }

@@ -40,6 +40,7 @@ class Case:
     scale: float
     window: int | None = None  # a sliding window, in tokens (the query's own included)
     sinks: mx.array | None = None  # [Hq] attention-sink logits
+    chunk: int | None = None  # chunked attention (Llama 4): a query sees only its own chunk
 
     @property
     def n_queries(self) -> int:
@@ -48,7 +49,7 @@ class Case:
     @property
     def window_starts(self) -> list[int]:
         """Each row's first visible token (of its first query)."""
-        return kernels.window_starts(self.context_lens, self.window, self.n_queries)
+        return kernels.window_starts(self.context_lens, self.window, self.n_queries, self.chunk)
 
     @property
     def quantized(self) -> bool:
@@ -66,7 +67,8 @@ class Case:
         # The step's batch: the last L tokens are the ones being attended from.
         L = self.n_queries
         offsets = [n - L for n in self.context_lens]
-        group = GroupTables.build(self.tables, [0] * len(offsets), offsets, L, self.block_size, self.window)
+        group = GroupTables.build(self.tables, [0] * len(offsets), offsets, L, self.block_size, self.window,
+                                  self.chunk)
         return PagedBatch.of_groups((group,), offsets, L, self.block_size, attention_mode)
 
     @property
@@ -78,7 +80,7 @@ class Case:
 def make_case(dtype=mx.float32, head_dim: int = 64, group: int = 2, n_kv_heads: int = 2,
               block_size: int = 16, context_lens=(37,), seed: int = 0, shuffle: bool = True,
               spare_blocks: int = 3, window: int | None = None, sinks: bool = False, queries: int = 1,
-              kv_bits: int | None = None, kv_group_size: int = 64) -> Case:
+              kv_bits: int | None = None, kv_group_size: int = 64, chunk: int | None = None) -> Case:
     """A case of `queries` query tokens per row (the last of each context), over a pool
     quantized with mx.quantize at `kv_bits` (None: full precision)."""
     rng = np.random.default_rng(seed)
@@ -106,6 +108,7 @@ def make_case(dtype=mx.float32, head_dim: int = 64, group: int = 2, n_kv_heads: 
         context_lens=list(context_lens),
         scale=head_dim ** -0.5,
         window=window,
+        chunk=chunk,
         # Sinks of the scores' own size, so they weigh in without swamping them.
         sinks=normal(H) * 2 if sinks else None,
     )
@@ -119,7 +122,7 @@ def oracle(case: Case) -> np.ndarray:
     """Softmax attention in float64 from the rounded inputs (a quantized pool's dequantized
     values exactly): [B, Hq, L, D] (mlxkv.attention.oracle, the self-check's)."""
     out, _ = oracle64.attention(case.queries, case.k_pool, case.v_pool, case.tables, case.context_lens,
-                                case.scale, case.window, case.sinks)
+                                case.scale, case.window, case.sinks, case.chunk)
     return out
 
 
@@ -232,14 +235,14 @@ def run_kernels(case: Case, partition: int | None = None, kernels_by_name: dict 
     """The kernels' answer to `case`, as dispatch calls them (kernels.run_launch runs them)."""
     return kernels.paged_decode(case.queries, case.k_pool, case.v_pool, case.block_tables, case.context_lens,
                                 case.scale, partition=partition, kernels=kernels_by_name, window=case.window,
-                                sinks=case.sinks)
+                                sinks=case.sinks, chunk=case.chunk)
 
 
 def check_case(case: Case, partition: int | None = None) -> mx.array:
     """The kernels' answer to `case`, once compared with the float64 oracle and the reference path."""
     out = run_kernels(case, partition)
     what = (f"{case.dtype} D={case.queries.shape[-1]} L={case.n_queries} lens={case.context_lens} "
-            f"part={partition} window={case.window} sinks={case.sinks is not None} quantized={case.quantized}")
+            f"part={partition} window={case.window} chunk={case.chunk} sinks={case.sinks is not None} quantized={case.quantized}")
     assert_close(out, oracle(case), case.dtype, f"kernel vs oracle, {what}")
     assert_close(out, reference(case), case.dtype, f"kernel vs reference path, {what}")
     return out
@@ -251,7 +254,7 @@ def launch_of(case: Case, partition: int = 0, decode_kernel=None):
     queries = case.queries if L > 1 else case.queries.reshape(B, H, D)
     return kernels.decode_launch(queries, case.k_pool, case.v_pool, case.block_tables, case.context_lens,
                                  case.scale, partition, decode_kernel, case.window_starts, case.sinks,
-                                 case.window)
+                                 case.window, case.chunk)
 
 
 def instantiation_id(dtype, head_dim: int, group: int, block_size: int) -> str:

@@ -1,0 +1,178 @@
+// The decode kernel as issue 47 found it (commit 2b7c907): the baseline of the
+// ops_per_byte proxy (tests/msl/ops.py, `mlxkv bench kernels --efficiency`).
+// Never shipped or dispatched; only counted.
+//
+// Body of the kernel mlxkv_paged_decode. mx.fast.metal_kernel generates
+// the signature from the input and output names (see mlxkv/kernels.py).
+//
+// Decode attention (one query token per sequence) read straight from the
+// paged pools through the block table, shaped like MLX's sdpa_vector. One
+// threadgroup of NSG simdgroups serves one (partition, kv head, sequence);
+// all query heads of the GQA group share every K/V read.
+//   1. Lanes split the head dim: each holds its slice of the group's
+//      queries (pre-scaled) in registers, and reads its slice of a K or V
+//      row as contiguous vectors, so a simdgroup reads whole rows.
+//   2. Simdgroups take tokens in turn (a tile is NSG tokens, one each).
+//      Per token: Q.K summed over lanes with simd_sum, then each simdgroup
+//      updates its own online softmax (fp32) and accumulates p x V.
+//   3. At the end the simdgroups' states merge through threadgroup memory.
+// One partition (n_parts == 1) writes `out`; several write normalized
+// rows plus their maximum and sum to `partials` for mlxkv_paged_reduce.
+//
+// A sliding-window layer sees only its last tokens: window_starts gives
+// each sequence's first visible token (0 for full attention), anywhere in
+// a block, and partitions count from it. Attention sinks (gpt-oss) are one
+// logit per query head that joins the softmax and adds no value: the first
+// simdgroup of the first partition starts its running maximum and sum from
+// it, so it is counted once however many partitions there are.
+//
+// A quantized pool (built with MLXKV_QUANTIZED; see common.metal) passes
+// packed K and V with their scales and biases; each lane dequantizes its
+// slice of a row as it reads it, so nothing is dequantized twice or stored.
+//
+// Template: T (dtype), D (head dim), G (query heads per kv head, rounded
+// up; the real count is params[2]), BS (block size), NSG (simdgroups);
+// quantized: BITS. params: n_heads, n_kv_heads, group, table_width,
+// part_tokens, n_parts, has_sinks; quantized: the quantization group.
+
+  constexpr int THREADS = NSG * 32;
+  constexpr int E = (D + 31) / 32;  // head-dim elements per lane
+  // Elements per vector load: a lane's slice, or 16 bytes of it when it is
+  // longer (float, D 256), so that each load of the simdgroup is contiguous.
+  // A quantized slice is at most 8 bytes: one load.
+#if defined(MLXKV_QUANTIZED)
+  constexpr int W = E;
+  const int q_group = params[7];
+#else
+  constexpr int W = E * int(sizeof(T)) <= 16 ? E : 16 / int(sizeof(T));
+#endif
+  constexpr bool FULL = E * 32 == D;  // no lane reads past the row
+
+  const int n_heads = params[0];
+  const int n_kv_heads = params[1];
+  const int group = params[2];
+  const int table_width = params[3];
+  const int part_tokens = params[4];
+  const int n_parts = params[5];
+  const bool has_sinks = params[6] != 0;
+
+  const int part = int(threadgroup_position_in_grid.x);
+  const int kv_head = int(threadgroup_position_in_grid.y);
+  const int seq = int(threadgroup_position_in_grid.z);
+  const int tid = int(thread_index_in_threadgroup);
+  const int sg = int(simdgroup_index_in_threadgroup);
+  const int lane = int(thread_index_in_simdgroup);
+
+  const int ctx = context_lens[seq];
+  const int first = window_starts[seq] + part * part_tokens;
+  const int last = min(ctx, first + part_tokens);
+  const int head0 = kv_head * group;  // the group's first query head
+  const int row0 = seq * n_heads + head0;
+  const device int32_t* table = block_tables + size_t(seq) * table_width;
+
+  // The head-dim elements of lane `lane`: its e-th is d(e), e < E.
+  int dims[E];
+  for (int e = 0; e < E; e++) {
+    dims[e] = (e / W) * 32 * W + lane * W + e % W;
+  }
+
+  float q[G][E];
+  float m[G];     // running maximum
+  float l[G];     // running sum of exp(score - m)
+  float o[G][E];  // running sum of exp(score - m) x V
+  const bool sink_here = has_sinks && part == 0 && sg == 0;
+  for (int g = 0; g < G; g++) {
+    for (int e = 0; e < E; e++) {
+      const bool real = g < group && (FULL || dims[e] < D);
+      q[g][e] = real ? float(queries[size_t(row0 + g) * D + dims[e]]) * scale : 0.0f;
+      o[g][e] = 0.0f;
+    }
+    // exp(sink - m) == 1 when the running maximum starts at the sink.
+    m[g] = sink_here && g < group ? sinks[head0 + g] : MLXKV_NO_SCORE;
+    l[g] = sink_here && g < group ? 1.0f : 0.0f;
+  }
+
+  for (int t = first + sg; t < last; t += NSG) {
+    // The token's row of the pools [blocks, kv heads, BS, ...].
+    const size_t row = (size_t(table[t / BS]) * n_kv_heads + kv_head) * BS + t % BS;
+    float k[E];
+    float v[E];
+#if defined(MLXKV_QUANTIZED)
+    mlxkv_dequantize<T, D, E, BITS>(k, k_pool, k_scales, k_biases, row, lane * E, q_group);
+    // in flight while the scores reduce
+    mlxkv_dequantize<T, D, E, BITS>(v, v_pool, v_scales, v_biases, row, lane * E, q_group);
+#else
+    for (int e = 0; e < E; e++) {
+      k[e] = FULL || dims[e] < D ? float(k_pool[row * D + dims[e]]) : 0.0f;
+    }
+    for (int e = 0; e < E; e++) {  // in flight while the scores reduce
+      v[e] = FULL || dims[e] < D ? float(v_pool[row * D + dims[e]]) : 0.0f;
+    }
+#endif
+    for (int g = 0; g < G; g++) {
+      float s = 0.0f;
+      for (int e = 0; e < E; e++) {
+        s += q[g][e] * k[e];
+      }
+      s = simd_sum(s);
+      const float m_new = max(m[g], s);
+      const float correction = exp(m[g] - m_new);
+      const float p = exp(s - m_new);
+      l[g] = l[g] * correction + p;
+      m[g] = m_new;
+      for (int e = 0; e < E; e++) {
+        o[g][e] = o[g][e] * correction + p * v[e];
+      }
+    }
+  }
+
+  // Merge the simdgroups: rescale each to the threadgroup's maximum, sum.
+  threadgroup float m_s[NSG * G];
+  threadgroup float l_s[NSG * G];
+  threadgroup float o_s[NSG * D];  // one query head at a time
+  if (lane == 0) {
+    for (int g = 0; g < G; g++) {
+      m_s[sg * G + g] = m[g];
+      l_s[sg * G + g] = l[g];
+    }
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);  // maxima and sums visible
+  for (int g = 0; g < G; g++) {
+    if (g < group) {  // uniform over the threadgroup
+      float m_max = MLXKV_NO_SCORE;
+      for (int w = 0; w < NSG; w++) {
+        m_max = max(m_max, m_s[w * G + g]);
+      }
+      float total = 0.0f;
+      for (int w = 0; w < NSG; w++) {
+        total += l_s[w * G + g] * exp(m_s[w * G + g] - m_max);
+      }
+      const float own = exp(m[g] - m_max);
+      for (int e = 0; e < E; e++) {
+        if (FULL || dims[e] < D) {
+          o_s[sg * D + dims[e]] = o[g][e] * own;
+        }
+      }
+      threadgroup_barrier(mem_flags::mem_threadgroup);  // this head's rows visible
+      // total is 0 only for an empty partition, whose rows are all 0.
+      const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+      const size_t row = size_t(row0 + g);
+      for (int d = tid; d < D; d += THREADS) {
+        float sum = 0.0f;
+        for (int w = 0; w < NSG; w++) {
+          sum += o_s[w * D + d];
+        }
+        if (n_parts == 1) {
+          out[row * D + d] = T(sum * inv);
+        } else {
+          const size_t base = (row * n_parts + part) * (D + 2);
+          partials[base + d] = sum * inv;
+          if (d == 0) {
+            partials[base + D] = m_max;
+            partials[base + D + 1] = total;
+          }
+        }
+      }
+      threadgroup_barrier(mem_flags::mem_threadgroup);  // o_s free for the next head
+    }
+  }
