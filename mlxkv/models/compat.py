@@ -88,6 +88,11 @@ def load_tokenizer(path: str, eos_token_ids=None):
     return mlx_lm_load_tokenizer(path, eos_token_ids=eos_token_ids)
 
 
+def hf_tokenizer(tokenizer):
+    """The Hugging Face tokenizer inside mlx-lm's TokenizerWrapper (llguidance builds its own from it)."""
+    return getattr(tokenizer, "_tokenizer", tokenizer)
+
+
 def dequantize_model(model):
     """The model with its quantized layers made plain (mlx-lm's own): on a CPU the quantized
     matmul of a prefill runs ~20x slower than a float one."""
