@@ -93,6 +93,15 @@ def hf_tokenizer(tokenizer):
     return getattr(tokenizer, "_tokenizer", tokenizer)
 
 
+def tool_parser_name(tokenizer) -> str | None:
+    """The short name of mlx-lm's tool parser for this tokenizer ("json_tools", "mistral", ...;
+    None without tool calling): its module under mlx_lm.tool_parsers."""
+    if not getattr(tokenizer, "has_tool_calling", False):
+        return None
+    parser = getattr(tokenizer, "tool_parser", None)
+    return getattr(parser, "__module__", "").rsplit(".", 1)[-1] or None
+
+
 def dequantize_model(model):
     """The model with its quantized layers made plain (mlx-lm's own): on a CPU the quantized
     matmul of a prefill runs ~20x slower than a float one."""

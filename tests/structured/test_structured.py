@@ -1,0 +1,137 @@
+"""Structured output in the engine (mlxkv/structured/): masks, the compile cache, the batch, speculation.
+
+A random-weight model never writes valid JSON by chance, so a reply that
+validates was made to. Greedy rows are compared token for token: a
+constrained row batched with others equals its solo run, and with prompt
+lookup equals without.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlxkv.config import CacheConfig
+from mlxkv.engine.engine import Engine
+from mlxkv.errors import MlxkvError
+from mlxkv.speculative.proposer import Proposal
+from mlxkv.speculative.step_cost import AlwaysSpeculate
+from mlxkv.structured.grammar import Grammar
+from mlxkv.structured.masks import apply_bitmask, cut_proposals
+from mlxkv.structured.tool_grammar import ToolSpec, tool_call_grammar
+
+CACHE = dict(block_size=8, num_blocks=512, memory_tier_bytes=0)
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
+                                           "days": {"type": "integer", "minimum": 0, "maximum": 99}},
+          "required": ["city", "days"], "additionalProperties": False}
+# Prompt lookup finds its proposals in the prompt: JSON there gives the constrained row some to check.
+LOOKUP_PROMPT = 'Answer as {"city": "Oslo", "days": 3}; again {"city": "Oslo", "days": 3}: {"city": "'
+
+
+@pytest.fixture(scope="module")
+def engine(llama_dir):
+    with Engine.load(llama_dir, CacheConfig(**CACHE)) as e:
+        yield e
+
+
+@pytest.fixture(scope="module")
+def lookup_engine(llama_dir):
+    with Engine.load(llama_dir, CacheConfig(**CACHE, speculative="lookup")) as e:
+        e.loop.speculation.cost = AlwaysSpeculate()  # verify every step: this machine's clock decides nothing
+        yield e
+
+
+def test_apply_bitmask_equals_llguidance_numpy_reference():
+    import llguidance.numpy as lln
+
+    rng = np.random.default_rng(0)
+    logits = rng.standard_normal((3, 70)).astype(np.float32)
+    bitmask = rng.integers(-2**31, 2**31, size=(3, 3), dtype=np.int64).astype(np.int32)
+    expected = logits.copy()
+    lln.apply_token_bitmask_inplace(expected, bitmask)
+    got = np.array(apply_bitmask(mx.array(logits), bitmask))
+    assert np.array_equal(np.isinf(got), np.isinf(expected)) and np.isinf(got).any()
+    assert np.array_equal(got[~np.isinf(got)], expected[~np.isinf(expected)])
+
+
+def test_a_json_schema_reply_validates_and_ends_on_eos(engine):
+    free = engine.generate("Tell me about Oslo", max_tokens=30)
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(free.text)  # the model alone writes no JSON: the grammar below does the work
+    result = engine.generate("Tell me about Oslo", grammar=Grammar.json_schema(SCHEMA), max_tokens=60)
+    jsonschema.validate(json.loads(result.text), SCHEMA)
+    assert result.finish_reason == "stop"
+
+
+def test_sampled_rows_and_a_regex_are_masked_too(engine):
+    for options in ({}, {"temperature": 1.0, "seed": 7}):
+        result = engine.generate("code:", grammar=Grammar.regex("[A-Z]{3}-[0-9]{2}"), max_tokens=20, **options)
+        assert len(result.text) == 6 and result.text[:3].isupper() and result.text[4:].isdigit(), result.text
+
+
+def test_the_compile_cache_hits_on_the_same_grammar(engine):
+    schema = {"type": "object", "properties": {"q": {"type": "boolean"}}, "required": ["q"]}
+    before = dict(engine.stats()["structured"])
+    for _ in range(3):
+        engine.generate("x", grammar=Grammar.json_schema(schema), max_tokens=12)
+    after = engine.stats()["structured"]
+    assert after["compile_cache_misses"] == before["compile_cache_misses"] + 1
+    assert after["compile_cache_hits"] == before["compile_cache_hits"] + 2
+    assert after["mask_steps"] > before["mask_steps"] and after["compile_s"] > 0
+
+
+def test_an_uncompilable_grammar_is_an_mlxkv_error_naming_it(engine):
+    with pytest.raises(MlxkvError, match="frob"):
+        engine.generate("x", grammar=Grammar.json_schema({"type": "frob"}), max_tokens=4)
+    with pytest.raises(MlxkvError, match="nothing_here"):
+        engine.generate("x", grammar=Grammar.lark("start: nothing_here"), max_tokens=4)
+
+
+def test_a_batch_of_mixed_rows_gives_each_its_solo_tokens(engine):
+    prompts = [f"Question {i}: where and how long?" for i in range(8)]
+    grammars = [Grammar.json_schema(SCHEMA) if i % 2 == 0 else None for i in range(8)]
+    solo = [engine.generate(p, grammar=g, max_tokens=40).tokens for p, g in zip(prompts, grammars)]
+    records: list[list] = [[] for _ in prompts]
+    for i, (p, g) in enumerate(zip(prompts, grammars)):
+        engine.loop.add(engine.make_request(p, records[i].append, grammar=g, max_tokens=40))
+    while engine.loop.has_work:
+        engine.loop.step()
+    batched = [[r.token for r in recs] for recs in records]
+    assert batched == solo
+    for tokens, g in zip(batched[::2], grammars[::2]):
+        jsonschema.validate(json.loads(engine.tokenizer.decode(tokens[:-1])), SCHEMA)  # the last is EOS
+
+
+def test_lookup_speculation_gives_the_same_tokens_and_cuts_proposals(engine, lookup_engine):
+    grammar = Grammar.json_schema(SCHEMA)
+    plain = engine.generate(LOOKUP_PROMPT, grammar=grammar, max_tokens=40)
+    fast = lookup_engine.generate(LOOKUP_PROMPT, grammar=grammar, max_tokens=40)
+    assert fast.tokens == plain.tokens
+    assert lookup_engine.stats()["speculative"]["proposed"] > 0  # proposals were checked, not absent
+
+
+def test_cut_proposals_stops_at_the_first_refused_token(engine):
+    tokenizer = engine.tokenizer
+    request = engine.make_request("x", lambda r: None, grammar=Grammar.json_schema(SCHEMA))
+    good = tokenizer.encode('{"city": "Os"', add_special_tokens=False)
+    bad = tokenizer.encode('}, "days": 2}', add_special_tokens=False)  # "days" is required before the "}"
+    [cut] = cut_proposals({request: Proposal(good + bad)}).values()
+    assert cut.tokens == good
+    assert request.grammar.consumed == 0 and request.grammar.valid_prefix(good) == len(good)  # state unchanged
+
+
+def test_a_tool_call_grammar_writes_what_mlx_lm_s_parser_reads(engine):
+    tokenizer = engine.tokenizer
+    tools = [ToolSpec("get_weather", SCHEMA), ToolSpec("noop", None)]
+    grammar = tool_call_grammar(tokenizer.tool_call_start, tokenizer.tool_call_end, tools, allow_text=False)
+    result = engine.generate("weather?", grammar=grammar, max_tokens=80)
+    assert result.finish_reason == "stop", result.text
+    body = result.text.removeprefix(tokenizer.tool_call_start).removesuffix(tokenizer.tool_call_end)
+    call = tokenizer.tool_parser(body, None)
+    assert call["name"] in ("get_weather", "noop")
+    if call["name"] == "get_weather":
+        jsonschema.validate(call["arguments"], SCHEMA)
