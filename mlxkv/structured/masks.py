@@ -24,9 +24,6 @@ import numpy as np
 
 log = logging.getLogger(__name__)
 
-_BITS = mx.arange(32, dtype=mx.uint32)
-
-
 def constrained(requests) -> bool:
     return any(r.grammar is not None for r in requests)
 
@@ -91,7 +88,8 @@ def apply_bitmask(logits: mx.array, bitmask: np.ndarray) -> mx.array:
     """`logits [N, vocab]` with the tokens whose bit is 0 in `bitmask [N, words]` at -inf."""
     n, vocab = logits.shape
     words = mx.array(bitmask.view(np.uint32))
-    bits = mx.right_shift(words[:, :, None], _BITS) & 1
+    # Made here, not at import: an MLX array belongs to the stream of the thread that made it.
+    bits = mx.right_shift(words[:, :, None], mx.arange(32, dtype=mx.uint32)) & 1
     allowed = bits.reshape(n, -1)[:, :vocab].astype(mx.bool_)
     return mx.where(allowed, logits, mx.array(-mx.inf, dtype=logits.dtype))
 
