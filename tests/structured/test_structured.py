@@ -135,3 +135,19 @@ def test_a_tool_call_grammar_writes_what_mlx_lm_s_parser_reads(engine):
     assert call["name"] in ("get_weather", "noop")
     if call["name"] == "get_weather":
         jsonschema.validate(call["arguments"], SCHEMA)
+
+
+def test_generate_command_takes_a_json_schema_file_and_a_regex(llama_dir, tmp_path, capsys):
+    from mlxkv.cli import main
+
+    schema_file = tmp_path / "trip.json"
+    schema_file.write_text(json.dumps(SCHEMA))
+    assert main(["generate", "--model", llama_dir, "--json", "--max-tokens", "60", "--prompt", "Oslo?",
+                 "--json-schema", str(schema_file), "--num-blocks", "256"]) == 0
+    row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    jsonschema.validate(json.loads(row["text"]), SCHEMA)
+    assert main(["generate", "--model", llama_dir, "--max-tokens", "10", "--prompt", "x", "--regex", "[0-9]{4}",
+                 "--num-blocks", "256"]) == 0
+    assert capsys.readouterr().out.strip().isdigit()
+    assert main(["generate", "--model", llama_dir, "--prompt", "x", "--json-schema", str(tmp_path / "none"),
+                 "--num-blocks", "256"]) == 2
