@@ -126,14 +126,16 @@ def _eos_only(bitmask: np.ndarray, index: int, eos_ids: list[int], rows: int) ->
 
 
 def _record(compiler, rows, bitmask: np.ndarray, start: float, length: int) -> None:
-    """The step's mask time, into the compiler's stats and each row's share; at DEBUG the
-    tokens each row's masks refused (a popcount, skipped otherwise)."""
+    """The step's mask time, into the compiler's stats and each row's share (its RequestStats);
+    at DEBUG the tokens each row's masks refused (a popcount, skipped otherwise)."""
     elapsed = time.perf_counter() - start
     compiler.stats.mask_s += elapsed
     compiler.stats.mask_steps += 1
     debug = log.isEnabledFor(logging.DEBUG)
     for i, r in rows:
-        r.grammar.mask_s += elapsed / len(rows)
+        stats = r.stats  # this module is the one writer of its structured fields
+        stats.constrained = True
+        stats.mask_s += elapsed / len(rows)
         if debug:
             allowed = int(np.bitwise_count(bitmask[i * length].view(np.uint32)).sum())
-            r.grammar.masked_out += max(0, compiler.vocab_size - allowed)
+            stats.masked_tokens += max(0, compiler.vocab_size - allowed)

@@ -22,8 +22,6 @@ class RowMatcher:
         self.grammar = grammar
         self.consumed = 0  # reply tokens advanced over
         self.failed: str | None = None  # why the row left its grammar (a bug: masks allow no such token)
-        self.mask_s = 0.0  # this row's share of the steps' mask time
-        self.masked_out = 0  # tokens its masks refused, over all its steps (counted at DEBUG only)
 
     @property
     def accepting(self) -> bool:

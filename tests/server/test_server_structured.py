@@ -7,6 +7,7 @@ chance, so a reply that validates against its schema was made to.
 from __future__ import annotations
 
 import json
+import logging
 import threading
 
 import anthropic
@@ -14,7 +15,7 @@ import jsonschema
 import openai
 import pytest
 
-from server_support import anthropic_client, openai_client, running_server
+from server_support import anthropic_client, openai_client, raw, running_server, wait_for
 from mlxkv.structured.grammar import Grammar
 
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
@@ -135,3 +136,17 @@ def test_prompt_lookup_gives_the_same_constrained_tokens(llama_dir, server):
     assert reply.choices[0].message.content == plain.choices[0].message.content
     jsonschema.validate(json.loads(reply.choices[0].message.content), SCHEMA)
     assert speculative.get("mode") == "lookup"
+
+
+def test_metrics_show_mask_time_and_compile_cache_hits_and_the_debug_log_the_reply(server, caplog):
+    client = openai_client(server)
+    with caplog.at_level(logging.DEBUG, logger="mlxkv.server.backend"):
+        for _ in range(2):  # the same schema twice: the second compile is a cache hit
+            client.chat.completions.create(model="x", messages=ask("Quito"), max_tokens=40,
+                                           response_format=RESPONSE_FORMAT)
+    assert any("constrained reply" in r.getMessage() and "masked out" in r.getMessage() for r in caplog.records)
+    wait_for(lambda: server.backend.stats().get("structured", {}).get("compile_cache_hits", 0) > 0)
+    status, text, _ = raw(server, "GET", "/metrics")
+    lines = dict(line.rsplit(" ", 1) for line in text.splitlines() if line.startswith("mlxkv_structured"))
+    assert status == 200 and int(lines["mlxkv_structured_compile_cache_hits_total"]) >= 1
+    assert float(lines["mlxkv_structured_mask_seconds_per_step"]) > 0
