@@ -17,11 +17,12 @@ import pytest
 
 from mlxkv.config import CacheConfig
 from mlxkv.engine.engine import Engine
+from mlxkv.engine.records import RequestStats
 from mlxkv.errors import MlxkvError
 from mlxkv.speculative.proposer import Proposal
 from mlxkv.speculative.step_cost import AlwaysSpeculate
 from mlxkv.structured.grammar import Grammar
-from mlxkv.structured.masks import apply_bitmask, cut_proposals
+from mlxkv.structured.masks import apply_bitmask, cut_proposals, mask_decode
 from mlxkv.structured.tool_grammar import ToolSpec, tool_call_grammar
 
 CACHE = dict(block_size=8, num_blocks=512, memory_tier_bytes=0)
@@ -151,3 +152,19 @@ def test_generate_command_takes_a_json_schema_file_and_a_regex(llama_dir, tmp_pa
     assert capsys.readouterr().out.strip().isdigit()
     assert main(["generate", "--model", llama_dir, "--prompt", "x", "--json-schema", str(tmp_path / "none"),
                  "--num-blocks", "256"]) == 2
+
+
+def test_a_matcher_rolls_back_and_a_complete_grammar_allows_only_eos(engine):
+    request = engine.make_request("x", lambda r: None, grammar=Grammar.regex("ab"))
+    matcher, tokenizer = request.grammar, engine.tokenizer
+    [a], [b] = tokenizer.encode("a", add_special_tokens=False), tokenizer.encode("b", add_special_tokens=False)
+    matcher.advance([a, b])
+    assert matcher.accepting and matcher.consumed == 2
+    matcher.rollback(1)
+    assert not matcher.accepting and matcher.consumed == 1 and matcher.valid_prefix([b]) == 1
+    matcher.advance([b])
+    request.stats = RequestStats.unknown(1)  # as admission gives it: the masks write their time there
+    request.output, request.issued = [a, b], 2
+    logits = mask_decode([request], None, mx.zeros((1, engine.loaded.vocab_size)))
+    allowed = set(np.flatnonzero(np.isfinite(np.array(logits[0]))).tolist())
+    assert allowed == set(engine.tokenizer.eos_token_ids)
