@@ -35,9 +35,9 @@ def mask_decode(requests, inputs: mx.array | None, logits: mx.array) -> mx.array
     a row whose newest token is not in its output yet consumes it from there."""
     rows = [(i, r) for i, r in enumerate(requests) if r.grammar is not None]
     mx.async_eval(logits)
-    start = time.perf_counter()
     pending = [r for _, r in rows if r.issued > len(r.output)]
-    last = inputs[:, 0].tolist() if pending and inputs is not None else None
+    last = inputs[:, 0].tolist() if pending and inputs is not None else None  # waits for the previous step
+    start = time.perf_counter()  # the masks' own time, from here
     for i, r in rows:
         r.grammar.catch_up(r.output, [last[i]] if last is not None and r.issued > len(r.output) else [])
     compiler = rows[0][1].grammar.compiler
