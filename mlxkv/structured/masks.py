@@ -84,6 +84,32 @@ def cut_proposals(proposals: dict) -> dict:
     return cut
 
 
+def mask_draft(request, logprobs: mx.array, drafted: list[int]) -> mx.array:
+    """A draft model's `logprobs [vocab]` for a constrained row's next proposal, masked as the
+    grammar stands after the tokens drafted so far: the matcher consumes them, and rolls them
+    back after the mask, so a draft proposes only what the grammar allows (an unmasked draft's
+    first token was nearly always refused, and its proposals cut to none)."""
+    matcher = request.grammar
+    matcher.catch_up(request.output)
+    start = time.perf_counter()
+    consumed = 0
+    for token in drafted:
+        if matcher.stopped or not matcher.ll.consume_token(int(token)):
+            break
+        consumed += 1
+    compiler = matcher.compiler
+    bitmask = np.full((1, _words(compiler.vocab_size)), -1, dtype=np.int32)
+    if consumed == len(drafted):
+        _fill(compiler, [(matcher, 0, None)], bitmask)
+    else:
+        _eos_only(bitmask, 0, compiler.eos_ids, 1)  # the draft went past the grammar's end: nothing more fits
+    if consumed:
+        matcher.ll.rollback(consumed)
+    masked = apply_bitmask(logprobs.reshape(1, -1), bitmask).reshape(logprobs.shape)
+    compiler.stats.mask_s += time.perf_counter() - start
+    return masked
+
+
 def apply_bitmask(logits: mx.array, bitmask: np.ndarray) -> mx.array:
     """`logits [N, vocab]` with the tokens whose bit is 0 in `bitmask [N, words]` at -inf."""
     n, vocab = logits.shape

@@ -115,6 +115,34 @@ def test_lookup_speculation_gives_the_same_tokens_and_cuts_proposals(engine, loo
     assert lookup_engine.stats()["speculative"]["proposed"] > 0  # proposals were checked, not absent
 
 
+def test_a_mixed_batch_under_lookup_equals_plain_and_sampled_rows_stay_valid(engine, lookup_engine):
+    prompts = [LOOKUP_PROMPT + str(i) for i in range(4)]
+    grammars = [Grammar.json_schema(SCHEMA), None, Grammar.json_schema(SCHEMA), None]
+
+    def batch(e, **options):
+        records: list[list] = [[] for _ in prompts]
+        for i, (p, g) in enumerate(zip(prompts, grammars)):
+            e.loop.add(e.make_request(p, records[i].append, grammar=g, max_tokens=30, **options))
+        while e.loop.has_work:
+            e.loop.step()
+        return [[r.token for r in recs] for recs in records]
+
+    assert batch(lookup_engine) == batch(engine)
+    sampled = batch(lookup_engine, temperature=1.0, seed=5)
+    for tokens in sampled[::2]:
+        jsonschema.validate(json.loads(lookup_engine.tokenizer.decode(tokens[:-1])), SCHEMA)
+
+
+def test_a_draft_model_drafts_within_the_grammar_and_the_tokens_stay_the_same(llama_dir, engine):
+    config = CacheConfig(**CACHE, speculative="draft", draft_model=llama_dir)
+    with Engine.load(llama_dir, config) as drafted:
+        drafted.loop.speculation.cost = AlwaysSpeculate()
+        grammar = Grammar.json_schema(SCHEMA)
+        fast = drafted.generate(LOOKUP_PROMPT, grammar=grammar, max_tokens=40)
+        assert drafted.stats()["speculative"]["proposed"] > 0  # unmasked, its first token was always refused
+    assert fast.tokens == engine.generate(LOOKUP_PROMPT, grammar=grammar, max_tokens=40).tokens
+
+
 def test_cut_proposals_stops_at_the_first_refused_token(engine):
     tokenizer = engine.tokenizer
     request = engine.make_request("x", lambda r: None, grammar=Grammar.json_schema(SCHEMA))
