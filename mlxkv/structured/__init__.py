@@ -5,3 +5,5 @@ llguidance compiles a grammar (compiler.py) into a matcher per row
 in one call and the masks are applied to the logits before sampling
 (masks.py). Rows without a grammar never reach this package.
 """
+
+from mlxkv.structured.grammar import Grammar  # noqa: F401  (the constraint a caller passes: Engine.generate(grammar=...))

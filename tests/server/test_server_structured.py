@@ -87,6 +87,24 @@ def test_responses_text_format_validates(server):
     jsonschema.validate(json.loads(reply.output_text), SCHEMA)
 
 
+def test_responses_forced_function_call_validates(server):
+    tool = {"type": "function", "name": "get_weather", "strict": True, "parameters": SCHEMA}
+    reply = openai_client(server).responses.create(model="x", input="Weather in Oslo?", max_output_tokens=80,
+                                                   tools=[tool], tool_choice="required")
+    [call] = [item for item in reply.output if item.type == "function_call"]
+    assert call.name == "get_weather"
+    jsonschema.validate(json.loads(call.arguments), SCHEMA)
+
+
+def test_auto_with_a_strict_tool_is_text_or_a_valid_call(server):
+    reply = openai_client(server).chat.completions.create(model="x", messages=ask("Oslo"), max_tokens=30,
+                                                          tools=[WEATHER])
+    message = reply.choices[0].message
+    for call in message.tool_calls or []:
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMA)
+    assert "<tool_call>" not in (message.content or "")  # a call it opens is a call, never loose text
+
+
 def test_anthropic_forced_tool_input_validates(server):
     tool = {"name": "get_weather", "description": "weather", "input_schema": SCHEMA}
     reply = anthropic_client(server).messages.create(

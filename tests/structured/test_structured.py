@@ -196,3 +196,19 @@ def test_a_matcher_rolls_back_and_a_complete_grammar_allows_only_eos(engine):
     logits = mask_decode([request], None, mx.zeros((1, engine.loaded.vocab_size)))
     allowed = set(np.flatnonzero(np.isfinite(np.array(logits[0]))).tolist())
     assert allowed == set(engine.tokenizer.eos_token_ids)
+
+
+def test_auto_allows_text_or_one_valid_call_and_nothing_else(engine):
+    tokenizer = engine.tokenizer
+    grammar = tool_call_grammar(tokenizer.tool_call_start, tokenizer.tool_call_end,
+                                [ToolSpec("get_weather", SCHEMA)], allow_text=True)
+    matcher = engine.structured.matcher(grammar)
+
+    def whole(text: str) -> bool:
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        return matcher.valid_prefix(ids) == len(ids)
+
+    call = '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo", "days": 3}}</tool_call>'
+    assert whole("Just text, with a <tool in it.") and whole(call) and whole("Let me check. " + call)
+    assert not whole('<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}')  # days is required
+    assert not whole('<tool_call>{"name": "other", "arguments": {}}')
