@@ -105,7 +105,7 @@ def test_auto_with_a_strict_tool_is_text_or_a_valid_call(server):
     assert "<tool_call>" not in (message.content or "")  # a call it opens is a call, never loose text
 
 
-def test_anthropic_forced_tool_input_validates(server):
+def test_anthropic_forced_tool_and_output_format_validate(server):
     tool = {"name": "get_weather", "description": "weather", "input_schema": SCHEMA}
     reply = anthropic_client(server).messages.create(
         model="x", max_tokens=80, messages=ask("Oslo"), tools=[tool],
@@ -113,6 +113,10 @@ def test_anthropic_forced_tool_input_validates(server):
     [use] = [b for b in reply.content if b.type == "tool_use"]
     assert use.name == "get_weather" and reply.stop_reason == "tool_use"
     jsonschema.validate(use.input, SCHEMA)
+    shaped = anthropic_client(server).messages.create(
+        model="x", max_tokens=60, messages=ask("Lima"),
+        extra_body={"output_format": {"type": "json_schema", "schema": SCHEMA}})
+    jsonschema.validate(json.loads(shaped.content[0].text), SCHEMA)
 
 
 @pytest.mark.slow
