@@ -99,7 +99,8 @@ class _Shape:
                 "instructions": b.instructions, "max_output_tokens": b.max_output_tokens, "output": output,
                 "parallel_tool_calls": b.parallel_tool_calls is not False, "previous_response_id":
                 b.previous_response_id, "store": b.store, "temperature": b.temperature, "top_p": b.top_p,
-                "tool_choice": b.tool_choice or "auto", "tools": b.tools or [], "text": b.text or {"format": {"type": "text"}},
+                "tool_choice": b.tool_choice or "auto", "tools": b.tools or [],
+                "text": b.text or {"format": {"type": "text"}},
                 "truncation": "disabled", "metadata": {}, "usage": None if stats is None else usage(stats)}
 
 

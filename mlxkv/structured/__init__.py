@@ -6,4 +6,5 @@ in one call and the masks are applied to the logits before sampling
 (masks.py). Rows without a grammar never reach this package.
 """
 
-from mlxkv.structured.grammar import Grammar  # noqa: F401  (the constraint a caller passes: Engine.generate(grammar=...))
+# The constraint a caller passes: Engine.generate(..., grammar=Grammar.json_schema(schema)).
+from mlxkv.structured.grammar import Grammar  # noqa: F401
