@@ -56,6 +56,7 @@ def test_json_object_and_an_extra_body_regex(server):
     assert len(coded.choices[0].message.content) == 3 and coded.choices[0].message.content.isupper()
 
 
+@pytest.mark.slow  # over ~0.7 s under load: the not-slow budget is nearly spent
 def test_tool_choice_required_yields_a_strict_call_whose_arguments_validate(server):
     client = openai_client(server)
     for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
@@ -66,6 +67,7 @@ def test_tool_choice_required_yields_a_strict_call_whose_arguments_validate(serv
         jsonschema.validate(json.loads(call.function.arguments), SCHEMA)
 
 
+@pytest.mark.slow  # over ~0.7 s under load: the not-slow budget is nearly spent
 def test_an_uncompilable_schema_is_a_400_in_each_api(server):
     client = openai_client(server)
     with pytest.raises(openai.BadRequestError, match="frob"):
@@ -80,6 +82,7 @@ def test_an_uncompilable_schema_is_a_400_in_each_api(server):
             tools=[{"name": "bad", "input_schema": BAD_SCHEMA}])
 
 
+@pytest.mark.slow  # over ~0.7 s under load: the not-slow budget is nearly spent
 def test_responses_text_format_validates(server):
     reply = openai_client(server).responses.create(
         model="x", input="Plan a trip to Oslo.", max_output_tokens=60,
@@ -105,6 +108,7 @@ def test_auto_with_a_strict_tool_is_text_or_a_valid_call(server):
     assert "<tool_call>" not in (message.content or "")  # a call it opens is a call, never loose text
 
 
+@pytest.mark.slow  # over ~0.7 s under load: the not-slow budget is nearly spent
 def test_anthropic_forced_tool_and_output_format_validate(server):
     tool = {"name": "get_weather", "description": "weather", "input_schema": SCHEMA}
     reply = anthropic_client(server).messages.create(

@@ -92,6 +92,7 @@ def test_an_uncompilable_grammar_is_an_mlxkv_error_naming_it(engine):
         engine.generate("x", grammar=Grammar.lark("start: nothing_here"), max_tokens=4)
 
 
+@pytest.mark.slow  # over ~0.7 s under load: the not-slow budget is nearly spent
 def test_a_batch_of_mixed_rows_gives_each_its_solo_tokens(engine):
     prompts = [f"Question {i}: where and how long?" for i in range(8)]
     grammars = [Grammar.json_schema(SCHEMA) if i % 2 == 0 else None for i in range(8)]
