@@ -89,8 +89,20 @@ def load_tokenizer(path: str, eos_token_ids=None):
 
 
 def hf_tokenizer(tokenizer):
-    """The Hugging Face tokenizer inside mlx-lm's TokenizerWrapper (llguidance builds its own from it)."""
-    return getattr(tokenizer, "_tokenizer", tokenizer)
+    """The Hugging Face tokenizer inside mlx-lm's TokenizerWrapper (llguidance builds its own from
+    it); a Hugging Face tokenizer as it is (its own `_tokenizer` is the Rust one)."""
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+    return tokenizer._tokenizer if isinstance(tokenizer, TokenizerWrapper) else tokenizer
+
+
+def added_token_id(tokenizer, text: str) -> int | None:
+    """The id of `text` when it is one added token of the tokenizer (Qwen's <tool_call>), else None."""
+    added = getattr(hf_tokenizer(tokenizer), "added_tokens_decoder", None) or {}
+    for token_id, token in added.items():
+        if str(token) == text:
+            return int(token_id)
+    return None
 
 
 def tool_parser_name(tokenizer) -> str | None:

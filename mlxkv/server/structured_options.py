@@ -22,7 +22,7 @@ import logging
 from typing import Any
 
 from mlxkv.errors import MlxkvError
-from mlxkv.models.compat import tool_parser_name
+from mlxkv.models.compat import added_token_id, tool_parser_name
 from mlxkv.server.api_errors import ApiError
 from mlxkv.structured.compiler import check_grammar
 from mlxkv.structured.grammar import Grammar
@@ -145,8 +145,9 @@ def _tool_grammar(tokenizer, tools: list[ToolSpec], allow_text: bool) -> Grammar
         log.warning("tool calls are not enforced for this model: its tool-call format (%s) is not one "
                     "mlxkv writes grammars for (%s)", parser or "none", ", ".join(JSON_BODY_PARSERS))
         return None
-    return _checked(lambda: tool_call_grammar(tokenizer.tool_call_start, tokenizer.tool_call_end, tools,
-                                              allow_text), "tools")
+    start, end = tokenizer.tool_call_start, tokenizer.tool_call_end
+    ids = (added_token_id(tokenizer, start), added_token_id(tokenizer, end))
+    return _checked(lambda: tool_call_grammar(start, end, tools, allow_text, ids), "tools")
 
 
 def _checked(make, param: str) -> Grammar:

@@ -33,13 +33,25 @@ class ToolSpec:
     schema: dict | None  # the arguments' JSON schema; None: any JSON object
 
 
-def tool_call_grammar(start: str, end: str, tools: list[ToolSpec], allow_text: bool) -> Grammar:
+def tool_call_grammar(start: str, end: str, tools: list[ToolSpec], allow_text: bool,
+                      token_ids: tuple[int | None, int | None] = (None, None)) -> Grammar:
     """The Lark grammar of one call to one of `tools` between `start` and `end` (with
-    `allow_text`: or of text, then maybe such a call)."""
+    `allow_text`: or of text, then maybe such a call).
+
+    `token_ids`: the markers' ids where each is one added token of the tokenizer (Qwen's
+    <tool_call>). llguidance keeps added tokens apart from text, so such a marker is written
+    as its token (`<[id]>`): as text it could only be spelled out byte by byte, which the
+    model never does."""
     if not tools:
         raise MlxkvError("a tool-call grammar needs at least one tool")
     body = f"body: %json {json.dumps(_body_schema(tools), separators=(',', ':'))}"
-    close = json.dumps(end)
+    open_id, close_id = token_ids
+    close = json.dumps(end) if close_id is None else f"<[{close_id}]>"
+    if open_id is not None:  # a token, never text: text cannot run into it
+        opening = f"<[{open_id}]>"
+        if not allow_text:
+            return Grammar.lark(f"start: {opening} body {close}\n{body}\n")
+        return Grammar.lark(f"start: TEXT? ({opening} body {close})?\nTEXT: /(.|\\n)+/\n{body}\n")
     if not allow_text:
         return Grammar.lark(f"start: {json.dumps(start)} body {close}\n{body}\n")
     marker = _regex(start)

@@ -213,3 +213,26 @@ def test_auto_allows_text_or_one_valid_call_and_nothing_else(engine):
     assert whole("Just text, with a <tool in it.") and whole(call) and whole("Let me check. " + call)
     assert not whole('<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}')  # days is required
     assert not whole('<tool_call>{"name": "other", "arguments": {}}')
+
+
+def test_markers_that_are_added_tokens_are_written_as_their_tokens(llama_dir):
+    from tokenizers import AddedToken, Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    from mlxkv.models.compat import added_token_id
+    from mlxkv.structured.compiler import GrammarCompiler
+
+    base = Tokenizer.from_file(f"{llama_dir}/tokenizer.json")
+    base.add_tokens([AddedToken(m, special=False, normalized=False) for m in ("<tool_call>", "</tool_call>")])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=base)  # Qwen's kind: the markers are added tokens
+    ids = (added_token_id(tokenizer, "<tool_call>"), added_token_id(tokenizer, "</tool_call>"))
+    assert None not in ids and added_token_id(tokenizer, "hello") is None
+    compiler = GrammarCompiler(tokenizer, len(tokenizer), [0, 2])
+    call = tokenizer.encode('<tool_call>{"name": "noop", "arguments": {}}</tool_call>', add_special_tokens=False)
+    assert call[0] == ids[0] and call[-1] == ids[1]  # the model writes each marker as one token
+    for allow_text in (False, True):
+        grammar = tool_call_grammar("<tool_call>", "</tool_call>", [ToolSpec("noop", None)], allow_text, ids)
+        matcher = compiler.matcher(grammar)
+        assert matcher.valid_prefix(call) == len(call)
+        text = tokenizer.encode("Let me see. ", add_special_tokens=False)
+        assert matcher.valid_prefix(text + call) == (len(text + call) if allow_text else 0)
