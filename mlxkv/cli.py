@@ -30,6 +30,10 @@ def _add_generate(sub) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     p.add_argument("--concurrent", action="store_true",
                    help="run the prompts as one batch (shared prefixes computed once), not in order")
+    shape = p.add_mutually_exclusive_group()  # what the replies must match (docs/structured-output.md)
+    shape.add_argument("--json-schema", metavar="FILE", help="replies are JSON valid against this schema file")
+    shape.add_argument("--grammar", metavar="FILE", help="replies match this Lark grammar file (llguidance's Lark)")
+    shape.add_argument("--regex", metavar="PATTERN", help="replies match this regular expression")
     p.set_defaults(func=cmd_generate)
 
 

@@ -34,7 +34,25 @@ def _prompt_tokens(engine, text: str, args) -> list[int]:
 
 
 def _options(args) -> dict:
-    return dict(max_tokens=args.max_tokens, temperature=args.temp, top_p=args.top_p, seed=args.seed)
+    options = dict(max_tokens=args.max_tokens, temperature=args.temp, top_p=args.top_p, seed=args.seed)
+    grammar = _grammar(args)
+    return options if grammar is None else {**options, "grammar": grammar}
+
+
+def _grammar(args):
+    """--json-schema FILE, --grammar FILE (Lark) or --regex PATTERN as a structured.Grammar."""
+    from mlxkv.structured.grammar import Grammar
+
+    if getattr(args, "regex", None) is not None:
+        return Grammar.regex(args.regex)
+    for flag, make in (("json_schema", Grammar.json_schema), ("grammar", Grammar.lark)):
+        path = getattr(args, flag, None)
+        if path is not None:
+            try:
+                return make(_read_text(path))
+            except OSError as e:
+                raise MlxkvError(f"cannot read --{flag.replace('_', '-')} file {path!r}: {e.strerror}") from None
+    return None
 
 
 def _generate_concurrent(engine, prompts: list[str], args) -> int:

@@ -29,6 +29,7 @@ from mlxkv.engine.sampling import make_request_sampler, whole
 from mlxkv.engine.speculation import Speculation
 from mlxkv.speculative.draft import DraftProposer, check_same_tokenizer
 from mlxkv.speculative.proposer import LookupProposer
+from mlxkv.structured.compiler import GrammarCompiler
 from mlxkv.errors import MlxkvError, error_line
 from mlxkv.system.wired import Device, WiredLimit
 from mlxkv.models.loader import LoadedModel, load_model, probe_kv_layout
@@ -82,6 +83,8 @@ class Engine:
         peak = None if groups.is_plain else (lambda n: self.cache.peak_blocks(n, prefill_chunk))
         self.limits = RequestLimits(loaded.vocab_size, loaded.max_context, budget,
                                     cache.block_size, peak)
+        # Grammars compiled for this tokenizer, cached (structured/compiler.py).
+        self.structured = GrammarCompiler(self.tokenizer, loaded.vocab_size, self.tokenizer.eos_token_ids)
         self._request_ids = itertools.count()
         self._shrunk_after: int | None = None  # requests served at the last shrink
 
@@ -141,7 +144,8 @@ class Engine:
 
         Options: max_tokens (256), temperature, top_p, top_k, min_p, seed,
         cache_salt, speculative (False: this request decodes without
-        proposals, when the engine speculates). The request runs on the engine's batch loop, so streams
+        proposals, when the engine speculates), grammar (a structured.Grammar
+        the reply must match: a JSON schema, Lark, a regex). The request runs on the engine's batch loop, so streams
         consumed side by side decode as one batch. `should_stop` is asked
         after each token; when it says yes the reply ends there with
         finish_reason "cancelled" (before the first token: no chunks).
@@ -192,7 +196,7 @@ class Engine:
             return []
 
     def make_request(self, prompt, sink, should_stop: Callable[[], bool] | None = None, speculative: bool = True,
-                     **options) -> Request:
+                     grammar=None, **options) -> Request:
         """A checked `Request` for the batch loop (options as for `stream`); raises MlxkvError on bad input."""
         if not isinstance(speculative, bool):
             raise MlxkvError(f"speculative must be true or false, got {speculative!r}")
@@ -202,6 +206,7 @@ class Engine:
             next(self._request_ids), prompt_tokens, max_tokens, sampler,
             root, sink, self.tokenizer.detokenizer, should_stop,
             speculative=speculative and self.loop.speculation is not None,
+            grammar=None if grammar is None else self.structured.matcher(grammar),
         )
 
     def _prepare(
@@ -247,6 +252,7 @@ class Engine:
             "connector": self.connector.stats(),
             **({"checkpoints": self.checkpoints.stats()} if self.checkpoints is not None else {}),
             "speculative": self._speculation_stats(),
+            "structured": self.structured.stats.as_dict(),
         }
 
     def _speculation_stats(self) -> dict:

@@ -30,6 +30,11 @@ class RequestStats:
     # Speculative decoding: tokens proposed for this reply, and accepted.
     proposed_tokens: int = 0
     accepted_tokens: int = 0
+    # Structured output (structured/masks.py writes them): whether a grammar held the reply, the
+    # reply's share of the steps' mask time, and the tokens its masks refused (counted at DEBUG).
+    constrained: bool = False
+    mask_s: float = 0.0
+    masked_tokens: int = 0
 
     @classmethod
     def unknown(cls, prompt_tokens: int, generation_tokens: int = 0) -> RequestStats:

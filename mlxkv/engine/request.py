@@ -51,6 +51,7 @@ class Request:
     detokenizer: object
     should_stop: Callable[[], bool] | None = None
     speculative: bool = False  # its decode may take proposals (the engine speculates, it did not opt out)
+    grammar: object | None = None  # its structured.RowMatcher: its tokens are masked to the grammar
     output: list[int] = field(default_factory=list)
     seq: Sequence | None = None
     state: RequestState = RequestState.WAITING

@@ -17,6 +17,7 @@ import mlx.core as mx
 from mlxkv.cache.coordinator import KVCacheCoordinator
 from mlxkv.engine.model_runner import ModelRunner
 from mlxkv.engine.scheduler import StepPlan
+from mlxkv.structured import masks
 
 
 def run_prefill(plan: StepPlan, runner: ModelRunner, cache: KVCacheCoordinator) -> None:
@@ -42,7 +43,9 @@ def run_step(plan: StepPlan, runner: ModelRunner, cache: KVCacheCoordinator,
     # A lone sequence keeps its contiguous mirror: solo decode speed.
     out = runner.forward(seqs, decode_inputs, mirror=len(seqs) == 1)
     cache.computed(seqs, 1, out.states)
-    logprobs = out.logits - mx.logsumexp(out.logits, axis=-1, keepdims=True)
+    logits = masks.mask_decode(plan.decode, decode_inputs, out.logits) if masks.constrained(plan.decode) \
+        else out.logits
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     sampled = [r.sampler(logprobs[i : i + 1]).reshape(-1) for i, r in enumerate(plan.decode)]
     return mx.concatenate(sampled) if len(sampled) > 1 else sampled[0]
 
@@ -62,4 +65,6 @@ def run_verify(plan: StepPlan, runner: ModelRunner, cache: KVCacheCoordinator,
         rows.append(row + [row[-1]] * (plan.decode_len - len(row)))  # padding: computed, never kept
     out = runner.forward(seqs, mx.array(rows), mirror=len(seqs) == 1, every_position=True)
     cache.computed(seqs, plan.decode_len, out.states)
-    return out.logits - mx.logsumexp(out.logits, axis=-1, keepdims=True)
+    logits = masks.mask_verify(plan.decode, proposals, out.logits) if masks.constrained(plan.decode) \
+        else out.logits
+    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)

@@ -22,6 +22,7 @@ from mlxkv.speculative.proposer import Proposal, Proposer
 from mlxkv.speculative.stats import SpeculationStats
 from mlxkv.speculative.step_cost import StepCost
 from mlxkv.speculative.verify import greedy_tokens, sampled_tokens
+from mlxkv.structured.masks import cut_proposals
 
 
 class Speculation:
@@ -60,7 +61,7 @@ class Speculation:
     def propose(self, requests: list[Request]) -> dict[Request, Proposal]:
         """Each decoding row's proposal (maybe empty)."""
         ks = [min(self._length(r).next(), self._room(r)) if r.speculative else 0 for r in requests]
-        proposals = dict(zip(requests, self.proposer.propose(requests, ks)))
+        proposals = cut_proposals(dict(zip(requests, self.proposer.propose(requests, ks))))
         for request, k in zip(requests, ks):
             if k > 0 and not proposals[request].tokens:
                 self._length(request).observe(0, 0)  # none found: a row that keeps finding none pauses

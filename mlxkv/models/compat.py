@@ -88,6 +88,32 @@ def load_tokenizer(path: str, eos_token_ids=None):
     return mlx_lm_load_tokenizer(path, eos_token_ids=eos_token_ids)
 
 
+def hf_tokenizer(tokenizer):
+    """The Hugging Face tokenizer inside mlx-lm's TokenizerWrapper (llguidance builds its own from
+    it); a Hugging Face tokenizer as it is (its own `_tokenizer` is the Rust one)."""
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+    return tokenizer._tokenizer if isinstance(tokenizer, TokenizerWrapper) else tokenizer
+
+
+def added_token_id(tokenizer, text: str) -> int | None:
+    """The id of `text` when it is one added token of the tokenizer (Qwen's <tool_call>), else None."""
+    added = getattr(hf_tokenizer(tokenizer), "added_tokens_decoder", None) or {}
+    for token_id, token in added.items():
+        if str(token) == text:
+            return int(token_id)
+    return None
+
+
+def tool_parser_name(tokenizer) -> str | None:
+    """The short name of mlx-lm's tool parser for this tokenizer ("json_tools", "mistral", ...;
+    None without tool calling): its module under mlx_lm.tool_parsers."""
+    if not getattr(tokenizer, "has_tool_calling", False):
+        return None
+    parser = getattr(tokenizer, "tool_parser", None)
+    return getattr(parser, "__module__", "").rsplit(".", 1)[-1] or None
+
+
 def dequantize_model(model):
     """The model with its quantized layers made plain (mlx-lm's own): on a CPU the quantized
     matmul of a prefill runs ~20x slower than a float one."""

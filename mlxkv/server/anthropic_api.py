@@ -20,6 +20,7 @@ from mlxkv.server.api_errors import ApiError
 from mlxkv.server.http_support import SSE_HEADERS, Lenient, new_id, off_loop, parse_body, sse, until_disconnect
 from mlxkv.server.prompt_heads import strip_head_blocks
 from mlxkv.server.reply_stream import Reply
+from mlxkv.server.structured_options import anthropic_grammar
 
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "stop_sequence": "stop_sequence"}
 
@@ -48,6 +49,7 @@ class Tool(Lenient):
     name: str
     description: str | None = None
     input_schema: dict[str, Any] = Field(default_factory=dict)
+    strict: bool | None = None  # its input enforced under tool_choice auto too (structured_options.py)
 
 
 class CountRequest(Lenient):
@@ -66,6 +68,8 @@ class MessagesRequest(CountRequest):
     stop_sequences: list[str] | None = None
     stream: bool = False
     speculative: bool = True  # mlxkv's own: false decodes this reply without proposals
+    output_format: Any = None  # json_schema: the reply's text is enforced (structured_options.py)
+    grammar: Any = None  # mlxkv's own: Lark text or {"type", "value"} the reply must match
 
 
 def template_messages(body: CountRequest) -> list[dict]:
@@ -142,8 +146,10 @@ async def messages(request: Request):
     tokens = await off_loop(backend.chat_tokens, template_messages(body), tools)
     max_tokens = backend.reply_limit(tokens, body.max_tokens, anthropic=True)
     temperature = request.app.state.temperature if body.temperature is None else body.temperature
+    grammar = anthropic_grammar(body, backend.info.tokenizer)  # a 400 if it does not compile
     handle = backend.submit(tokens, max_tokens=max_tokens, temperature=temperature, top_p=body.top_p or 0.0,
-                            top_k=body.top_k or 0, speculative=body.speculative)
+                            top_k=body.top_k or 0, speculative=body.speculative,
+                            **({} if grammar is None else {"grammar": grammar}))
     reply = request.state.reply = Reply(backend, handle, tokens, body.stop_sequences, tools)
     head = {"id": new_id("msg_"), "type": "message", "role": "assistant", "model": backend.info.name}
     if body.stream:

@@ -233,6 +233,9 @@ class ServingBackend:
         """A reply came to its end: count it, say where its prompt's reuse stopped, keep its ids."""
         self.metrics.reply_done(stats)
         self.log_reuse(prompt, stats)
+        if stats is not None and stats.constrained:
+            log.debug("constrained reply: %d tokens, masks %.2f ms, %d tokens masked out",
+                      stats.generation_tokens, stats.mask_s * 1e3, stats.masked_tokens)
         self.reply_ids.remember(text, ids)
 
     def reply_cancelled(self) -> None:

@@ -71,10 +71,10 @@ class ServerMetrics:
                 self.tpot.observe(1.0 / stats.decode_tokens_per_s)
 
     def render(self, open_requests: int, pool: dict | None, speculative: dict | None = None,
-               tiers: dict | None = None) -> str:
+               tiers: dict | None = None, structured: dict | None = None) -> str:
         """The text exposition; `pool`: BlockPool.usage(), or None before the model is ready;
         `speculative`: Engine.stats()'s speculative decoding counters; `tiers`: the connector's
-        stats per tier."""
+        stats per tier; `structured`: the grammar compiler's stats (structured/compiler.py)."""
         with self._lock:
             lines = _metric("mlxkv_requests_total", "counter", "HTTP requests by endpoint and status",
                             [f'{{endpoint="{e}",status="{s}"}} {n}' for (e, s), n in sorted(self.requests.items())])
@@ -100,7 +100,25 @@ class ServerMetrics:
             lines += _speculation_lines(speculative)
         if tiers:
             lines += tier_lines(tiers)
+        if structured:
+            lines += _structured_lines(structured)
         return "\n".join(lines) + "\n"
+
+
+def _structured_lines(stats: dict) -> list[str]:
+    """Structured output: compile-cache hits and compile time, and the token masks' time per step."""
+    lines = []
+    for key, name, help_text in (("compile_cache_hits", "compile_cache_hits", "grammars found compiled"),
+                                 ("compile_cache_misses", "compiles", "grammars compiled"),
+                                 ("mask_steps", "mask_steps", "steps that masked constrained rows")):
+        lines += _metric(f"mlxkv_structured_{name}_total", "counter", help_text, [f" {stats.get(key, 0)}"])
+    lines += _metric("mlxkv_structured_compile_seconds_total", "counter", "time spent compiling grammars",
+                     [f" {_number(stats.get('compile_s', 0.0))}"])
+    steps = stats.get("mask_steps", 0)
+    lines += _metric("mlxkv_structured_mask_seconds_per_step", "gauge",
+                     "mean time a step spent computing and applying token masks",
+                     [f" {_number(stats.get('mask_s', 0.0) / steps if steps else 0.0)}"])
+    return lines
 
 
 def _speculation_lines(stats: dict) -> list[str]:

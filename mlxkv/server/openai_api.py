@@ -17,6 +17,7 @@ from starlette.responses import JSONResponse, StreamingResponse
 from mlxkv.server.api_errors import ApiError
 from mlxkv.server.http_support import SSE_HEADERS, Lenient, new_id, now, off_loop, parse_body, sse, until_disconnect
 from mlxkv.server.reply_stream import Reply, WholeReply
+from mlxkv.server.structured_options import chat_grammar
 
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 
@@ -49,6 +50,7 @@ class _Sampling(Lenient):
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=1, description="one choice per request")
     speculative: bool = True  # mlxkv's own: false decodes this reply without proposals
+    grammar: Any = None  # mlxkv's own: Lark text or {"type", "value"} the reply must match (structured_options.py)
 
     def options(self, default_temperature: float) -> dict:
         temperature = default_temperature if self.temperature is None else self.temperature
@@ -63,6 +65,7 @@ class ChatRequest(_Sampling):
     max_completion_tokens: int | None = Field(None, ge=1)
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
+    response_format: Any = None
 
 
 class CompletionRequest(_Sampling):
@@ -155,7 +158,9 @@ def start(request: Request, tokens: list[int], max_tokens: int | None, body: _Sa
     """Queue the request (max_tokens cut to the room left) and start reading its reply."""
     backend = request.app.state.backend
     max_tokens = backend.reply_limit(tokens, max_tokens, param=param)
-    handle = backend.submit(tokens, max_tokens=max_tokens, **body.options(request.app.state.temperature))
+    grammar = chat_grammar(body, backend.info.tokenizer)  # a 400 if it does not compile
+    handle = backend.submit(tokens, max_tokens=max_tokens, **body.options(request.app.state.temperature),
+                            **({} if grammar is None else {"grammar": grammar}))
     reply = request.state.reply = Reply(backend, handle, tokens, body.stops(), tools)
     return reply
 

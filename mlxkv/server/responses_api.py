@@ -24,10 +24,11 @@ from mlxkv.server.http_support import Lenient, new_id, now, off_loop, parse_body
 from mlxkv.server.openai_api import KEEPALIVE_LINE, event_stream
 from mlxkv.server.reply_stream import Reply
 from mlxkv.server.responses_input import input_messages, template_tools
+from mlxkv.server.structured_options import responses_grammar
 
 
 class ResponsesRequest(Lenient):
-    """Also sent and ignored: include, prompt_cache_key, metadata, client_metadata, reasoning, text."""
+    """Also sent and ignored: include, prompt_cache_key, metadata, client_metadata, reasoning."""
 
     model: str = ""
     input: str | list[dict[str, Any]]
@@ -42,6 +43,8 @@ class ResponsesRequest(Lenient):
     store: bool = True
     previous_response_id: str | None = None
     speculative: bool = True  # mlxkv's own: false decodes this reply without proposals
+    text: Any = None  # its "format" (json_object / json_schema) is enforced (structured_options.py)
+    grammar: Any = None  # mlxkv's own: Lark text or {"type", "value"} the reply must match
 
 
 def usage(stats) -> dict:
@@ -65,8 +68,9 @@ async def responses(request: Request):
     tokens = await off_loop(backend.chat_tokens, system + history + new, tools)
     max_tokens = backend.reply_limit(tokens, body.max_output_tokens, param="input")
     temperature = request.app.state.temperature if body.temperature is None else body.temperature
+    grammar = responses_grammar(body, backend.info.tokenizer)  # a 400 if it does not compile
     handle = backend.submit(tokens, max_tokens=max_tokens, temperature=temperature, top_p=body.top_p or 0.0,
-                            speculative=body.speculative)
+                            speculative=body.speculative, **({} if grammar is None else {"grammar": grammar}))
     reply = request.state.reply = Reply(backend, handle, tokens, None, tools)
     shape = _Shape(body, backend.info.name)
     kept = (lambda message: store.put(shape.id, history + new + [message])) if body.store else (lambda m: None)
@@ -95,7 +99,8 @@ class _Shape:
                 "instructions": b.instructions, "max_output_tokens": b.max_output_tokens, "output": output,
                 "parallel_tool_calls": b.parallel_tool_calls is not False, "previous_response_id":
                 b.previous_response_id, "store": b.store, "temperature": b.temperature, "top_p": b.top_p,
-                "tool_choice": b.tool_choice or "auto", "tools": b.tools or [], "text": {"format": {"type": "text"}},
+                "tool_choice": b.tool_choice or "auto", "tools": b.tools or [],
+                "text": b.text or {"format": {"type": "text"}},
                 "truncation": "disabled", "metadata": {}, "usage": None if stats is None else usage(stats)}
 
 

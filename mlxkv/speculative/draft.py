@@ -24,6 +24,7 @@ import mlx.core as mx
 from mlxkv.cache.sequence import Sequence
 from mlxkv.errors import MlxkvError, PoolExhaustedError
 from mlxkv.speculative.proposer import Proposal
+from mlxkv.structured.masks import mask_draft
 
 log = logging.getLogger(__name__)
 
@@ -125,6 +126,8 @@ class DraftProposer:
 
     def _pick(self, request, logprobs: mx.array, proposal: Proposal) -> int:
         logprobs = _to_vocab(logprobs, self.vocab_size)
+        if request.grammar is not None:  # a constrained row drafts within its grammar
+            logprobs = mask_draft(request, logprobs, proposal.tokens)
         if request.sampler.greedy:
             token = int(mx.argmax(logprobs).item())
         else:

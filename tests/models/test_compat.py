@@ -88,3 +88,11 @@ def test_a_model_whose_module_cannot_be_routed_is_said_in_the_log(caplog):
     with caplog.at_level("WARNING", logger="mlxkv"):
         assert compat.route_attention(Unroutable(), lambda original: original) is False
     assert any("scaled_dot_product_attention" in r.getMessage() for r in caplog.records)
+
+
+def test_the_tokenizer_internals_structured_output_takes_exist(llama_dir):
+    from transformers import PreTrainedTokenizerBase
+
+    tokenizer = compat.load_tokenizer(llama_dir)
+    assert isinstance(compat.hf_tokenizer(tokenizer), PreTrainedTokenizerBase)  # llguidance builds on it
+    assert compat.tool_parser_name(tokenizer) == "json_tools"  # the tiny template's <tool_call> format
