@@ -29,9 +29,14 @@ def missing_line(name: str) -> str:
     return f"{name} is not installed: {INSTALL[name]} (.ci/run installs it)"
 
 
-def require(name: str, path: str | None = None) -> str:
-    """The part's path (`path` if given, else found on PATH); a skip without it, a failure under CI."""
-    found = path if path is not None else shutil.which(name)
+_LOOK_UP = object()
+
+
+def require(name: str, found=_LOOK_UP) -> str:
+    """The part's path (`found`, where the caller looked it up itself; else on PATH by `name`);
+    without it a skip, or a failure under CI."""
+    if found is _LOOK_UP:
+        found = shutil.which(name)
     if found:
         return found
     if on_ci():

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import mlxkv  # noqa: F401  (before mlx)
+from real_parts import on_ci, require
 import mlx.core as mx
 import numpy as np
 
@@ -84,7 +85,9 @@ class HarnessError(RuntimeError):
 
 
 def clang_available() -> bool:
-    return shutil.which(CLANG) is not None
+    """Whether the harness's tests run: always under CI=true, where a missing clang
+    then fails them with the install line (real_parts.py) instead of skipping them."""
+    return shutil.which(CLANG) is not None or on_ci()
 
 
 SKIP_REASON = (
@@ -230,6 +233,7 @@ def translate(src: Source) -> str:
 
 @functools.cache
 def _clang_version() -> str:
+    require("clang++-19", shutil.which(CLANG))
     return subprocess.run([CLANG, "--version"], capture_output=True, text=True, check=True).stdout
 
 
