@@ -1,13 +1,12 @@
 """`mlxkv bench mac --report FILE`: every ratio the README promises for Apple GPUs, in one report.
 
 No machine of ours is a Mac, so the first numbers from one come from a
-user running this: paged kernel decode against SDPA (1k/4k/16k context,
-batch 1 and 8), the SSD tier's read against a raw read, warm/cold TTFT,
+user running this: paged kernel decode against SDPA (512/4k/16k/32k context,
+batch 1 and 8, 1 and 4 queries), the SSD tier's read against a raw read, warm/cold TTFT,
 decode and peak memory against mlx-lm, with the machine described (chip,
 memory, OS, MLX and mlx-lm versions, the attention path, its self-check
-and the speed gate's timings and choice per (queries, batch, context)
-bucket). It
-writes FILE.json and FILE.md. On Linux the same suites run on the CPU path.
+and the speed gate's timings and stored choice per (queries, batch,
+context) bucket). It writes FILE.json and FILE.md. On Linux the same suites run on the CPU path.
 """
 
 from __future__ import annotations
@@ -34,8 +33,9 @@ from mlxkv.system.machine import physical_memory
 class ReportSizes:
     """How big each suite runs: the published sizes, or small ones for a quick look."""
 
-    kernel_contexts: tuple[int, ...] = (1024, 4096, 16384)
+    kernel_contexts: tuple[int, ...] = (512, 4096, 16384, 32768)
     kernel_batches: tuple[int, ...] = (1, 8)
+    kernel_queries: tuple[int, ...] = (1, 4)  # a decode step, and a verify step of 3 proposals
     context: int = 2048
     decode_tokens: int = 64
     rounds: int = 7
@@ -61,7 +61,7 @@ def run_report(stem: str | Path, sizes: ReportSizes = ReportSizes(), log=None) -
             raise MlxkvError(f"cannot write the report {path}: {e.strerror or e}") from None
     report = {"date": time.strftime("%Y-%m-%d %H:%M:%S %z"), "machine": machine_info(), "suites": {}}
     suites = {
-        "kernels": lambda: run_kernel_benchmark(sizes.kernel_contexts, sizes.kernel_batches),
+        "kernels": lambda: run_kernel_benchmark(sizes.kernel_contexts, sizes.kernel_batches, queries=sizes.kernel_queries),
         "tiers": lambda: run_tiers_benchmark(sizes.model, sizes.restore_tokens, sizes.read_blocks, log=log),
         "engine": lambda: run_engine_benchmark(sizes.context, sizes.decode_tokens, sizes.rounds, sizes.model,
                                                log=log),
@@ -137,11 +137,11 @@ def markdown(report: dict) -> str:
 def _kernel_lines(report: dict) -> list[str]:
     """Kernel decode against SDPA, and the speed gate's timings and choice (on Metal under auto)."""
     rows = report["suites"]["kernels"]
-    lines = ["", "## Paged kernel decode / SDPA", "", "| context | batch | path | paged ms | SDPA ms | ratio | goal |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["", "## Paged kernel decode / SDPA", "", "| context | batch | queries | path | paged ms | SDPA ms | ratio | goal |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         goal = f"<= {r['goal']}" if r["goal"] else "-"
-        lines.append(f"| {r['context']} | {r['batch']} | {r['path']} | {r['paged_ms']:.3f} | {r['sdpa_ms']:.3f} "
+        lines.append(f"| {r['context']} | {r['batch']} | {r['queries']} | {r['path']} | {r['paged_ms']:.3f} | {r['sdpa_ms']:.3f} "
                      f"| {r['ratio']:.3f}x | {goal} |")
     judged = [r for r in rows if r["goal"]]
     if judged:

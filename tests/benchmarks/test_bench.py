@@ -137,14 +137,15 @@ def test_the_mac_report_runs_end_to_end_here_on_the_cpu_path(tmp_path):
     from mlxkv.models.tiny import write_tiny_model
 
     model = str(write_tiny_model(tmp_path / "hd32", TinyModelSpec(head_dim=32, seed=3)))
-    sizes = ReportSizes(kernel_contexts=(64,), kernel_batches=(1, 2), context=64, decode_tokens=4, rounds=1,
+    sizes = ReportSizes(kernel_contexts=(64,), kernel_batches=(1, 2), kernel_queries=(1, 4), context=64, decode_tokens=4, rounds=1,
                         restore_tokens=64, read_blocks=8, model=model)
     json_path, md_path = run_report(tmp_path / "report", sizes, log=lambda *_: None)
     report = json.loads(json_path.read_text())
     machine = report["machine"]
     assert {"chip", "memory_gib", "os", "mlx", "mlx_lm", "attention"} <= machine.keys() and machine["mlx"]
     assert set(report["suites"]) == {"kernels", "tiers", "engine", "memory"}
-    assert [(r["context"], r["batch"]) for r in report["suites"]["kernels"]] == [(64, 1), (64, 2)]
+    assert [(r["context"], r["batch"], r["queries"]) for r in report["suites"]["kernels"]] == [
+        (64, 1, 1), (64, 1, 4), (64, 2, 1), (64, 2, 4)]
     assert all(math.isfinite(r["ratio"]) for name in ("tiers", "engine", "memory") for r in report["suites"][name])
     text = md_path.read_text()
     for heading in ("# mlxkv report", "## Paged kernel decode / SDPA", "## tiers", "## engine", "## memory"):
