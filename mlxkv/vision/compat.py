@@ -1,0 +1,81 @@
+"""The one place mlxkv touches mlx-vlm (the `vision` extra).
+
+Every mlx-vlm name mlxkv uses goes through here: its loader, its model
+classes, the split of a model into vision tower + `get_input_embeddings`
+and a language model that takes mlx-lm's cache protocol, the language
+model's output type, and Qwen's M-RoPE index. When mlx-vlm changes one of
+them, tests/vision/test_compat.py fails here, not downstream with a wrong
+answer.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import logging
+
+log = logging.getLogger(__name__)
+
+
+def available() -> bool:
+    """Whether mlx-vlm is importable (`pip install -e '.[vision]'`)."""
+    return importlib.util.find_spec("mlx_vlm") is not None
+
+
+def build_model(config: dict):
+    """An mlx-vlm model of `config` with its initial weights, configured as mlx-vlm's loader does."""
+    import copy
+
+    from mlx_vlm.utils import get_model_and_args, update_module_configs
+
+    config = copy.deepcopy(config)
+    arch, _ = get_model_and_args(config=config)
+    config.setdefault("text_config", {})
+    config.setdefault("vision_config", {})
+    model_config = arch.ModelConfig.from_dict(config)
+    model_config = update_module_configs(model_config, arch, config, ["text", "vision"])
+    return arch.Model(model_config)
+
+
+def load(path: str):
+    """(model, processor) through mlx-vlm's own loader: its sanitize, its processor classes."""
+    from mlx_vlm.utils import load as mlx_vlm_load
+
+    return mlx_vlm_load(path)
+
+
+def language_model(model):
+    """The part that runs over a KV cache: `(ids, inputs_embeds=, cache=, position_ids=)` -> output."""
+    return model.language_model
+
+
+def logits(output):
+    """The logits array of a language model's output (mlx-vlm wraps it in LanguageModelOutput)."""
+    return getattr(output, "logits", output)
+
+
+def input_embeddings(model, input_ids, pixel_values, **image_inputs):
+    """(inputs_embeds [1, L, D], position_ids or None, rope_deltas or None) of a prompt with its images."""
+    features = model.get_input_embeddings(input_ids, pixel_values, **image_inputs)
+    return features.inputs_embeds, getattr(features, "position_ids", None), getattr(features, "rope_deltas", None)
+
+
+def embed_tokens(model, input_ids):
+    """The language model's token embedding (text positions of any row)."""
+    return model.language_model.model.embed_tokens(input_ids)
+
+
+def attention_module(model):
+    """The module whose `scaled_dot_product_attention` the language model's layers call."""
+    return type(model.language_model).__module__
+
+
+def vision_token_id(model) -> int | None:
+    return getattr(model.config, "image_token_id", None)
+
+
+def prepare_inputs(processor, prompt: str, images: list, **kwargs) -> dict:
+    """mlx-vlm's preprocessing: ids with the placeholders expanded, pixel_values, grids, as mx arrays."""
+    from mlx_vlm.utils import prepare_inputs as mlx_vlm_prepare_inputs
+
+    return mlx_vlm_prepare_inputs(processor, images=images, prompts=prompt, **kwargs)
