@@ -32,6 +32,9 @@ from mlxkv.speculative.proposer import LookupProposer
 from mlxkv.errors import MlxkvError, error_line
 from mlxkv.system.wired import Device, WiredLimit
 from mlxkv.models.loader import LoadedModel, load_model, probe_kv_layout
+from mlxkv.vision.image_keys import keyed_root
+from mlxkv.vision.images import has_images
+from mlxkv.vision.prompt import VisionPrompt, vision_prompt
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +125,7 @@ class Engine:
         """A prompt's ids: text is encoded, ids are checked against the vocabulary."""
         if isinstance(prompt, str):
             return self.encode(prompt) if prompt else []
-        return self.limits.token_ids(prompt)
+        return self.limits.token_ids(prompt.tokens if isinstance(prompt, VisionPrompt) else prompt)
 
     # -- generation -------------------------------------------------------
 
@@ -134,6 +137,9 @@ class Engine:
     def chat(self, messages: list[dict], **kwargs) -> GenerationResult:
         """Reply to chat messages. For the next turn, append `result.as_message()`
         (the reply with its ids): then the whole of this turn is a prefix hit."""
+        if has_images(messages):  # image parts: a path, bytes, a PIL image or a data: URL
+            prompt = vision_prompt(self.model, messages)
+            return collect(list(self.stream(prompt, **kwargs)), prompt.tokens)
         return self.generate(self.apply_chat_template(messages), **kwargs)
 
     def stream(self, prompt, should_stop: Callable[[], bool] | None = None, **options) -> Iterator[GenerationChunk]:
@@ -198,11 +204,16 @@ class Engine:
             raise MlxkvError(f"speculative must be true or false, got {speculative!r}")
         prompt_tokens, sampler, root = self._prepare(prompt, **options)
         max_tokens = self.limits.reply_room(len(prompt_tokens), options.get("max_tokens", DEFAULT_MAX_TOKENS))
-        return Request(
+        images = isinstance(prompt, VisionPrompt)  # its images key the blocks they overlap
+        request = Request(
             next(self._request_ids), prompt_tokens, max_tokens, sampler,
-            root, sink, self.tokenizer.detokenizer, should_stop,
-            speculative=speculative and self.loop.speculation is not None,
+            keyed_root(root, prompt.spans, self.cache_config.block_size) if images else root,
+            sink, self.tokenizer.detokenizer, should_stop,
+            speculative=speculative and self.loop.speculation is not None and not images,
         )
+        if images:
+            self.model.rows.attach(request, prompt.inputs)
+        return request
 
     def _prepare(
         self,

@@ -79,3 +79,14 @@ def prepare_inputs(processor, prompt: str, images: list, **kwargs) -> dict:
     from mlx_vlm.utils import prepare_inputs as mlx_vlm_prepare_inputs
 
     return mlx_vlm_prepare_inputs(processor, images=images, prompts=prompt, **kwargs)
+
+
+# The image processor's settings that change pixel_values: part of an image's hash.
+_PROCESSOR_SETTINGS = ("min_pixels", "max_pixels", "size", "patch_size", "merge_size", "temporal_patch_size",
+                       "image_mean", "image_std", "rescale_factor", "do_resize", "do_rescale", "do_normalize",
+                       "do_convert_rgb", "resample", "image_seq_length", "do_image_splitting", "max_image_size")
+
+
+def processor_settings(processor) -> dict:
+    image_processor = getattr(processor, "image_processor", processor)
+    return {name: getattr(image_processor, name) for name in _PROCESSOR_SETTINGS if hasattr(image_processor, name)}

@@ -56,7 +56,7 @@ def qwen2_vl_config(vocab_size: int, ids: dict[str, int], hidden: int = 64, laye
         "vision_start_token_id": ids["<|vision_start|>"],
         "vision_end_token_id": ids["<|vision_end|>"],
         "bos_token_id": SPECIAL_TOKENS.index("<|endoftext|>"),
-        "eos_token_id": [SPECIAL_TOKENS.index("<|im_end|>"), SPECIAL_TOKENS.index("<|endoftext|>")],
+        "eos_token_id": [SPECIAL_TOKENS.index("<|im_end|>")],  # one eos: replies of random weights run longer
         "torch_dtype": "float32",
         "vision_config": {
             "model_type": "qwen2_vl", "depth": 1, "embed_dim": 32, "hidden_size": hidden, "num_heads": 2,

@@ -1,0 +1,86 @@
+"""A chat prompt with images: its ids, where its images sit, and the language model's inputs.
+
+Built once per request: the processor renders the template and expands
+each image's placeholder by its grid; the vision tower runs once and its
+output is merged into the prompt's embeddings; Qwen's M-RoPE positions are
+computed for the whole prompt. Each image's span of placeholder tokens
+and its content hash go into the block keys (image_keys.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+from mlxkv.errors import MlxkvError
+from mlxkv.vision import compat
+from mlxkv.vision.image_keys import ImageSpan, image_hash
+from mlxkv.vision.images import MAX_IMAGE_PIXELS, image_parts, is_image_part, load_image
+from mlxkv.vision.model import RowInputs, VisionModel
+
+MAX_IMAGES = 16  # the default images per request
+
+
+@dataclass
+class VisionPrompt:
+    tokens: list[int]
+    spans: list[ImageSpan]
+    inputs: RowInputs
+
+    @property
+    def image_tokens(self) -> int:
+        return sum(s.length for s in self.spans)
+
+
+def vision_prompt(model, messages: list[dict], max_pixels: int = MAX_IMAGE_PIXELS,
+                  max_images: int = MAX_IMAGES) -> VisionPrompt:
+    """The prompt of chat `messages` with image parts; MlxkvError naming a bad part."""
+    if not isinstance(model, VisionModel):
+        raise MlxkvError("messages.content: this model takes text only; it has no vision tower loaded")
+    parts = image_parts(messages)
+    if len(parts) > max_images:
+        raise MlxkvError(f"{parts[max_images][0]}: more than {max_images} images in one request")
+    images = [load_image(part, where, max_pixels) for where, part in parts]
+    processor = model.processor
+    text = processor.apply_chat_template(_template_messages(messages), add_generation_prompt=True, tokenize=False)
+    inputs = compat.prepare_inputs(processor, text, images)
+    ids, pixels, grid = inputs["input_ids"], inputs["pixel_values"], inputs.get("image_grid_thw")
+    embeds, positions, deltas = compat.input_embeddings(model.vlm, ids, pixels, image_grid_thw=grid)
+    tokens = ids[0].tolist()
+    spans = _spans(tokens, model.image_token_id, np.array(pixels), None if grid is None else np.array(grid),
+                   compat.processor_settings(processor))
+    if len(spans) != len(images):
+        raise MlxkvError(f"messages: {len(images)} images became {len(spans)} image spans in the prompt")
+    if positions is None:
+        positions = mx.broadcast_to(mx.arange(len(tokens))[None, None], (3, 1, len(tokens)))
+    delta = 0 if deltas is None else int(mx.array(deltas).reshape(-1)[0].item())
+    return VisionPrompt(tokens, spans, RowInputs(embeds[0], positions[:, 0], delta))
+
+
+def _template_messages(messages: list[dict]) -> list[dict]:
+    """Image parts as the processor's template expects them: {"type": "image"}."""
+    out = []
+    for m in messages:
+        content = m.get("content")
+        if isinstance(content, list):
+            content = [{"type": "image"} if is_image_part(p) else p for p in content]
+        out.append({**m, "content": content})
+    return out
+
+
+def _spans(tokens: list[int], image_token: int, pixels: np.ndarray, grid, settings: dict) -> list[ImageSpan]:
+    """Each run of placeholder tokens, keyed by its own image's pixels and grid."""
+    runs, start = [], None
+    for i, t in enumerate(tokens + [None]):
+        if t == image_token and start is None:
+            start = i
+        elif t != image_token and start is not None:
+            runs.append((start, i - start))
+            start = None
+    rows = [int(np.prod(g)) for g in grid] if grid is not None else [len(pixels) // max(1, len(runs))] * len(runs)
+    bounds = np.cumsum([0] + rows)
+    return [ImageSpan(s, n, image_hash(pixels[bounds[k] : bounds[k + 1]], None if grid is None else grid[k],
+                                       settings))
+            for k, (s, n) in enumerate(runs)]
