@@ -23,8 +23,12 @@ def is_image_part(part) -> bool:
     return isinstance(part, dict) and part.get("type") in IMAGE_TYPES
 
 
-def has_images(messages: list[dict]) -> bool:
-    return any(is_image_part(p) for m in messages if isinstance(m.get("content"), list) for p in m["content"])
+def has_images(messages) -> bool:
+    """Whether chat `messages` hold an image part (malformed messages: no; the chat check names them)."""
+    if not isinstance(messages, list):
+        return False
+    return any(is_image_part(p) for m in messages if isinstance(m, dict) and isinstance(m.get("content"), list)
+               for p in m["content"])
 
 
 def image_parts(messages: list[dict]) -> list[tuple[str, dict]]:
