@@ -155,8 +155,12 @@ def cmd_chat(args) -> int:
 
 def cmd_tiny_model(args) -> int:
     from mlxkv.models.tiny import spec_from_args, write_tiny_model
+    from mlxkv.vision.tiny_vlm import VISION_FAMILIES, write_tiny_vlm
 
-    path = write_tiny_model(args.dir, spec_from_args(args))
+    if args.family in VISION_FAMILIES:  # a vision-language model, from mlx-vlm's classes (the vision extra)
+        path = write_tiny_vlm(args.dir, args.family, args.seed, args.vocab_size)
+    else:
+        path = write_tiny_model(args.dir, spec_from_args(args))
     print(path)
     return 0
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from mlxkv.errors import MlxkvError
 from mlxkv.models.tiny import SPECIAL_TOKENS, _tokenizer, random_weights
 from mlxkv.vision import compat
 
@@ -83,7 +84,9 @@ PREPROCESSOR = {
 def write_tiny_vlm(path: str | Path, family: str = "qwen2_vl", seed: int = 0, vocab_size: int = 512) -> Path:
     """Write a tiny random-weight VLM of `family` to `path` (created or overwritten)."""
     if family not in VISION_FAMILIES:
-        raise ValueError(f"no tiny vision model for {family!r}; one of {', '.join(VISION_FAMILIES)}")
+        raise MlxkvError(f"no tiny vision model for {family!r}; one of {', '.join(VISION_FAMILIES)}")
+    if not compat.available():
+        raise MlxkvError(f"a tiny {family} needs mlx-vlm: pip install 'mlxkv[vision]'")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tokenizer = _tokenizer(vocab_size)
