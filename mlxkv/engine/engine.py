@@ -212,7 +212,7 @@ class Engine:
             speculative=speculative and self.loop.speculation is not None and not images,
         )
         if images:
-            self.model.rows.attach(request, prompt.inputs)
+            self.model.rows.attach(request, prompt.row_inputs(self.model))  # the vision tower, on this thread
         return request
 
     def _prepare(

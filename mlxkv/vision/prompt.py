@@ -25,18 +25,32 @@ MAX_IMAGES = 16  # the default images per request
 
 @dataclass
 class VisionPrompt:
+    """Built on any thread (the processor's numpy work); `row_inputs` runs the model on the engine's."""
+
     tokens: list[int]
     spans: list[ImageSpan]
-    inputs: RowInputs
+    pixel_values: np.ndarray
+    grid: np.ndarray | None  # per image (t, h, w); None for families without one
 
     @property
     def image_tokens(self) -> int:
         return sum(s.length for s in self.spans)
 
+    def row_inputs(self, model: VisionModel) -> RowInputs:
+        """The language model's inputs: the vision tower's output merged in, M-RoPE positions."""
+        ids = mx.array([self.tokens])
+        extra = {} if self.grid is None else {"image_grid_thw": mx.array(self.grid)}
+        embeds, positions, deltas = compat.input_embeddings(model.vlm, ids, mx.array(self.pixel_values), **extra)
+        if positions is None:
+            positions = mx.broadcast_to(mx.arange(len(self.tokens))[None, None], (3, 1, len(self.tokens)))
+        delta = 0 if deltas is None else int(mx.array(deltas).reshape(-1)[0].item())
+        return RowInputs(embeds[0], positions[:, 0], delta)
+
 
 def vision_prompt(model, messages: list[dict], max_pixels: int = MAX_IMAGE_PIXELS,
                   max_images: int = MAX_IMAGES) -> VisionPrompt:
-    """The prompt of chat `messages` with image parts; MlxkvError naming a bad part."""
+    """The prompt of chat `messages` with image parts; MlxkvError naming a bad part.
+    No MLX work: a server's worker thread may build it."""
     if not isinstance(model, VisionModel):
         raise MlxkvError("messages.content: this model takes text only; it has no vision tower loaded")
     parts = image_parts(messages)
@@ -45,18 +59,15 @@ def vision_prompt(model, messages: list[dict], max_pixels: int = MAX_IMAGE_PIXEL
     images = [load_image(part, where, max_pixels) for where, part in parts]
     processor = model.processor
     text = processor.apply_chat_template(_template_messages(messages), add_generation_prompt=True, tokenize=False)
-    inputs = compat.prepare_inputs(processor, text, images)
-    ids, pixels, grid = inputs["input_ids"], inputs["pixel_values"], inputs.get("image_grid_thw")
-    embeds, positions, deltas = compat.input_embeddings(model.vlm, ids, pixels, image_grid_thw=grid)
-    tokens = ids[0].tolist()
-    spans = _spans(tokens, model.image_token_id, np.array(pixels), None if grid is None else np.array(grid),
-                   compat.processor_settings(processor))
+    inputs = compat.prepare_inputs(processor, text, images, return_tensors="np")
+    pixels = np.asarray(inputs["pixel_values"])
+    grid = inputs.get("image_grid_thw")
+    grid = None if grid is None else np.asarray(grid)
+    tokens = np.asarray(inputs["input_ids"])[0].tolist()
+    spans = _spans(tokens, model.image_token_id, pixels, grid, compat.processor_settings(processor))
     if len(spans) != len(images):
         raise MlxkvError(f"messages: {len(images)} images became {len(spans)} image spans in the prompt")
-    if positions is None:
-        positions = mx.broadcast_to(mx.arange(len(tokens))[None, None], (3, 1, len(tokens)))
-    delta = 0 if deltas is None else int(mx.array(deltas).reshape(-1)[0].item())
-    return VisionPrompt(tokens, spans, RowInputs(embeds[0], positions[:, 0], delta))
+    return VisionPrompt(tokens, spans, pixels, grid)
 
 
 def _template_messages(messages: list[dict]) -> list[dict]:
