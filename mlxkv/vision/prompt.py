@@ -36,6 +36,16 @@ class VisionPrompt:
     def image_tokens(self) -> int:
         return sum(s.length for s in self.spans)
 
+    # A prompt is read as its ids wherever ids go (limits, replies, logs); only the engine looks further.
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, index):
+        return self.tokens[index]
+
+    def __iter__(self):
+        return iter(self.tokens)
+
     def row_inputs(self, model: VisionModel) -> RowInputs:
         """The language model's inputs: the vision tower's output merged in, M-RoPE positions."""
         ids = mx.array([self.tokens])

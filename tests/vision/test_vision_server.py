@@ -1,0 +1,92 @@
+"""Images through `mlxkv serve`, driven by the official openai and anthropic clients."""
+
+import base64
+import io
+
+import anthropic
+import openai
+import pytest
+from vision_cases import make_image
+
+from mlxkv.config import CacheConfig
+from mlxkv.engine.engine import Engine
+from mlxkv.server.server import Server, ServerOptions
+
+pytestmark = pytest.mark.slow  # a server on a vision model
+CACHE = dict(block_size=8, num_blocks=512, memory_tier_bytes=0)
+N = 6
+
+
+def _png(seed: int) -> str:
+    out = io.BytesIO()
+    make_image(seed=seed).save(out, format="PNG")
+    return base64.b64encode(out.getvalue()).decode()
+
+
+@pytest.fixture(scope="module")
+def server(qwen2_vl_dir):
+    server = Server.load(str(qwen2_vl_dir), CacheConfig(**CACHE), ServerOptions(port=0)).start()
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+@pytest.fixture(scope="module")
+def oracle(qwen2_vl_dir):
+    with Engine.load(str(qwen2_vl_dir), CacheConfig(**CACHE)) as engine:
+        yield engine
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
+
+
+def _expected(oracle, seed: int, text: str = "What is it?") -> str:
+    messages = [{"role": "user", "content": [{"type": "image", "image": make_image(seed=seed)},
+                                             {"type": "text", "text": text}]}]
+    return oracle.chat(messages, max_tokens=N).text
+
+
+def _openai_messages(seed: int, text: str = "What is it?"):
+    return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,"
+                                                                             + _png(seed)}},
+                                         {"type": "text", "text": text}]}]
+
+
+def test_openai_chat_with_an_image_and_the_next_request_hits_it(client, oracle):
+    first = client.chat.completions.create(model="m", messages=_openai_messages(1), max_tokens=N, temperature=0)
+    assert first.choices[0].message.content == _expected(oracle, 1)
+    again = client.chat.completions.create(model="m", messages=_openai_messages(1), max_tokens=N, temperature=0)
+    assert again.choices[0].message.content == first.choices[0].message.content
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert cached == (first.usage.prompt_tokens - 1) // CACHE["block_size"] * CACHE["block_size"]
+
+
+def test_openai_broken_image_is_a_400_naming_the_part(client):
+    bad = [{"role": "user", "content": [{"type": "text", "text": "hi"},
+                                        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]
+    with pytest.raises(openai.BadRequestError, match=r"messages\.0\.content\.1: not an image we can read"):
+        client.chat.completions.create(model="m", messages=bad, max_tokens=N)
+    url = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]}]
+    with pytest.raises(openai.BadRequestError, match="image URLs are not fetched"):
+        client.chat.completions.create(model="m", messages=url, max_tokens=N)
+
+
+def test_anthropic_image_blocks(server, oracle):
+    client = anthropic.Anthropic(base_url=server.url, api_key="none", max_retries=0, timeout=120)
+    block = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": _png(2)}}
+    reply = client.messages.create(model="m", max_tokens=N, messages=[  # the server samples greedily by default
+        {"role": "user", "content": [block, {"type": "text", "text": "What is it?"}]}])
+    assert reply.content[0].text == _expected(oracle, 2)
+    broken = {**block, "source": {**block["source"], "data": "AAAA"}}
+    with pytest.raises(anthropic.BadRequestError, match=r"messages\.0\.content\.0: not an image we can read"):
+        client.messages.create(model="m", max_tokens=N, messages=[{"role": "user", "content": [broken]}])
+
+
+def test_responses_input_image(client, oracle):
+    reply = client.responses.create(model="m", max_output_tokens=N, temperature=0, input=[
+        {"role": "user", "content": [{"type": "input_image", "image_url": "data:image/png;base64," + _png(3)},
+                                     {"type": "input_text", "text": "What is it?"}]}])
+    assert reply.output_text == _expected(oracle, 3)
