@@ -258,6 +258,7 @@ class Engine:
             "connector": self.connector.stats(),
             **({"checkpoints": self.checkpoints.stats()} if self.checkpoints is not None else {}),
             "speculative": self._speculation_stats(),
+            **({"encoder_cache": self.model.encoder_cache.stats()} if hasattr(self.model, "encoder_cache") else {}),
         }
 
     def _speculation_stats(self) -> dict:

@@ -90,3 +90,14 @@ _PROCESSOR_SETTINGS = ("min_pixels", "max_pixels", "size", "patch_size", "merge_
 def processor_settings(processor) -> dict:
     image_processor = getattr(processor, "image_processor", processor)
     return {name: getattr(image_processor, name) for name in _PROCESSOR_SETTINGS if hasattr(image_processor, name)}
+
+
+def vision_features(model, pixel_values, grid):
+    """The vision tower's output for one image's pixel rows and grid ([tokens, hidden] after merging)."""
+    dtype = model.vision_tower.patch_embed.proj.weight.dtype
+    return model.vision_tower(pixel_values.astype(dtype), grid, output_hidden_states=False)
+
+
+def input_embeddings_from_features(model, input_ids, pixel_values, features, **image_inputs):
+    """As input_embeddings, with the vision tower's output given (mlx-vlm's `cached_image_features`)."""
+    return input_embeddings(model, input_ids, pixel_values, cached_image_features=features, **image_inputs)

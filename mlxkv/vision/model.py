@@ -23,6 +23,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlxkv.vision import compat
+from mlxkv.vision.encoder_cache import EncoderCache
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +59,7 @@ class VisionModel(nn.Module):
     def __init__(self, vlm, processor):
         super().__init__()
         self.vlm = vlm
-        self._extras = _Extras(processor, VisionRows())
+        self._extras = _Extras(processor, VisionRows(), EncoderCache())
 
     @property
     def processor(self):
@@ -67,6 +68,10 @@ class VisionModel(nn.Module):
     @property
     def rows(self) -> VisionRows:
         return self._extras.rows
+
+    @property
+    def encoder_cache(self) -> EncoderCache:
+        return self._extras.encoder_cache
 
     @property
     def layers(self):
@@ -110,11 +115,12 @@ class VisionModel(nn.Module):
 
 
 class _Extras:
-    """The processor and the rows: held outside nn.Module's parameter tree."""
+    """The processor, the rows and the encoder cache: held outside nn.Module's parameter tree."""
 
-    def __init__(self, processor, rows: VisionRows):
+    def __init__(self, processor, rows: VisionRows, encoder_cache: EncoderCache):
         self.processor = processor
         self.rows = rows
+        self.encoder_cache = encoder_cache
 
 
 def _text_positions(offsets: list[int], n: int) -> mx.array:

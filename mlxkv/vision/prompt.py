@@ -50,11 +50,29 @@ class VisionPrompt:
         """The language model's inputs: the vision tower's output merged in, M-RoPE positions."""
         ids = mx.array([self.tokens])
         extra = {} if self.grid is None else {"image_grid_thw": mx.array(self.grid)}
-        embeds, positions, deltas = compat.input_embeddings(model.vlm, ids, mx.array(self.pixel_values), **extra)
+        pixels = mx.array(self.pixel_values)
+        if self.grid is None:  # no per-image grid to run the tower image by image
+            embeds, positions, deltas = compat.input_embeddings(model.vlm, ids, pixels, **extra)
+        else:
+            features = mx.concatenate([self._features(model, k) for k in range(len(self.spans))])
+            embeds, positions, deltas = compat.input_embeddings_from_features(model.vlm, ids, pixels, features,
+                                                                              **extra)
         if positions is None:
             positions = mx.broadcast_to(mx.arange(len(self.tokens))[None, None], (3, 1, len(self.tokens)))
         delta = 0 if deltas is None else int(mx.array(deltas).reshape(-1)[0].item())
         return RowInputs(embeds[0], positions[:, 0], delta)
+
+    def _features(self, model: VisionModel, k: int) -> mx.array:
+        """Image k's vision tower output: from the encoder cache, or computed and kept there."""
+        digest = self.spans[k].digest
+        features = model.encoder_cache.get(digest)
+        if features is None:
+            rows = np.cumsum([0] + [int(np.prod(g)) for g in self.grid])
+            pixels = mx.array(self.pixel_values[rows[k] : rows[k + 1]])
+            features = compat.vision_features(model.vlm, pixels, mx.array(self.grid[k : k + 1]))
+            mx.eval(features)
+            model.encoder_cache.put(digest, features)
+        return features
 
 
 def vision_prompt(model, messages: list[dict], max_pixels: int = MAX_IMAGE_PIXELS,

@@ -79,3 +79,13 @@ def test_a_batch_of_text_and_image_rows_equals_their_solo_runs(engine):
     batch = engine.generate_batch(prompts, max_tokens=N, cache_salt="batch")  # cold: its own chains
     assert [r.tokens for r in batch] == solo
     assert solo[0] != solo[2]  # the two images' rows differ
+
+
+def test_a_new_conversation_re_sending_an_image_takes_it_from_the_encoder_cache(engine):
+    image = make_image(seed=9)
+    engine.chat([_user(image, "What is it?")], max_tokens=N)
+    before = engine.stats()["encoder_cache"]
+    other = [{"role": "system", "content": "Be brief."}, _user(image, "Name it.")]  # no KV prefix in common
+    assert engine.chat(other, max_tokens=N).tokens == _mlx_vlm(engine, other, [image])
+    after = engine.stats()["encoder_cache"]
+    assert (after["hits"] - before["hits"], after["misses"] - before["misses"]) == (1, 0)
