@@ -60,6 +60,9 @@ def _add_serve(sub) -> None:
                    help="info: a start-up line and one line per request; debug: where each prompt "
                         "stopped matching the cache")
     p.add_argument("--quiet", action="store_true", help="warnings and errors only (same as --log-level warning)")
+    p.add_argument("--max-image-pixels", type=number(int, 1), default=4096 * 4096,
+                   help="largest image (width x height) a request may send; larger ones are a 400")
+    p.add_argument("--max-images", type=number(int, 1), default=16, help="images one request may send")
     p.set_defaults(func=cmd_serve)
 
 
@@ -134,7 +137,8 @@ def cmd_serve(args) -> int:
 
     log_serving("warning" if args.quiet else args.log_level)
     options = ServerOptions(args.host, args.port, api_key_from(args.api_key), args.max_open,
-                            args.max_body_mb << 20, args.max_tokens, args.temp, reply_cap=args.reply_cap)
+                            args.max_body_mb << 20, args.max_tokens, args.temp, reply_cap=args.reply_cap,
+                            max_image_pixels=args.max_image_pixels, max_images=args.max_images)
     Server.load(args.model, persistent_cache_config(args), options).serve_forever()
     return 0
 

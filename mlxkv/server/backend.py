@@ -25,9 +25,9 @@ from mlxkv.host.engine_thread import EngineThread
 from mlxkv.server.metrics import ServerMetrics
 from mlxkv.server.prompt_heads import strip_heads
 from mlxkv.server.reply_ids import DEFAULT_KEPT, ReplyIds
-from mlxkv.vision.images import has_images
+from mlxkv.vision.images import MAX_IMAGE_PIXELS, has_images
 from mlxkv.vision.model import VisionModel
-from mlxkv.vision.prompt import vision_prompt
+from mlxkv.vision.prompt import MAX_IMAGES, vision_prompt
 from mlxkv.host.request_handle import RequestHandle
 
 log = logging.getLogger(__name__)
@@ -138,8 +138,9 @@ class ServingBackend:
 
     def __init__(self, thread: EngineThread, name: str, *, max_open: int = DEFAULT_MAX_OPEN,
                  default_max_tokens: int = DEFAULT_MAX_TOKENS, reply_ids_kept: int = DEFAULT_KEPT,
-                 reply_cap: int | None = None):
+                 reply_cap: int | None = None, image_limits: tuple[int, int] = (MAX_IMAGE_PIXELS, MAX_IMAGES)):
         self.thread = thread
+        self.image_limits = image_limits  # (pixels per image, images per request)
         self.max_open = max_open
         self.default_max_tokens = default_max_tokens
         self.reply_cap = reply_cap
@@ -174,7 +175,7 @@ class ServingBackend:
         if self.info.vision is None:
             raise ApiError(400, f"messages: {self.info.name} takes text only (it has no vision tower loaded)")
         try:
-            return vision_prompt(self.info.vision, messages)
+            return vision_prompt(self.info.vision, messages, *self.image_limits)
         except MlxkvError as e:
             raise ApiError(400, str(e)) from None
 

@@ -1,9 +1,10 @@
 """Image parts of the three APIs, as the engine takes them: checked here, named in each API's terms.
 
 OpenAI chat `image_url` parts, Anthropic `image` blocks and Responses
-`input_image` parts become `{"type": "image", "image": <PIL image>}`:
-decoded and size-checked while the API's own location ("messages.0.content.1")
-is known, so a broken one is a 400 naming it. Only base64 and data: URLs
+`input_image` parts become `{"type": "image", "image": <bytes>, "where":
+"messages.0.content.1"}`: the API's own location rides along, so the
+backend's decoding and limits (--max-image-pixels, --max-images) name the
+part as the client sent it. Only base64 and data: URLs
 are read; http(s) URLs are refused (fetching them, behind
 --allow-image-urls, is not built yet), and a path is never opened: a
 client must not make the server read its files.
@@ -14,18 +15,13 @@ from __future__ import annotations
 import base64
 import binascii
 
-from mlxkv.errors import MlxkvError
 from mlxkv.server.api_errors import ApiError
-from mlxkv.vision.images import MAX_IMAGE_PIXELS, load_image
 
 IMAGE_MEDIA_TYPES = ("image/png", "image/jpeg", "image/gif", "image/webp")
 
 
-def image_from_bytes(data: bytes, where: str, param: str | None = None, max_pixels: int = MAX_IMAGE_PIXELS) -> dict:
-    try:
-        return {"type": "image", "image": load_image({"type": "image", "image": data}, where, max_pixels)}
-    except MlxkvError as e:
-        raise ApiError(400, str(e), param=param) from None
+def image_from_bytes(data: bytes, where: str) -> dict:
+    return {"type": "image", "image": data, "where": where}
 
 
 def image_from_url(url, where: str, param: str | None = None) -> dict:
@@ -40,7 +36,7 @@ def image_from_url(url, where: str, param: str | None = None) -> dict:
     head, _, data = url.partition(",")
     if not head.startswith("data:") or not head.endswith(";base64"):
         raise ApiError(400, f"{where}: an image URL must be a base64 data: URL", param=param)
-    return image_from_bytes(_b64(data, where, param), where, param)
+    return image_from_bytes(_b64(data, where, param), where)
 
 
 def image_from_source(source, where: str) -> dict:

@@ -32,8 +32,9 @@ def has_images(messages) -> bool:
 
 
 def image_parts(messages: list[dict]) -> list[tuple[str, dict]]:
-    """(where, part) of every image part, in prompt order; where is 'messages.I.content.J'."""
-    return [(f"messages.{i}.content.{j}", part) for i, m in enumerate(messages)
+    """(where, part) of every image part, in prompt order; where is the part's own (an API's
+    location, server/image_parts.py), else 'messages.I.content.J'."""
+    return [(part.get("where") or f"messages.{i}.content.{j}", part) for i, m in enumerate(messages)
             if isinstance(m.get("content"), list) for j, part in enumerate(m["content"]) if is_image_part(part)]
 
 

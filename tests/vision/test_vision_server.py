@@ -17,15 +17,16 @@ CACHE = dict(block_size=8, num_blocks=512, memory_tier_bytes=0)
 N = 6
 
 
-def _png(seed: int) -> str:
+def _png(seed: int, size: tuple = (112, 84)) -> str:
     out = io.BytesIO()
-    make_image(seed=seed).save(out, format="PNG")
+    make_image(*size, seed=seed).save(out, format="PNG")
     return base64.b64encode(out.getvalue()).decode()
 
 
 @pytest.fixture(scope="module")
 def server(qwen2_vl_dir):
-    server = Server.load(str(qwen2_vl_dir), CacheConfig(**CACHE), ServerOptions(port=0)).start()
+    options = ServerOptions(port=0, max_image_pixels=200 * 200, max_images=2)
+    server = Server.load(str(qwen2_vl_dir), CacheConfig(**CACHE), options).start()
     try:
         yield server
     finally:
@@ -90,3 +91,13 @@ def test_responses_input_image(client, oracle):
         {"role": "user", "content": [{"type": "input_image", "image_url": "data:image/png;base64," + _png(3)},
                                      {"type": "input_text", "text": "What is it?"}]}])
     assert reply.output_text == _expected(oracle, 3)
+
+
+def test_the_image_limits_are_400s_naming_the_part(client):
+    big = [{"type": "image_url", "image_url": {"url": "data:image/png;base64," + _png(1, (300, 300))}}]
+    with pytest.raises(openai.BadRequestError, match=r"messages\.0\.content\.0: .*300x300 pixels, more than the "
+                                                     r"limit of 40000"):
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": big}], max_tokens=N)
+    three = _openai_messages(1)[0]["content"][:1] * 3
+    with pytest.raises(openai.BadRequestError, match=r"messages\.0\.content\.2: more than 2 images"):
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": three}], max_tokens=N)
