@@ -14,6 +14,8 @@ import importlib
 import importlib.util
 import logging
 
+import mlx.core as mx
+
 log = logging.getLogger(__name__)
 
 
@@ -56,6 +58,10 @@ def logits(output):
 
 def input_embeddings(model, input_ids, pixel_values, **image_inputs):
     """(inputs_embeds [1, L, D], position_ids or None, rope_deltas or None) of a prompt with its images."""
+    import inspect
+
+    if "mask" in inspect.signature(model.get_input_embeddings).parameters:  # Gemma 3 merges with a padding mask
+        image_inputs = {"mask": mx.ones(input_ids.shape, mx.int32), **image_inputs}
     features = model.get_input_embeddings(input_ids, pixel_values, **image_inputs)
     return features.inputs_embeds, getattr(features, "position_ids", None), getattr(features, "rope_deltas", None)
 
@@ -71,7 +77,22 @@ def attention_module(model):
 
 
 def vision_token_id(model) -> int | None:
-    return getattr(model.config, "image_token_id", None)
+    """The placeholder id an image's tokens take (Gemma 3 calls it image_token_index)."""
+    config = model.config
+    return getattr(config, "image_token_id", None) or getattr(config, "image_token_index", None)
+
+
+def make_cache(model) -> list | None:
+    """The language model's own cache objects (sliding layers' RotatingKVCache), or None: one KVCache a layer."""
+    language = model.language_model
+    return language.make_cache() if hasattr(language, "make_cache") else None
+
+
+def render_chat(processor, messages: list[dict]) -> str:
+    """The prompt text: the processor's chat template, else its tokenizer's (Gemma 3's processor has none)."""
+    if getattr(processor, "chat_template", None):
+        return processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return processor.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
 
 def prepare_inputs(processor, prompt: str, images: list, **kwargs) -> dict:
@@ -93,9 +114,18 @@ def processor_settings(processor) -> dict:
 
 
 def vision_features(model, pixel_values, grid):
-    """The vision tower's output for one image's pixel rows and grid ([tokens, hidden] after merging)."""
+    """What get_input_embeddings merges in for one image: Qwen's vision tower output for its pixel
+    rows and grid, Gemma 3's projected tower output for its [1, C, H, W] pixels (grid None)."""
+    if grid is None:
+        hidden, _, _ = model.vision_tower(pixel_values.transpose(0, 2, 3, 1).astype(_embed_dtype(model)),
+                                          output_hidden_states=True)
+        return model.multi_modal_projector(hidden)
     dtype = model.vision_tower.patch_embed.proj.weight.dtype
     return model.vision_tower(pixel_values.astype(dtype), grid, output_hidden_states=False)
+
+
+def _embed_dtype(model):
+    return model.language_model.model.embed_tokens.weight.dtype
 
 
 def input_embeddings_from_features(model, input_ids, pixel_values, features, **image_inputs):

@@ -77,6 +77,12 @@ class VisionModel(nn.Module):
     def layers(self):
         return compat.language_model(self.vlm).layers
 
+    def make_cache(self) -> list:
+        """The language model's cache objects, as mlx-lm's make_prompt_cache asks (loader's probe)."""
+        from mlx_lm.models.cache import KVCache
+
+        return compat.make_cache(self.vlm) or [KVCache() for _ in self.layers]
+
     @property
     def attention_module(self) -> str:
         """Where models/compat.route_attention finds the attention function the layers call."""

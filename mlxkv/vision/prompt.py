@@ -51,12 +51,8 @@ class VisionPrompt:
         ids = mx.array([self.tokens])
         extra = {} if self.grid is None else {"image_grid_thw": mx.array(self.grid)}
         pixels = mx.array(self.pixel_values)
-        if self.grid is None:  # no per-image grid to run the tower image by image
-            embeds, positions, deltas = compat.input_embeddings(model.vlm, ids, pixels, **extra)
-        else:
-            features = mx.concatenate([self._features(model, k) for k in range(len(self.spans))])
-            embeds, positions, deltas = compat.input_embeddings_from_features(model.vlm, ids, pixels, features,
-                                                                              **extra)
+        features = mx.concatenate([self._features(model, k) for k in range(len(self.spans))])
+        embeds, positions, deltas = compat.input_embeddings_from_features(model.vlm, ids, pixels, features, **extra)
         if positions is None:
             positions = mx.broadcast_to(mx.arange(len(self.tokens))[None, None], (3, 1, len(self.tokens)))
         delta = 0 if deltas is None else int(mx.array(deltas).reshape(-1)[0].item())
@@ -67,9 +63,11 @@ class VisionPrompt:
         digest = self.spans[k].digest
         features = model.encoder_cache.get(digest)
         if features is None:
-            rows = np.cumsum([0] + [int(np.prod(g)) for g in self.grid])
+            sizes = [1] * len(self.spans) if self.grid is None else [int(np.prod(g)) for g in self.grid]
+            rows = np.cumsum([0] + sizes)
             pixels = mx.array(self.pixel_values[rows[k] : rows[k + 1]])
-            features = compat.vision_features(model.vlm, pixels, mx.array(self.grid[k : k + 1]))
+            grid = None if self.grid is None else mx.array(self.grid[k : k + 1])
+            features = compat.vision_features(model.vlm, pixels, grid)
             mx.eval(features)
             model.encoder_cache.put(digest, features)
         return features
@@ -86,7 +84,7 @@ def vision_prompt(model, messages: list[dict], max_pixels: int = MAX_IMAGE_PIXEL
         raise MlxkvError(f"{parts[max_images][0]}: more than {max_images} images in one request")
     images = [load_image(part, where, max_pixels) for where, part in parts]
     processor = model.processor
-    text = processor.apply_chat_template(_template_messages(messages), add_generation_prompt=True, tokenize=False)
+    text = compat.render_chat(processor, _template_messages(messages))
     inputs = compat.prepare_inputs(processor, text, images, return_tensors="np")
     pixels = np.asarray(inputs["pixel_values"])
     grid = inputs.get("image_grid_thw")

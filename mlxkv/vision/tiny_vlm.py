@@ -19,7 +19,7 @@ from mlxkv.errors import MlxkvError
 from mlxkv.models.tiny import SPECIAL_TOKENS, _tokenizer, random_weights
 from mlxkv.vision import compat
 
-VISION_FAMILIES = ("qwen2_vl",)
+VISION_FAMILIES = ("qwen2_vl", "gemma3")
 QWEN_VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 # Qwen2-VL's template, cut to what the tests send: text and image parts.
 QWEN_VL_TEMPLATE = (
@@ -81,30 +81,73 @@ PREPROCESSOR = {
 }
 
 
+GEMMA3_VISION_TOKENS = ["<start_of_image>", "<end_of_image>", "<image_soft_token>"]
+GEMMA3_IMAGE_TOKENS = 16  # mm_tokens_per_image: a fixed count per image (256 in real Gemma 3)
+GEMMA3_IMAGE_SIZE = 112
+
+
+def gemma3_config(vocab_size: int, ids: dict[str, int], hidden: int = 64, layers: int = 2, seed: int = 0) -> dict:
+    text = {"model_type": "gemma3_text", "hidden_size": hidden, "num_hidden_layers": layers,
+            "intermediate_size": 2 * hidden, "num_attention_heads": 4, "head_dim": 16, "num_key_value_heads": 2,
+            "vocab_size": vocab_size, "query_pre_attn_scalar": 16, "max_position_embeddings": 4096,
+            # A sliding layer then a full one: the pool pages both kinds.
+            "sliding_window": 16, "sliding_window_pattern": 2, "mm_tokens_per_image": GEMMA3_IMAGE_TOKENS}
+    return {
+        "model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"], "text_config": text,
+        "vision_config": {"model_type": "siglip_vision_model", "num_hidden_layers": 1, "hidden_size": 32,
+                          "intermediate_size": 64, "num_attention_heads": 2, "patch_size": 14,
+                          "image_size": GEMMA3_IMAGE_SIZE},
+        "image_token_index": ids["<image_soft_token>"], "boi_token_index": ids["<start_of_image>"],
+        "eoi_token_index": ids["<end_of_image>"], "mm_tokens_per_image": GEMMA3_IMAGE_TOKENS,
+        "hidden_size": hidden, "pad_token_id": 0, "vocab_size": vocab_size,
+        "eos_token_id": [SPECIAL_TOKENS.index("<|im_end|>")],
+        "mlxkv_tiny_model": {"family": "gemma3", "hidden_size": hidden, "num_layers": layers, "seed": seed},
+    }
+
+
+GEMMA3_TEMPLATE = QWEN_VL_TEMPLATE.replace("<|vision_start|><|image_pad|><|vision_end|>", "<start_of_image>")
+GEMMA3_PREPROCESSOR = {
+    "image_processor_type": "Gemma3ImageProcessor", "processor_class": "Gemma3Processor",
+    "do_resize": True, "size": {"height": GEMMA3_IMAGE_SIZE, "width": GEMMA3_IMAGE_SIZE},
+    "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True, "do_convert_rgb": True,
+    "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "do_pan_and_scan": False,
+    "image_seq_length": GEMMA3_IMAGE_TOKENS,
+}
+# family -> (vision tokens, config, template, preprocessor, processor class, tokenizer extras)
+_FAMILIES = {
+    "qwen2_vl": (QWEN_VISION_TOKENS, qwen2_vl_config, QWEN_VL_TEMPLATE, PREPROCESSOR, "Qwen2VLProcessor", {}),
+    "gemma3": (GEMMA3_VISION_TOKENS, gemma3_config, GEMMA3_TEMPLATE, GEMMA3_PREPROCESSOR, "Gemma3Processor",
+               {"extra_special_tokens": {"image_token": "<image_soft_token>", "boi_token": "<start_of_image>",
+                                         "eoi_token": "<end_of_image>"}}),
+}
+
+
 def write_tiny_vlm(path: str | Path, family: str = "qwen2_vl", seed: int = 0, vocab_size: int = 512) -> Path:
     """Write a tiny random-weight VLM of `family` to `path` (created or overwritten)."""
     if family not in VISION_FAMILIES:
         raise MlxkvError(f"no tiny vision model for {family!r}; one of {', '.join(VISION_FAMILIES)}")
     if not compat.available():
         raise MlxkvError(f"a tiny {family} needs mlx-vlm: pip install 'mlxkv[vision]'")
+    vision_tokens, make_config, template, preprocessor, processor_class, extras = _FAMILIES[family]
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tokenizer = _tokenizer(vocab_size)
-    tokenizer.add_special_tokens(QWEN_VISION_TOKENS)
-    ids = {t: tokenizer.token_to_id(t) for t in QWEN_VISION_TOKENS}
-    config = qwen2_vl_config(tokenizer.get_vocab_size(), ids, seed=seed)
+    tokenizer.add_special_tokens(vision_tokens)
+    ids = {t: tokenizer.token_to_id(t) for t in vision_tokens}
+    config = make_config(tokenizer.get_vocab_size(), ids, seed=seed)
     model = compat.build_model(config)
     weights = random_weights(model, seed, mx.float32)
     mx.save_safetensors(str(path / "model.safetensors"), weights, {"format": "mlx"})
     tokenizer.save(str(path / "tokenizer.json"))
     tokenizer_config = {
         "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": None, "eos_token": "<|im_end|>",
-        "pad_token": "<|endoftext|>", "chat_template": QWEN_VL_TEMPLATE, "model_max_length": 4096,
-        "clean_up_tokenization_spaces": False, "processor_class": "Qwen2VLProcessor",
+        "pad_token": "<|endoftext|>", "chat_template": template, "model_max_length": 4096,
+        "clean_up_tokenization_spaces": False, "processor_class": processor_class, **extras,
     }
     files = {"config.json": config, "tokenizer_config.json": tokenizer_config,
-             "preprocessor_config.json": PREPROCESSOR,
-             "chat_template.json": {"chat_template": QWEN_VL_TEMPLATE}}
+             "preprocessor_config.json": preprocessor, "chat_template.json": {"chat_template": template}}
+    if family == "gemma3":  # mlx-vlm's Gemma3Processor reads its image count from here
+        files["processor_config.json"] = {"image_seq_length": GEMMA3_IMAGE_TOKENS, "processor_class": processor_class}
     for name, content in files.items():
         (path / name).write_text(json.dumps(content, indent=2, sort_keys=True) + "\n")
     return path

@@ -1,5 +1,6 @@
 """Images through mlxkv's engine: greedy tokens equal mlx-vlm's own generate, and the block keys
-hold each image's content (a tiny random-weight Qwen2-VL, M-RoPE)."""
+hold each image's content. Tiny random-weight Qwen2-VL (M-RoPE, placeholders by resolution) and
+Gemma 3 (a fixed count of image tokens, a sliding-window layer beside a full one)."""
 
 import pytest
 from vision_cases import make_image
@@ -15,10 +16,11 @@ BS = 4
 N = 8  # tokens per reply
 
 
-@pytest.fixture(scope="module")
-def engine(qwen2_vl_dir):
-    # Chunks of 8 split the 12-token images: Qwen2-VL's language model is causal over them.
-    with Engine(load_model(str(qwen2_vl_dir)), CacheConfig(block_size=BS), prefill_chunk=8) as engine:
+@pytest.fixture(scope="module", params=["qwen2_vl", "gemma3"])
+def engine(request):
+    # Chunks of 8 split the images (12 and 16 tokens): both language models are causal over them in mlx-vlm.
+    path = request.getfixturevalue(f"{request.param}_dir")
+    with Engine(load_model(str(path)), CacheConfig(block_size=BS), prefill_chunk=8) as engine:
         yield engine
 
 
@@ -34,7 +36,7 @@ def _mlx_vlm(engine, messages, images):
     model, processor = engine.model.vlm, engine.model.processor
     template = [{**m, "content": [{"type": "image"} if p.get("type") == "image" else p for p in m["content"]]
                  if isinstance(m["content"], list) else m["content"]} for m in messages]
-    prompt = processor.apply_chat_template(template, add_generation_prompt=True, tokenize=False)
+    prompt = compat.render_chat(processor, template)
     return [r.token for r in stream_generate(model, processor, prompt, image=images, max_tokens=N,
                                              temperature=0.0)][:N]
 
