@@ -77,6 +77,7 @@ SUITES = {
     "serve": _at_defaults("serve", "run_serve_benchmark"),
     "agents": _at_defaults("agents", "run_agents_benchmark"),
     "speculative": _at_defaults("speculative", "run_speculative_benchmark"),
+    "vision": _at_defaults("vision", "run_vision_benchmark"),  # the vision extra
 }
 
 

@@ -34,7 +34,8 @@ QWEN_VL_TEMPLATE = (
 )
 
 
-def qwen2_vl_config(vocab_size: int, ids: dict[str, int], hidden: int = 64, layers: int = 2, seed: int = 0) -> dict:
+def qwen2_vl_config(vocab_size: int, ids: dict[str, int], hidden: int = 64, layers: int = 2, seed: int = 0,
+                    vision_depth: int = 1, vision_dim: int = 32) -> dict:
     heads, kv_heads = 4, 2
     half = hidden // heads // 2  # M-RoPE splits each head's rotary half into (t, h, w)
     section = [half - 2 * (half // 3), half // 3, half // 3]
@@ -60,7 +61,8 @@ def qwen2_vl_config(vocab_size: int, ids: dict[str, int], hidden: int = 64, laye
         "eos_token_id": [SPECIAL_TOKENS.index("<|im_end|>")],  # one eos: replies of random weights run longer
         "torch_dtype": "float32",
         "vision_config": {
-            "model_type": "qwen2_vl", "depth": 1, "embed_dim": 32, "hidden_size": hidden, "num_heads": 2,
+            "model_type": "qwen2_vl", "depth": vision_depth, "embed_dim": vision_dim, "hidden_size": hidden,
+            "num_heads": 2,
             "mlp_ratio": 2, "patch_size": 14, "spatial_patch_size": 14, "spatial_merge_size": 2,
             "temporal_patch_size": 2, "in_channels": 3,
         },
@@ -86,7 +88,8 @@ GEMMA3_IMAGE_TOKENS = 16  # mm_tokens_per_image: a fixed count per image (256 in
 GEMMA3_IMAGE_SIZE = 112
 
 
-def gemma3_config(vocab_size: int, ids: dict[str, int], hidden: int = 64, layers: int = 2, seed: int = 0) -> dict:
+def gemma3_config(vocab_size: int, ids: dict[str, int], hidden: int = 64, layers: int = 2, seed: int = 0,
+                  **_) -> dict:
     text = {"model_type": "gemma3_text", "hidden_size": hidden, "num_hidden_layers": layers,
             "intermediate_size": 2 * hidden, "num_attention_heads": 4, "head_dim": 16, "num_key_value_heads": 2,
             "vocab_size": vocab_size, "query_pre_attn_scalar": 16, "max_position_embeddings": 4096,
@@ -122,8 +125,9 @@ _FAMILIES = {
 }
 
 
-def write_tiny_vlm(path: str | Path, family: str = "qwen2_vl", seed: int = 0, vocab_size: int = 512) -> Path:
-    """Write a tiny random-weight VLM of `family` to `path` (created or overwritten)."""
+def write_tiny_vlm(path: str | Path, family: str = "qwen2_vl", seed: int = 0, vocab_size: int = 512,
+                   hidden: int = 64, layers: int = 2, **vision) -> Path:
+    """`vision`: the vision tower's shape (qwen2_vl: vision_depth, vision_dim), for benchmarks."""
     if family not in VISION_FAMILIES:
         raise MlxkvError(f"no tiny vision model for {family!r}; one of {', '.join(VISION_FAMILIES)}")
     if not compat.available():
@@ -134,7 +138,7 @@ def write_tiny_vlm(path: str | Path, family: str = "qwen2_vl", seed: int = 0, vo
     tokenizer = _tokenizer(vocab_size)
     tokenizer.add_special_tokens(vision_tokens)
     ids = {t: tokenizer.token_to_id(t) for t in vision_tokens}
-    config = make_config(tokenizer.get_vocab_size(), ids, seed=seed)
+    config = make_config(tokenizer.get_vocab_size(), ids, hidden=hidden, layers=layers, seed=seed, **vision)
     model = compat.build_model(config)
     weights = random_weights(model, seed, mx.float32)
     mx.save_safetensors(str(path / "model.safetensors"), weights, {"format": "mlx"})
