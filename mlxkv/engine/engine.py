@@ -115,6 +115,8 @@ class Engine:
         (context_window.py); otherwise nothing is left out, and the request
         check refuses a prompt that is too long.
         """
+        if has_images(messages):  # the chat app's `/image`: the whole chat, its images keyed by content
+            return vision_prompt(self.model, messages), 0
         max_tokens = DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
         if not fit or not whole(max_tokens) or max_tokens < 1:  # a bad option is named by the request check
             return self.apply_chat_template(messages), 0
@@ -132,14 +134,14 @@ class Engine:
     def generate(self, prompt, **kwargs) -> GenerationResult:
         """Generate a whole reply to `prompt` (text or token ids)."""
         prompt_tokens = self.prompt_tokens(prompt)
-        return collect(list(self.stream(prompt_tokens, **kwargs)), prompt_tokens)
+        keep = prompt if isinstance(prompt, VisionPrompt) else prompt_tokens  # its images go with it
+        return collect(list(self.stream(keep, **kwargs)), prompt_tokens)
 
     def chat(self, messages: list[dict], **kwargs) -> GenerationResult:
         """Reply to chat messages. For the next turn, append `result.as_message()`
         (the reply with its ids): then the whole of this turn is a prefix hit."""
         if has_images(messages):  # image parts: a path, bytes, a PIL image or a data: URL
-            prompt = vision_prompt(self.model, messages)
-            return collect(list(self.stream(prompt, **kwargs)), prompt.tokens)
+            return self.generate(vision_prompt(self.model, messages), **kwargs)
         return self.generate(self.apply_chat_template(messages), **kwargs)
 
     def stream(self, prompt, should_stop: Callable[[], bool] | None = None, **options) -> Iterator[GenerationChunk]:
