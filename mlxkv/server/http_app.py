@@ -166,7 +166,7 @@ async def metrics(request: Request) -> Response:
     backend = request.app.state.backend
     stats = backend.stats()  # as the engine thread last published it
     text = backend.metrics.render(backend.thread.open_requests, stats.get("pool"), stats.get("speculative"),
-                                  tiers=stats.get("connector"))
+                                  tiers=stats.get("connector"), encoder=stats.get("encoder_cache"))
     return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
 

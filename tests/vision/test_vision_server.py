@@ -101,3 +101,17 @@ def test_the_image_limits_are_400s_naming_the_part(client):
     three = _openai_messages(1)[0]["content"][:1] * 3
     with pytest.raises(openai.BadRequestError, match=r"messages\.0\.content\.2: more than 2 images"):
         client.chat.completions.create(model="m", messages=[{"role": "user", "content": three}], max_tokens=N)
+
+
+def test_the_encoder_cache_is_in_cache_stats_and_metrics(server, client):
+    import json
+    import urllib.request
+
+    client.chat.completions.create(model="m", messages=_openai_messages(4), max_tokens=1, temperature=0)
+    client.chat.completions.create(model="m", messages=_openai_messages(4, "Again?"), max_tokens=1, temperature=0)
+    with urllib.request.urlopen(server.url + "/v1/cache/stats", timeout=60) as r:
+        stats = json.loads(r.read())["encoder_cache"]
+    assert stats["hits"] >= 1 and stats["misses"] >= 1 and stats["bytes"] > 0
+    with urllib.request.urlopen(server.url + "/metrics", timeout=60) as r:
+        text = r.read().decode()
+    assert "mlxkv_encoder_cache_hits_total " in text and "mlxkv_encoder_cache_bytes " in text
