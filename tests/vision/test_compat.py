@@ -51,3 +51,27 @@ def test_attention_goes_through_a_module_mlxkv_can_route(qwen2_vl):
 
     model, _ = qwen2_vl
     assert hasattr(sys.modules[compat.attention_module(model)], "scaled_dot_product_attention")
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "gemma3"])
+def test_per_image_features_merge_to_what_get_input_embeddings_computes(family, request):
+    """The encoder cache keeps compat.vision_features per image; merged back they must equal mlx-vlm's own."""
+    import numpy as np
+
+    model, processor = compat.load(str(request.getfixturevalue(f"{family}_dir")))
+    images = [make_image(seed=1), make_image(56, 56, seed=2)]
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "image"}, {"type": "text", "text": "Hi"}]}]
+    inputs = compat.prepare_inputs(processor, compat.render_chat(processor, messages), images)
+    ids, pixels, grid = inputs["input_ids"], inputs["pixel_values"], inputs.get("image_grid_thw")
+    extra = {} if grid is None else {"image_grid_thw": grid}
+    whole, *_ = compat.input_embeddings(model, ids, pixels, **extra)
+    sizes = [1, 1] if grid is None else [int(np.prod(g)) for g in np.array(grid)]
+    bounds = np.cumsum([0] + sizes).tolist()
+    features = mx.concatenate([compat.vision_features(model, pixels[bounds[k]:bounds[k + 1]],
+                                                      None if grid is None else grid[k:k + 1]) for k in range(2)])
+    merged, *_ = compat.input_embeddings_from_features(model, ids, pixels, features, **extra)
+    assert mx.allclose(merged, whole, atol=1e-4).item()
+    assert compat.vision_token_id(model) in ids.tolist()[0]
+    assert compat.processor_settings(processor)  # the settings that key an image's hash
+    caches = compat.make_cache(model)
+    assert caches is None or len(caches) == len(compat.language_model(model).layers)
