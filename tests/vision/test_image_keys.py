@@ -4,6 +4,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 from mlxkv.cache.hashing import extend_block_hashes, root_hash
 from mlxkv.vision.image_keys import ImageSpan, block_extras, image_hash, keyed_root
@@ -45,6 +46,7 @@ def test_image_hash_is_the_pixels_grid_and_settings_not_a_name():
     assert len(h) == 32  # the full SHA-256, never cut short
 
 
+@pytest.mark.slow  # starts a Python process
 def test_image_hash_is_the_same_in_another_process():
     code = ("import numpy as np; from mlxkv.vision.image_keys import image_hash; "
             "print(image_hash(np.arange(6.0).reshape(2, 3), np.array([1, 2]), {'a': 1}).hex())")
