@@ -91,3 +91,17 @@ def test_a_new_conversation_re_sending_an_image_takes_it_from_the_encoder_cache(
     assert engine.chat(other, max_tokens=N).tokens == _mlx_vlm(engine, other, [image])
     after = engine.stats()["encoder_cache"]
     assert (after["hits"] - before["hits"], after["misses"] - before["misses"]) == (1, 0)
+
+
+def test_image_rows_preempted_by_a_full_pool_resume_to_their_solo_replies(request, engine):
+    """A pool of 30 blocks of 4 tokens holds one or two rows as they grow, not three: rows are preempted
+    and resume on their prefix hits, their images' embeddings and positions kept across."""
+    family = request.node.callspec.params["engine"]
+    path = request.getfixturevalue(f"{family}_dir")
+    rows = [vision_prompt(engine.model, [_user(make_image(seed=s), f"Question {s}?")]) for s in (20, 21, 22)]
+    solo = [engine.generate(p, max_tokens=24, cache_salt="solo").tokens for p in rows]
+    with Engine(load_model(str(path)), CacheConfig(block_size=BS, num_blocks=30), prefill_chunk=8) as small:
+        rows = [vision_prompt(small.model, [_user(make_image(seed=s), f"Question {s}?")]) for s in (20, 21, 22)]
+        batch = small.generate_batch(rows, max_tokens=24)
+    assert sum(r.stats.preemptions for r in batch) > 0, [(r.finish_reason, r.extra) for r in batch]
+    assert [r.tokens for r in batch] == solo
