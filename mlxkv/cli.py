@@ -63,6 +63,8 @@ def _add_serve(sub) -> None:
     p.add_argument("--max-image-pixels", type=number(int, 1), default=4096 * 4096,
                    help="largest image (width x height) a request may send; larger ones are a 400")
     p.add_argument("--max-images", type=number(int, 1), default=16, help="images one request may send")
+    p.add_argument("--allow-image-urls", action="store_true",
+                   help="fetch http(s) image URLs in requests (off: only base64 images are taken)")
     p.set_defaults(func=cmd_serve)
 
 
@@ -138,7 +140,8 @@ def cmd_serve(args) -> int:
     log_serving("warning" if args.quiet else args.log_level)
     options = ServerOptions(args.host, args.port, api_key_from(args.api_key), args.max_open,
                             args.max_body_mb << 20, args.max_tokens, args.temp, reply_cap=args.reply_cap,
-                            max_image_pixels=args.max_image_pixels, max_images=args.max_images)
+                            max_image_pixels=args.max_image_pixels, max_images=args.max_images,
+                            allow_image_urls=args.allow_image_urls)
     Server.load(args.model, persistent_cache_config(args), options).serve_forever()
     return 0
 

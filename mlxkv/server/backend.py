@@ -22,6 +22,7 @@ from mlxkv.engine.records import is_last
 from mlxkv.errors import MlxkvError
 from mlxkv.server.api_errors import ApiError
 from mlxkv.host.engine_thread import EngineThread
+from mlxkv.server.image_parts import fetch_image_urls
 from mlxkv.server.metrics import ServerMetrics
 from mlxkv.server.prompt_heads import strip_heads
 from mlxkv.server.reply_ids import DEFAULT_KEPT, ReplyIds
@@ -31,6 +32,7 @@ from mlxkv.vision.prompt import MAX_IMAGES, vision_prompt
 from mlxkv.host.request_handle import RequestHandle
 
 log = logging.getLogger(__name__)
+IMAGE_URL_MAX_BYTES = 32 << 20  # an image a URL names, at most
 
 # Requests queued or running at once; past this a client is told to come back.
 DEFAULT_MAX_OPEN = 256
@@ -138,9 +140,11 @@ class ServingBackend:
 
     def __init__(self, thread: EngineThread, name: str, *, max_open: int = DEFAULT_MAX_OPEN,
                  default_max_tokens: int = DEFAULT_MAX_TOKENS, reply_ids_kept: int = DEFAULT_KEPT,
-                 reply_cap: int | None = None, image_limits: tuple[int, int] = (MAX_IMAGE_PIXELS, MAX_IMAGES)):
+                 reply_cap: int | None = None, image_limits: tuple[int, int] = (MAX_IMAGE_PIXELS, MAX_IMAGES),
+                 allow_image_urls: bool = False):
         self.thread = thread
         self.image_limits = image_limits  # (pixels per image, images per request)
+        self.allow_image_urls = allow_image_urls
         self.max_open = max_open
         self.default_max_tokens = default_max_tokens
         self.reply_cap = reply_cap
@@ -174,6 +178,7 @@ class ServingBackend:
     def _vision_prompt(self, messages: list[dict]):
         if self.info.vision is None:
             raise ApiError(400, f"messages: {self.info.name} takes text only (it has no vision tower loaded)")
+        fetch_image_urls(messages, self.allow_image_urls, IMAGE_URL_MAX_BYTES)
         try:
             return vision_prompt(self.info.vision, messages, *self.image_limits)
         except MlxkvError as e:

@@ -54,6 +54,7 @@ class ServerOptions:
     shutdown_grace_s: float = GRACEFUL_SHUTDOWN_S
     max_image_pixels: int = MAX_IMAGE_PIXELS  # per image, width x height (docs/vision.md)
     max_images: int = MAX_IMAGES  # per request
+    allow_image_urls: bool = False  # fetch http(s) image URLs (off: a client could make the server reach hosts)
 
     def __post_init__(self):
         if not 0 <= self.port <= 65535:
@@ -104,7 +105,8 @@ class Server:
         try:
             self.backend = ServingBackend(thread, name, max_open=o.max_open, default_max_tokens=o.max_tokens,
                                           reply_ids_kept=o.reply_ids_kept, reply_cap=o.reply_cap,
-                                          image_limits=(o.max_image_pixels, o.max_images))
+                                          image_limits=(o.max_image_pixels, o.max_images),
+                                          allow_image_urls=o.allow_image_urls)
         except BaseException:
             self._close_engine()
             raise

@@ -71,7 +71,7 @@ def test_openai_broken_image_is_a_400_naming_the_part(client):
     with pytest.raises(openai.BadRequestError, match=r"messages\.0\.content\.1: not an image we can read"):
         client.chat.completions.create(model="m", messages=bad, max_tokens=N)
     url = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]}]
-    with pytest.raises(openai.BadRequestError, match="image URLs are not fetched"):
+    with pytest.raises(openai.BadRequestError, match=r"messages\.0\.content\.0: image URLs are off on this server"):
         client.chat.completions.create(model="m", messages=url, max_tokens=N)
 
 
@@ -115,3 +115,29 @@ def test_the_encoder_cache_is_in_cache_stats_and_metrics(server, client):
     with urllib.request.urlopen(server.url + "/metrics", timeout=60) as r:
         text = r.read().decode()
     assert "mlxkv_encoder_cache_hits_total " in text and "mlxkv_encoder_cache_bytes " in text
+
+
+def test_image_urls_are_fetched_only_behind_allow_image_urls(qwen2_vl_dir, oracle, tmp_path):
+    import functools
+    import http.server
+    import threading
+
+    make_image(seed=5).save(tmp_path / "a.png")
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path))
+    images = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=images.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{images.server_address[1]}/a.png"
+    options = ServerOptions(port=0, allow_image_urls=True)
+    server = Server.load(str(qwen2_vl_dir), CacheConfig(**CACHE), options).start()
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
+        messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                                 {"type": "text", "text": "What is it?"}]}]
+        reply = client.chat.completions.create(model="m", messages=messages, max_tokens=N, temperature=0)
+        assert reply.choices[0].message.content == _expected(oracle, 5)
+        messages[0]["content"][0]["image_url"]["url"] = url.replace("a.png", "missing.png")
+        with pytest.raises(openai.BadRequestError, match=r"messages\.0\.content\.0: could not fetch the image"):
+            client.chat.completions.create(model="m", messages=messages, max_tokens=N)
+    finally:
+        server.close()
+        images.shutdown()
