@@ -36,6 +36,10 @@ class VisionPrompt:
     def image_tokens(self) -> int:
         return sum(s.length for s in self.spans)
 
+    def cached_image_tokens(self, cached: int) -> int:
+        """Image tokens within the first `cached` tokens (a prefix hit's)."""
+        return sum(max(0, min(s.end, cached) - s.start) for s in self.spans)
+
     # A prompt is read as its ids wherever ids go (limits, replies, logs); only the engine looks further.
     def __len__(self) -> int:
         return len(self.tokens)

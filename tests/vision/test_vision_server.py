@@ -2,6 +2,8 @@
 
 import base64
 import io
+import logging
+import time
 
 import anthropic
 import openai
@@ -56,13 +58,21 @@ def _openai_messages(seed: int, text: str = "What is it?"):
                                          {"type": "text", "text": text}]}]
 
 
-def test_openai_chat_with_an_image_and_the_next_request_hits_it(client, oracle):
+def test_openai_chat_with_an_image_and_the_next_request_hits_it(client, oracle, caplog):
+    caplog.set_level(logging.INFO, logger="mlxkv.server.access")
     first = client.chat.completions.create(model="m", messages=_openai_messages(1), max_tokens=N, temperature=0)
     assert first.choices[0].message.content == _expected(oracle, 1)
     again = client.chat.completions.create(model="m", messages=_openai_messages(1), max_tokens=N, temperature=0)
     assert again.choices[0].message.content == first.choices[0].message.content
     cached = again.usage.prompt_tokens_details.cached_tokens
     assert cached == (first.usage.prompt_tokens - 1) // CACHE["block_size"] * CACHE["block_size"]
+    lines = []
+    for _ in range(100):  # the access line is written once the response has gone out: wait for it
+        lines = [r.getMessage() for r in caplog.records if "/v1/chat/completions 200" in r.getMessage()]
+        if len(lines) >= 2:
+            break
+        time.sleep(0.05)
+    assert "image_tokens=12 image_cached=0 " in lines[-2] and "image_tokens=12 image_cached=12 " in lines[-1]
 
 
 def test_openai_broken_image_is_a_400_naming_the_part(client):
