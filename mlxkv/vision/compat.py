@@ -4,7 +4,7 @@ Every mlx-vlm name mlxkv uses goes through here: its loader, its model
 classes, the split of a model into vision tower + `get_input_embeddings`
 and a language model that takes mlx-lm's cache protocol, the language
 model's output type, and Qwen's M-RoPE index. When mlx-vlm changes one of
-them, tests/vision/test_compat.py fails here, not downstream with a wrong
+them, tests/vision/test_vision_compat.py fails here, not downstream with a wrong
 answer.
 """
 
