@@ -19,7 +19,7 @@ from mlxkv.errors import MlxkvError
 from mlxkv.models.tiny import SPECIAL_TOKENS, _tokenizer, random_weights
 from mlxkv.vision import compat
 
-VISION_FAMILIES = ("qwen2_vl", "gemma3")
+VISION_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "gemma3")
 QWEN_VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 # Qwen2-VL's template, cut to what the tests send: text and image parts.
 QWEN_VL_TEMPLATE = (
@@ -83,6 +83,21 @@ PREPROCESSOR = {
 }
 
 
+def qwen2_5_vl_config(vocab_size: int, ids: dict[str, int], hidden: int = 64, layers: int = 2, seed: int = 0,
+                      **_) -> dict:
+    """Qwen2-VL's language model; a vision tower with window attention (one windowed block, one full)."""
+    config = qwen2_vl_config(vocab_size, ids, hidden, layers, seed)
+    config.update(model_type="qwen2_5_vl", architectures=["Qwen2_5_VLForConditionalGeneration"])
+    config["vision_config"] = {
+        "model_type": "qwen2_5_vl", "depth": 2, "hidden_size": 32, "intermediate_size": 64,
+        "out_hidden_size": hidden, "num_heads": 2, "patch_size": 14, "spatial_patch_size": 14,
+        "spatial_merge_size": 2, "temporal_patch_size": 2, "window_size": 56, "fullatt_block_indexes": [1],
+        "in_channels": 3, "tokens_per_second": 2,
+    }
+    config["mlxkv_tiny_model"]["family"] = "qwen2_5_vl"
+    return config
+
+
 GEMMA3_VISION_TOKENS = ["<start_of_image>", "<end_of_image>", "<image_soft_token>"]
 GEMMA3_IMAGE_TOKENS = 16  # mm_tokens_per_image: a fixed count per image (256 in real Gemma 3)
 GEMMA3_IMAGE_SIZE = 112
@@ -119,6 +134,8 @@ GEMMA3_PREPROCESSOR = {
 # family -> (vision tokens, config, template, preprocessor, processor class, tokenizer extras)
 _FAMILIES = {
     "qwen2_vl": (QWEN_VISION_TOKENS, qwen2_vl_config, QWEN_VL_TEMPLATE, PREPROCESSOR, "Qwen2VLProcessor", {}),
+    "qwen2_5_vl": (QWEN_VISION_TOKENS, qwen2_5_vl_config, QWEN_VL_TEMPLATE, {**PREPROCESSOR,
+                   "processor_class": "Qwen2_5_VLProcessor"}, "Qwen2_5_VLProcessor", {}),
     "gemma3": (GEMMA3_VISION_TOKENS, gemma3_config, GEMMA3_TEMPLATE, GEMMA3_PREPROCESSOR, "Gemma3Processor",
                {"extra_special_tokens": {"image_token": "<image_soft_token>", "boi_token": "<start_of_image>",
                                          "eoi_token": "<end_of_image>"}}),

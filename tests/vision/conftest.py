@@ -33,6 +33,13 @@ def qwen2_vl_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def qwen2_5_vl_dir(tmp_path_factory):
+    from mlxkv.vision.tiny_vlm import write_tiny_vlm
+
+    return write_tiny_vlm(tmp_path_factory.mktemp("models") / "qwen2_5_vl", "qwen2_5_vl")
+
+
+@pytest.fixture(scope="session")
 def gemma3_dir(tmp_path_factory):
     from mlxkv.vision.tiny_vlm import write_tiny_vlm
 

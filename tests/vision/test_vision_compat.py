@@ -53,7 +53,7 @@ def test_attention_goes_through_a_module_mlxkv_can_route(qwen2_vl):
     assert hasattr(sys.modules[compat.attention_module(model)], "scaled_dot_product_attention")
 
 
-@pytest.mark.parametrize("family", ["qwen2_vl", "gemma3"])
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "gemma3"])
 def test_per_image_features_merge_to_what_get_input_embeddings_computes(family, request):
     """The encoder cache keeps compat.vision_features per image; merged back they must equal mlx-vlm's own."""
     import numpy as np

@@ -1,6 +1,6 @@
 """Images through mlxkv's engine: greedy tokens equal mlx-vlm's own generate, and the block keys
-hold each image's content. Tiny random-weight Qwen2-VL (M-RoPE, placeholders by resolution) and
-Gemma 3 (a fixed count of image tokens, a sliding-window layer beside a full one)."""
+hold each image's content. Tiny random-weight Qwen2-VL and Qwen2.5-VL (M-RoPE, placeholders by
+resolution; 2.5's vision tower windowed) and Gemma 3 (a fixed count of image tokens, a sliding-window layer beside a full one)."""
 
 import pytest
 from vision_cases import make_image
@@ -16,7 +16,7 @@ BS = 4
 N = 8  # tokens per reply
 
 
-@pytest.fixture(scope="module", params=["qwen2_vl", "gemma3"])
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl", "gemma3"])
 def engine(request):
     # Chunks of 8 split the images (12 and 16 tokens): both language models are causal over them in mlx-vlm.
     path = request.getfixturevalue(f"{request.param}_dir")
