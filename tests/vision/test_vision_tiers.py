@@ -29,3 +29,18 @@ def test_after_a_restart_the_image_turn_is_restored_from_the_ssd_tier(qwen2_vl_d
     assert warm.stats.cached_tokens["disk"] >= (len(cold.prompt_tokens) - 1) // 4 * 4
     image_start = cold.prompt_tokens.index(engine.model.image_token_id)
     assert sum(other.stats.cached_tokens.values()) == image_start // 4 * 4  # another image: the text before it
+
+
+def test_another_process_s_engine_finds_the_image_turn_in_the_redis_tier(qwen2_vl_dir, redis_server):
+    server = redis_server()
+    config = CacheConfig(block_size=4, remote_tier=server.url, memory_tier_bytes=0)
+    first = [_user(make_image(seed=13), "What is it?")]
+    with Engine(load_model(str(qwen2_vl_dir)), config) as engine:
+        cold = engine.chat(first, max_tokens=N)
+    with Engine(load_model(str(qwen2_vl_dir)), config) as engine:  # as another machine's would
+        warm = engine.chat(first, max_tokens=N)
+        other = engine.chat([_user(make_image(seed=14), "What is it?")], max_tokens=N)
+    assert warm.tokens == cold.tokens
+    assert warm.stats.cached_tokens["remote"] == (len(cold.prompt_tokens) - 1) // 4 * 4
+    image_start = cold.prompt_tokens.index(engine.model.image_token_id)
+    assert sum(other.stats.cached_tokens.values()) == image_start // 4 * 4
