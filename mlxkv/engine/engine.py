@@ -214,7 +214,8 @@ class Engine:
             speculative=speculative and self.loop.speculation is not None and not images,
         )
         if images:
-            self.model.rows.attach(request, prompt.row_inputs(self.model))  # the vision tower, on this thread
+            # Made at the row's first forward, on this thread, once its prefix hit is known.
+            self.model.rows.attach(request, lambda computed: prompt.row_inputs(self.model, computed))
         return request
 
     def _prepare(

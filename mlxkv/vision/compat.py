@@ -66,6 +66,15 @@ def input_embeddings(model, input_ids, pixel_values, **image_inputs):
     return features.inputs_embeds, getattr(features, "position_ids", None), getattr(features, "rope_deltas", None)
 
 
+def rope_index(model, input_ids, grid):
+    """(position_ids, rope_deltas) of a prompt from its ids and image grids alone (Qwen's M-RoPE;
+    (None, None) for families with plain positions): no vision tower needed."""
+    language = model.language_model
+    if not hasattr(language, "get_rope_index"):
+        return None, None
+    return language.get_rope_index(input_ids, grid)
+
+
 def embed_tokens(model, input_ids):
     """The language model's token embedding (text positions of any row)."""
     return model.language_model.model.embed_tokens(input_ids)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -38,18 +39,25 @@ class RowInputs:
 
 
 class VisionRows:
-    """Request id -> RowInputs of the image rows in flight (a plain object: no parameters)."""
+    """Request id -> RowInputs of the image rows in flight (a plain object: no parameters).
+
+    A row's inputs are made at its first forward, when its prefix hit is
+    known: a hit past every image needs no image features (vision/prompt.py)."""
 
     def __init__(self):
-        self._rows: dict[int, RowInputs] = {}
+        self._rows: dict[int, RowInputs | Callable[[int], RowInputs]] = {}
 
-    def attach(self, request, inputs: RowInputs) -> None:
-        """Hold `inputs` while `request` lives (a preempted request resumes with them)."""
-        self._rows[request.request_id] = inputs
+    def attach(self, request, make: Callable[[int], RowInputs]) -> None:
+        """`make(num_computed)` gives the inputs; they are kept while `request` lives (a
+        preempted request resumes with them)."""
+        self._rows[request.request_id] = make
         weakref.finalize(request, self._rows.pop, request.request_id, None)
 
-    def get(self, request_id: int) -> RowInputs | None:
-        return self._rows.get(request_id)
+    def get(self, request_id: int, num_computed: int = 0) -> RowInputs | None:
+        row = self._rows.get(request_id)
+        if callable(row):
+            row = self._rows[request_id] = row(num_computed)
+        return row
 
     def __len__(self) -> int:
         return len(self._rows)
@@ -107,7 +115,7 @@ class VisionModel(nn.Module):
         embeds = compat.embed_tokens(self.vlm, tokens)
         rows_embeds, rows_positions = [], []
         for i, seq in enumerate(seqs):
-            start, row = seq.num_computed, self.rows.get(seq.request_id)
+            start, row = seq.num_computed, self.rows.get(seq.request_id, seq.num_computed)
             if row is None:
                 rows_embeds.append(embeds[i])
                 rows_positions.append(_text_positions([start], n)[:, 0])

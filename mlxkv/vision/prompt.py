@@ -50,13 +50,18 @@ class VisionPrompt:
     def __iter__(self):
         return iter(self.tokens)
 
-    def row_inputs(self, model: VisionModel) -> RowInputs:
-        """The language model's inputs: the vision tower's output merged in, M-RoPE positions."""
+    def row_inputs(self, model: VisionModel, num_computed: int = 0) -> RowInputs:
+        """The language model's inputs: the vision tower's output merged in, M-RoPE positions.
+        With `num_computed` tokens already cached past every image, no image is embedded."""
         ids = mx.array([self.tokens])
-        extra = {} if self.grid is None else {"image_grid_thw": mx.array(self.grid)}
-        pixels = mx.array(self.pixel_values)
-        features = mx.concatenate([self._features(model, k) for k in range(len(self.spans))])
-        embeds, positions, deltas = compat.input_embeddings_from_features(model.vlm, ids, pixels, features, **extra)
+        grid = None if self.grid is None else mx.array(self.grid)
+        if num_computed >= max(s.end for s in self.spans):
+            embeds, (positions, deltas) = compat.embed_tokens(model.vlm, ids), compat.rope_index(model.vlm, ids, grid)
+        else:
+            extra = {} if grid is None else {"image_grid_thw": grid}
+            features = mx.concatenate([self._features(model, k) for k in range(len(self.spans))])
+            embeds, positions, deltas = compat.input_embeddings_from_features(
+                model.vlm, ids, mx.array(self.pixel_values), features, **extra)
         if positions is None:
             positions = mx.broadcast_to(mx.arange(len(self.tokens))[None, None], (3, 1, len(self.tokens)))
         delta = 0 if deltas is None else int(mx.array(deltas).reshape(-1)[0].item())

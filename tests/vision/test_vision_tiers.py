@@ -23,7 +23,9 @@ def test_after_a_restart_the_image_turn_is_restored_from_the_ssd_tier(qwen2_vl_d
     second = first + [{"role": "assistant", "content": cold.text}, {"role": "user", "content": "Say more."}]
     with Engine(load_model(str(qwen2_vl_dir)), config) as engine:
         warm = engine.chat(second, max_tokens=N)
+        assert engine.stats()["encoder_cache"]["misses"] == 0  # the hit covers the image: no vision tower
         other = engine.chat([_user(make_image(seed=12), "What is it?")], max_tokens=N)
+        assert engine.stats()["encoder_cache"]["misses"] == 1
     with Engine(load_model(str(qwen2_vl_dir)), CacheConfig(block_size=4)) as engine:
         assert engine.chat(second, max_tokens=N).tokens == warm.tokens  # equal to a cold run
     assert warm.stats.cached_tokens["disk"] >= (len(cold.prompt_tokens) - 1) // 4 * 4
