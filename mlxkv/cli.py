@@ -64,6 +64,11 @@ def _add_serve(sub) -> None:
                    help="info: a start-up line and one line per request; debug: where each prompt "
                         "stopped matching the cache")
     p.add_argument("--quiet", action="store_true", help="warnings and errors only (same as --log-level warning)")
+    p.add_argument("--max-image-pixels", type=number(int, 1), default=4096 * 4096,
+                   help="largest image (width x height) a request may send; larger ones are a 400")
+    p.add_argument("--max-images", type=number(int, 1), default=16, help="images one request may send")
+    p.add_argument("--allow-image-urls", action="store_true",
+                   help="fetch http(s) image URLs in requests (off: only base64 images are taken)")
     p.set_defaults(func=cmd_serve)
 
 
@@ -147,7 +152,9 @@ def cmd_serve(args) -> int:
 
     log_serving("warning" if args.quiet else args.log_level)
     options = ServerOptions(args.host, args.port, api_key_from(args.api_key), args.max_open,
-                            args.max_body_mb << 20, args.max_tokens, args.temp, reply_cap=args.reply_cap)
+                            args.max_body_mb << 20, args.max_tokens, args.temp, reply_cap=args.reply_cap,
+                            max_image_pixels=args.max_image_pixels, max_images=args.max_images,
+                            allow_image_urls=args.allow_image_urls)
     Server.load(args.model, persistent_cache_config(args), options).serve_forever()
     return 0
 
@@ -168,8 +175,12 @@ def cmd_chat(args) -> int:
 
 def cmd_tiny_model(args) -> int:
     from mlxkv.models.tiny import spec_from_args, write_tiny_model
+    from mlxkv.vision.tiny_vlm import VISION_FAMILIES, write_tiny_vlm
 
-    path = write_tiny_model(args.dir, spec_from_args(args))
+    if args.family in VISION_FAMILIES:  # a vision-language model, from mlx-vlm's classes (the vision extra)
+        path = write_tiny_vlm(args.dir, args.family, args.seed, args.vocab_size)
+    else:
+        path = write_tiny_model(args.dir, spec_from_args(args))
     print(path)
     return 0
 

@@ -14,6 +14,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from mlxkv.chat.image_command import content_parts
 from mlxkv.errors import MlxkvError
 from mlxkv.system.paths import data_dir
 from mlxkv.system.private_files import make_private_dirs, private_file
@@ -216,7 +217,8 @@ class ChatStore:
 
 
 def _prompt_message(m: Message) -> dict:
-    message = {"role": m.role, "content": m.content}
+    # A user message led by `/image PATH` lines carries those images (chat/image_command.py).
+    message = {"role": m.role, "content": content_parts(m.content) if m.role == "user" else m.content}
     if m.tokens:
         message["tokens"] = m.tokens
     return message

@@ -78,6 +78,7 @@ SUITES = {
     "agents": _at_defaults("agents", "run_agents_benchmark"),
     "speculative": _at_defaults("speculative", "run_speculative_benchmark"),
     "structured": _at_defaults("structured", "run_structured_benchmark"),
+    "vision": _at_defaults("vision", "run_vision_benchmark"),  # the vision extra
 }
 
 

@@ -5,6 +5,14 @@ equal hashes mean equal prefixes, not just equal blocks. The chain starts
 at a root derived from the model fingerprint and an optional per-request
 cache salt. Nothing here depends on the process (no `hash()`), so hashes
 written to disk by one process are found by the next.
+
+A prompt with images roots its chain at a `KeyedRoot`: the same bytes as
+the text root, plus an extra key for each block an image's placeholder
+tokens overlap (vision/image_keys.py). Only those blocks hash differently,
+so the text before an image is shared between requests with different
+images, and every later block differs through its parent. The root flows
+through requests, sequences and lookups unchanged; the tiers key on the
+chained hashes and need nothing new.
 """
 
 from __future__ import annotations
@@ -15,6 +23,17 @@ from array import array
 from collections.abc import Sequence
 
 BlockHash = bytes
+
+
+class KeyedRoot(bytes):
+    """A chain root that carries extra keys for some blocks: block index -> bytes."""
+
+    extras: dict[int, bytes]
+
+    def __new__(cls, root: bytes, extras: dict[int, bytes]):
+        keyed = super().__new__(cls, root)
+        keyed.extras = dict(extras)
+        return keyed
 
 
 def root_hash(fingerprint: bytes, cache_salt: str | None = None, namespace: str | None = None) -> BlockHash:
@@ -37,9 +56,11 @@ def _token_bytes(token_ids: Sequence[int]) -> bytes:
     return packed.tobytes()
 
 
-def hash_block(parent: BlockHash, token_ids: Sequence[int]) -> BlockHash:
-    h = hashlib.sha256(parent)
+def hash_block(parent: BlockHash, token_ids: Sequence[int], extra: bytes = b"") -> BlockHash:
+    h = hashlib.sha256(bytes(parent))
     h.update(_token_bytes(token_ids))
+    if extra:  # length-prefixed after the tokens, whose length the block size fixes
+        h.update(b"\0extra\0" + len(extra).to_bytes(4, "little") + extra)
     return h.digest()
 
 
@@ -50,9 +71,11 @@ def extend_block_hashes(
     block_size: int,
 ) -> list[BlockHash]:
     """Append the hashes of the full blocks of `token_ids` not yet in `hashes`."""
+    extras = getattr(root, "extras", None) or {}
     for start in range(len(hashes) * block_size, len(token_ids) - block_size + 1, block_size):
         parent = hashes[-1] if hashes else root
-        hashes.append(hash_block(parent, token_ids[start : start + block_size]))
+        extra = extras.get(start // block_size, b"")
+        hashes.append(hash_block(parent, token_ids[start : start + block_size], extra))
     return hashes
 
 

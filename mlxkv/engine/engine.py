@@ -33,6 +33,9 @@ from mlxkv.structured.compiler import GrammarCompiler
 from mlxkv.errors import MlxkvError, error_line
 from mlxkv.system.wired import Device, WiredLimit
 from mlxkv.models.loader import LoadedModel, load_model, probe_kv_layout
+from mlxkv.vision.image_keys import keyed_root
+from mlxkv.vision.images import has_images
+from mlxkv.vision.prompt import VisionPrompt, vision_prompt
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +118,8 @@ class Engine:
         (context_window.py); otherwise nothing is left out, and the request
         check refuses a prompt that is too long.
         """
+        if has_images(messages):  # the chat app's `/image`: the whole chat, its images keyed by content
+            return vision_prompt(self.model, messages), 0
         max_tokens = DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
         if not fit or not whole(max_tokens) or max_tokens < 1:  # a bad option is named by the request check
             return self.apply_chat_template(messages), 0
@@ -125,18 +130,21 @@ class Engine:
         """A prompt's ids: text is encoded, ids are checked against the vocabulary."""
         if isinstance(prompt, str):
             return self.encode(prompt) if prompt else []
-        return self.limits.token_ids(prompt)
+        return self.limits.token_ids(prompt.tokens if isinstance(prompt, VisionPrompt) else prompt)
 
     # -- generation -------------------------------------------------------
 
     def generate(self, prompt, **kwargs) -> GenerationResult:
         """Generate a whole reply to `prompt` (text or token ids)."""
         prompt_tokens = self.prompt_tokens(prompt)
-        return collect(list(self.stream(prompt_tokens, **kwargs)), prompt_tokens)
+        keep = prompt if isinstance(prompt, VisionPrompt) else prompt_tokens  # its images go with it
+        return collect(list(self.stream(keep, **kwargs)), prompt_tokens)
 
     def chat(self, messages: list[dict], **kwargs) -> GenerationResult:
         """Reply to chat messages. For the next turn, append `result.as_message()`
         (the reply with its ids): then the whole of this turn is a prefix hit."""
+        if has_images(messages):  # image parts: a path, bytes, a PIL image or a data: URL
+            return self.generate(vision_prompt(self.model, messages), **kwargs)
         return self.generate(self.apply_chat_template(messages), **kwargs)
 
     def stream(self, prompt, should_stop: Callable[[], bool] | None = None, **options) -> Iterator[GenerationChunk]:
@@ -202,12 +210,18 @@ class Engine:
             raise MlxkvError(f"speculative must be true or false, got {speculative!r}")
         prompt_tokens, sampler, root = self._prepare(prompt, **options)
         max_tokens = self.limits.reply_room(len(prompt_tokens), options.get("max_tokens", DEFAULT_MAX_TOKENS))
-        return Request(
+        images = isinstance(prompt, VisionPrompt)  # its images key the blocks they overlap
+        request = Request(
             next(self._request_ids), prompt_tokens, max_tokens, sampler,
-            root, sink, self.tokenizer.detokenizer, should_stop,
-            speculative=speculative and self.loop.speculation is not None,
+            keyed_root(root, prompt.spans, self.cache_config.block_size) if images else root,
+            sink, self.tokenizer.detokenizer, should_stop,
+            speculative=speculative and self.loop.speculation is not None and not images,
             grammar=None if grammar is None else self.structured.matcher(grammar),
         )
+        if images:
+            # Made at the row's first forward, on this thread, once its prefix hit is known.
+            self.model.rows.attach(request, lambda computed: prompt.row_inputs(self.model, computed))
+        return request
 
     def _prepare(
         self,
@@ -253,6 +267,7 @@ class Engine:
             **({"checkpoints": self.checkpoints.stats()} if self.checkpoints is not None else {}),
             "speculative": self._speculation_stats(),
             "structured": self.structured.stats.as_dict(),
+            **({"encoder_cache": self.model.encoder_cache.stats()} if hasattr(self.model, "encoder_cache") else {}),
         }
 
     def _speculation_stats(self) -> dict:

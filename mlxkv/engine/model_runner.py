@@ -157,7 +157,9 @@ class ModelRunner:
             placed[slot] = UnusedSlotCache(self.kv_pool, 0, batch, _mask_group(self.group_layout), slot, index=None)
         states = self._state_caches(seqs)
         placed.update(zip(self.group_layout.recurrent, states))
-        logits = self.model(tokens, cache=_cache_list(self.group_layout, placed))
+        # A vision model takes each row's embeddings and M-RoPE positions (vision/model.py).
+        inputs = self.model.step_inputs(seqs, tokens) if hasattr(self.model, "step_inputs") else {}
+        logits = self.model(tokens, cache=_cache_list(self.group_layout, placed), **inputs)
         return StepOutput(logits if every_position else logits[:, -1, :],
                           _row_states(states, len(seqs)) if states else None)
 

@@ -37,7 +37,8 @@ def route_attention(model, routed: Callable[[Callable], Callable]) -> bool:
     the family (an mlx-lm run in the same process) on the original. Returns
     False, and logs why, when the module has no such name.
     """
-    module = sys.modules[type(model).__module__]
+    # A vision model names the module of its language model's layers (vision/model.py).
+    module = sys.modules[getattr(model, "attention_module", None) or type(model).__module__]
     original = getattr(module, _ATTENTION_NAME, None)
     if original is None:
         log.warning("%s has no %s to route; attention takes the gathered K/V", module.__name__, _ATTENTION_NAME)

@@ -50,6 +50,12 @@ def load_model(name: str) -> LoadedModel:
     from mlx_lm import load  # heavy import; keep `import mlxkv` light
 
     path = local_model(name) or name  # a Hugging Face id: mlx_lm.load downloads it
+    from mlxkv.vision.loading import load_vision_model  # None: no vision tower, or no mlx-vlm (logged)
+
+    vision = load_vision_model(path, name, LoadedModel)
+    if vision is not None:
+        check_supported(vision)
+        return vision
     try:
         model, tokenizer, config = load(path, return_config=True)
     except Exception as e:  # mlx-lm raises many kinds; the user needs one line

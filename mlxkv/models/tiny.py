@@ -357,7 +357,7 @@ def cached_tiny_model(name: str, spec: TinyModelSpec, log=None) -> Path:
 
 # CLI flag -> (TinyModelSpec field, help). Types and defaults come from the spec.
 _FLAGS = {
-    "--family": ("family", f"mlx-lm model family: {', '.join(FAMILIES)}"),
+    "--family": ("family", f"mlx-lm model family: {', '.join(FAMILIES)}; or qwen2_vl, qwen2_5_vl, gemma3 (the vision extra)"),
     "--layers": ("num_layers", "transformer layers"),
     "--hidden-size": ("hidden_size", "model width"),
     "--heads": ("num_heads", "attention (query) heads"),

@@ -17,6 +17,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 
 from mlxkv.server.api_errors import ApiError
+from mlxkv.server.image_parts import image_from_source
 from mlxkv.server.http_support import SSE_HEADERS, Lenient, new_id, off_loop, parse_body, sse, until_disconnect
 from mlxkv.server.prompt_heads import strip_head_blocks
 from mlxkv.server.reply_stream import Reply
@@ -33,6 +34,7 @@ class Block(Lenient):
     input: Any = None
     tool_use_id: str | None = None
     content: str | list[Block] | None = None
+    source: Any = None  # an image block's (server/image_parts.py)
 
 
 Block.model_rebuild()
@@ -85,11 +87,14 @@ def template_messages(body: CountRequest) -> list[dict]:
         if isinstance(m.content, str):
             out.append({"role": m.role, "content": m.content})
             continue
-        texts, calls = [], []
+        texts, calls, parts = [], [], []  # parts: text and images in order, when there are images
         for j, block in enumerate(m.content):
             where = f"messages.{i}.content.{j}"
             if block.type == "text":
                 texts.append(block.text or "")
+                parts.append({"type": "text", "text": block.text or ""})
+            elif block.type == "image" and m.role == "user":
+                parts.append(image_from_source(block.source, where))
             elif block.type == "tool_use" and m.role == "assistant":
                 calls.append({"id": block.id, "type": "function",
                               "function": {"name": block.name, "arguments": block.input or {}}})
@@ -100,7 +105,9 @@ def template_messages(body: CountRequest) -> list[dict]:
                 continue  # the model never sees earlier thinking again
             else:
                 raise ApiError(400, f"{where}: {block.type!r} blocks are not supported in {m.role} messages")
-        if texts or calls:
+        if len(parts) > len(texts):
+            out.append({"role": m.role, "content": parts})
+        elif texts or calls:
             msg: dict[str, Any] = {"role": m.role, "content": "".join(texts)}
             if calls:
                 msg["tool_calls"] = calls

@@ -22,12 +22,17 @@ from mlxkv.engine.records import is_last
 from mlxkv.errors import MlxkvError
 from mlxkv.server.api_errors import ApiError
 from mlxkv.host.engine_thread import EngineThread
+from mlxkv.server.image_parts import fetch_image_urls
 from mlxkv.server.metrics import ServerMetrics
 from mlxkv.server.prompt_heads import strip_heads
 from mlxkv.server.reply_ids import DEFAULT_KEPT, ReplyIds
+from mlxkv.vision.images import MAX_IMAGE_PIXELS, has_images
+from mlxkv.vision.model import VisionModel
+from mlxkv.vision.prompt import MAX_IMAGES, vision_prompt
 from mlxkv.host.request_handle import RequestHandle
 
 log = logging.getLogger(__name__)
+IMAGE_URL_MAX_BYTES = 32 << 20  # an image a URL names, at most
 
 # Requests queued or running at once; past this a client is told to come back.
 DEFAULT_MAX_OPEN = 256
@@ -52,6 +57,7 @@ class ModelInfo:
     reply_log: Path | None = None
     block_size: int = 16
     tiers: str = ""  # the cache's tiers, for the start-up line
+    vision: object = None  # a VisionModel: its processor and image token (read-only) build image prompts
 
 
 def short_name(model: str) -> str:
@@ -77,8 +83,10 @@ def _model_info(name: str, engine) -> ModelInfo:
         from mlxkv.connectors.remote.url import redact
 
         tiers.append(f"remote tier {redact(cache.remote_tier)}")
+    vision = getattr(engine, "model", None)
+    vision = vision if isinstance(vision, VisionModel) else None
     return ModelInfo(short_name(name), engine.tokenizer, engine.limits, engine.loaded.max_context, log_path,
-                     cache.block_size, ", ".join(tiers))
+                     cache.block_size, ", ".join(tiers), vision)
 
 
 class RecordReader:
@@ -132,8 +140,11 @@ class ServingBackend:
 
     def __init__(self, thread: EngineThread, name: str, *, max_open: int = DEFAULT_MAX_OPEN,
                  default_max_tokens: int = DEFAULT_MAX_TOKENS, reply_ids_kept: int = DEFAULT_KEPT,
-                 reply_cap: int | None = None):
+                 reply_cap: int | None = None, image_limits: tuple[int, int] = (MAX_IMAGE_PIXELS, MAX_IMAGES),
+                 allow_image_urls: bool = False):
         self.thread = thread
+        self.image_limits = image_limits  # (pixels per image, images per request)
+        self.allow_image_urls = allow_image_urls
         self.max_open = max_open
         self.default_max_tokens = default_max_tokens
         self.reply_cap = reply_cap
@@ -151,6 +162,8 @@ class ServingBackend:
     # -- prompts (blocking: call through a worker thread) ---------------------
 
     def chat_tokens(self, messages: list[dict], tools: list | None = None) -> list[int]:
+        if has_images(messages):  # ids with the images' placeholders, and the images (vision/prompt.py)
+            return self._vision_prompt(strip_heads(messages))
         messages = self.reply_ids.attach(strip_heads(messages))
         if tools:
             self._warn_if_tools_unrendered(tools)
@@ -161,6 +174,15 @@ class ServingBackend:
         except Exception as e:  # a template's own error (jinja's) is about the messages it was given
             log.warning("chat template failed: %s: %s", type(e).__name__, e)
             raise ApiError(400, f"the model's chat template refused these messages: {e}") from None
+
+    def _vision_prompt(self, messages: list[dict]):
+        if self.info.vision is None:
+            raise ApiError(400, f"messages: {self.info.name} takes text only (it has no vision tower loaded)")
+        fetch_image_urls(messages, self.allow_image_urls, IMAGE_URL_MAX_BYTES)
+        try:
+            return vision_prompt(self.info.vision, messages, *self.image_limits)
+        except MlxkvError as e:
+            raise ApiError(400, str(e)) from None
 
     def _warn_if_tools_unrendered(self, tools: list) -> None:
         """Once per server: a template that ignores `tools` drops them silently

@@ -123,8 +123,16 @@ def _reply_fields(reply) -> str:
     if reply.stats is None:
         return f" prompt={reply.prompt_len} cancelled" if reply.cancelled else f" prompt={reply.prompt_len}"
     s = reply.stats
-    return (f" prompt={s.prompt_tokens} cached={sum(s.cached_tokens.values())} ttft={s.ttft_s:.2f}s "
+    cached = sum(s.cached_tokens.values())
+    return (f" prompt={s.prompt_tokens} cached={cached}{_image_fields(reply.prompt, cached)} ttft={s.ttft_s:.2f}s "
             f"out={s.generation_tokens}")
+
+
+def _image_fields(prompt, cached: int) -> str:
+    """A prompt with images: its image tokens, and how many of them came from the cache (vision/prompt.py)."""
+    if not getattr(prompt, "spans", None):
+        return ""
+    return f" image_tokens={prompt.image_tokens} image_cached={prompt.cached_image_tokens(cached)}"
 
 
 async def root(request: Request) -> Response:
@@ -166,7 +174,8 @@ async def metrics(request: Request) -> Response:
     backend = request.app.state.backend
     stats = backend.stats()  # as the engine thread last published it
     text = backend.metrics.render(backend.thread.open_requests, stats.get("pool"), stats.get("speculative"),
-                                  tiers=stats.get("connector"), structured=stats.get("structured"))
+                                  tiers=stats.get("connector"), structured=stats.get("structured"),
+                                  encoder=stats.get("encoder_cache"))
     return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
 

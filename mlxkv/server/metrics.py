@@ -71,7 +71,8 @@ class ServerMetrics:
                 self.tpot.observe(1.0 / stats.decode_tokens_per_s)
 
     def render(self, open_requests: int, pool: dict | None, speculative: dict | None = None,
-               tiers: dict | None = None, structured: dict | None = None) -> str:
+               tiers: dict | None = None, structured: dict | None = None,
+               encoder: dict | None = None) -> str:
         """The text exposition; `pool`: BlockPool.usage(), or None before the model is ready;
         `speculative`: Engine.stats()'s speculative decoding counters; `tiers`: the connector's
         stats per tier; `structured`: the grammar compiler's stats (structured/compiler.py)."""
@@ -102,6 +103,8 @@ class ServerMetrics:
             lines += tier_lines(tiers)
         if structured:
             lines += _structured_lines(structured)
+        if encoder:  # a vision model's encoder-output cache (vision/encoder_cache.py)
+            lines += _encoder_lines(encoder)
         return "\n".join(lines) + "\n"
 
 
@@ -119,6 +122,15 @@ def _structured_lines(stats: dict) -> list[str]:
                      "mean time a step spent computing and applying token masks",
                      [f" {_number(stats.get('mask_s', 0.0) / steps if steps else 0.0)}"])
     return lines
+
+
+def _encoder_lines(stats: dict) -> list[str]:
+    lines = []
+    for key, help_text in (("hits", "images whose vision tower output came from the encoder cache"),
+                           ("misses", "images the vision tower encoded")):
+        lines += _metric(f"mlxkv_encoder_cache_{key}_total", "counter", help_text, [f" {stats.get(key, 0)}"])
+    return lines + _metric("mlxkv_encoder_cache_bytes", "gauge", "bytes of vision tower output kept",
+                           [f" {stats.get('bytes', 0)}"])
 
 
 def _speculation_lines(stats: dict) -> list[str]:

@@ -15,6 +15,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 
 from mlxkv.server.api_errors import ApiError
+from mlxkv.server.image_parts import image_from_url
 from mlxkv.server.http_support import SSE_HEADERS, Lenient, new_id, now, off_loop, parse_body, sse, until_disconnect
 from mlxkv.server.reply_stream import Reply, WholeReply
 from mlxkv.server.structured_options import chat_grammar
@@ -25,6 +26,7 @@ Role = Literal["system", "developer", "user", "assistant", "tool"]
 class ContentPart(Lenient):
     type: str
     text: str | None = None
+    image_url: Any = None  # {"url": "data:..."} (server/image_parts.py)
 
 
 class ChatMessage(Lenient):
@@ -86,9 +88,12 @@ def template_messages(messages: list[ChatMessage]) -> list[dict]:
     return out
 
 
-def _text(content, index: int) -> str:
+def _text(content, index: int) -> str | list[dict]:
     if content is None or isinstance(content, str):
         return content or ""
+    if any(part.type == "image_url" for part in content):  # text and images, in order
+        return [image_from_url(p.image_url, f"messages.{index}.content.{j}", f"messages.{index}.content")
+                if p.type == "image_url" else {"type": "text", "text": p.text or ""} for j, p in enumerate(content)]
     for part in content:
         if part.type != "text" or part.text is None:
             raise ApiError(400, f"messages.{index}.content: only text parts are supported, got {part.type!r}",

@@ -17,6 +17,7 @@ import logging
 from typing import Any
 
 from mlxkv.server.api_errors import ApiError
+from mlxkv.server.image_parts import image_from_url
 
 log = logging.getLogger(__name__)
 
@@ -63,11 +64,14 @@ def _add_item(out: list[dict], item: dict, where: str) -> None:
         log.info("left out an input item of type %r: it has no form in a chat template", kind)
 
 
-def _text(content: Any, where: str) -> str:
+def _text(content: Any, where: str) -> str | list[dict]:
     if content is None or isinstance(content, str):
         return content or ""
     if not isinstance(content, list):
         raise ApiError(400, f"{where}: expected text or a list of text parts", param="input")
+    if any(isinstance(p, dict) and p.get("type") == "input_image" for p in content):  # text and images, in order
+        return [image_from_url(p.get("image_url"), f"{where}.{j}", "input") if p.get("type") == "input_image"
+                else {"type": "text", "text": _text([p], where)} for j, p in enumerate(content)]
     texts = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None

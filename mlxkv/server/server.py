@@ -26,6 +26,8 @@ from mlxkv.host.engine_thread import EngineThread, load_engine
 from mlxkv.server.http_app import KEEPALIVE_S, AppConfig, build_app
 from mlxkv.server.http_support import DEFAULT_MAX_BODY_BYTES
 from mlxkv.server.reply_ids import DEFAULT_KEPT
+from mlxkv.vision.images import MAX_IMAGE_PIXELS
+from mlxkv.vision.prompt import MAX_IMAGES
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +52,9 @@ class ServerOptions:
     reply_cap: int | None = None  # every reply at most this long (agents ask for 32000)
     keepalive_s: float = KEEPALIVE_S
     shutdown_grace_s: float = GRACEFUL_SHUTDOWN_S
+    max_image_pixels: int = MAX_IMAGE_PIXELS  # per image, width x height (docs/vision.md)
+    max_images: int = MAX_IMAGES  # per request
+    allow_image_urls: bool = False  # fetch http(s) image URLs (off: a client could make the server reach hosts)
 
     def __post_init__(self):
         if not 0 <= self.port <= 65535:
@@ -99,7 +104,9 @@ class Server:
         self.port = self.socket.getsockname()[1]
         try:
             self.backend = ServingBackend(thread, name, max_open=o.max_open, default_max_tokens=o.max_tokens,
-                                          reply_ids_kept=o.reply_ids_kept, reply_cap=o.reply_cap)
+                                          reply_ids_kept=o.reply_ids_kept, reply_cap=o.reply_cap,
+                                          image_limits=(o.max_image_pixels, o.max_images),
+                                          allow_image_urls=o.allow_image_urls)
         except BaseException:
             self._close_engine()
             raise

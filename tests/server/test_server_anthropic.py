@@ -91,7 +91,7 @@ def test_bad_requests_get_anthropic_errors(server):
                         ({"max_tokens": 0, "messages": ok}, "max_tokens"),
                         ({"max_tokens": 5, "messages": [{"role": "tool", "content": "x"}]}, "messages.0.role"),
                         ({"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "image"}]}]},
-                         "'image' blocks are not supported"),
+                         "messages.0.content.0.source: an image block needs a source"),
                         ({"max_tokens": 5, "messages": ok, "temperature": 3}, "temperature")]:
         status, error, _ = raw(server, "POST", "/v1/messages", body)
         assert status == 400 and error["type"] == "error", body

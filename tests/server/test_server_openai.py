@@ -141,6 +141,10 @@ def test_models_lists_the_loaded_model(server):
     assert [m.id for m in openai_client(server).models.list()] == [server.backend.info.name]
 
 
+# A 1x1 PNG: a valid image, for a model without a vision tower.
+PNG = {"url": "data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8z8DwHwAFBQIAX8jx0gAAAABJRU5ErkJggg=="}
+
+
 def test_bad_requests_get_openai_errors(server):
     user = [{"role": "user", "content": "hi"}]
     cases = {
@@ -159,7 +163,11 @@ def test_bad_requests_get_openai_errors(server):
     for extra, words in [({"max_tokens": 0}, "max_tokens"),
                          ({"messages": [{"role": "user", "content": "word " * 5000}]}, "the prompt is too long"),
                          ({"temperature": "hot"}, "temperature"), ({"n": 3}, "n"),
-                         ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "only text")]:
+                         ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+                          "messages.0.content.0: an image part needs a url"),
+                         ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": PNG}]}]},
+                          "takes text only"),
+                         ({"messages": [{"role": "user", "content": [{"type": "audio"}]}]}, "only text")]:
         status, error, _ = raw(server, "POST", "/v1/chat/completions", {"messages": user, **extra})
         assert status == 400 and words in error["error"]["message"], (extra, error)
     status, error, _ = raw(server, "POST", "/v1/completions", {"prompt": [1, 2, 10 ** 6]})

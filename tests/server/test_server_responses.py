@@ -110,7 +110,7 @@ def test_tools_reach_the_template_and_calls_come_back_as_function_call_items(lla
 def test_bad_responses_requests_get_openai_errors(server):
     cases = [({}, "input"), ({"input": [{"role": "wizard", "content": "x"}]}, "input.0.role"),
              ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
-              "only text parts"),
+              "input.0.content.0: an image URL must be a base64 data: URL"),
              ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens"),
              ({"input": "word " * 5000}, "the prompt is too long")]
     for body, words in cases:

@@ -11,6 +11,7 @@ from textual.containers import Horizontal, Vertical
 from textual.screen import Screen
 from textual.widgets import Footer, Header, OptionList
 
+from mlxkv.chat.image_command import check_images
 from mlxkv.errors import MlxkvError
 from mlxkv.host.pool_view import PoolSnapshot
 from mlxkv.tui.messages import ReplyDelta, ReplyEnded
@@ -186,6 +187,11 @@ class ChatScreen(Screen[None]):
         if not await self._still_here():
             return  # the text stays in the box, to send again here
         text = event.text.strip()
+        try:
+            check_images(text)  # `/image PATH`: the file must be there
+        except MlxkvError as e:
+            self.notify(str(e), severity="error")
+            return  # the text stays in the box
         cid = self.conversation_id
         with self.saving() as saved:
             if self.store.get(cid).title == NEW_CHAT_TITLE and not self.store.messages(cid):

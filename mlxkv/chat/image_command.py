@@ -1,0 +1,47 @@
+"""`/image PATH` in the chat app: a user message that starts with it carries that image.
+
+The message is stored as typed (no schema change: the path is part of its
+text), and becomes image and text parts when the prompt is built, so a
+reopened chat sends the same image again and hits its cached blocks (the
+image is keyed by its pixels, docs/vision.md). Several `/image` lines may
+lead a message; a path with spaces is quoted.
+"""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+
+from mlxkv.errors import MlxkvError
+
+COMMAND = "/image"
+
+
+def split_images(text: str) -> tuple[list[str], str]:
+    """(paths, the rest of the text) of a message whose leading lines are `/image PATH`."""
+    paths, lines = [], text.split("\n")
+    while lines and lines[0].strip().startswith(COMMAND + " "):
+        try:
+            args = shlex.split(lines[0].strip()[len(COMMAND):])
+        except ValueError:
+            break  # an unclosed quote: the line stays text
+        if len(args) != 1:
+            break
+        paths.append(str(Path(args[0]).expanduser()))
+        lines.pop(0)
+    return paths, "\n".join(lines).strip()
+
+
+def check_images(text: str) -> None:
+    """MlxkvError naming a `/image` path that is not a readable file (before the message is sent)."""
+    for path in split_images(text)[0]:
+        if not Path(path).is_file():
+            raise MlxkvError(f"/image: no such file: {path}")
+
+
+def content_parts(text: str):
+    """A user message's content: the text alone, or image parts then the text."""
+    paths, rest = split_images(text)
+    if not paths:
+        return text
+    return [*({"type": "image", "image": p} for p in paths), {"type": "text", "text": rest}]

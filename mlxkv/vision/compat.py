@@ -1,0 +1,142 @@
+"""The one place mlxkv touches mlx-vlm (the `vision` extra).
+
+Every mlx-vlm name mlxkv uses goes through here: its loader, its model
+classes, the split of a model into vision tower + `get_input_embeddings`
+and a language model that takes mlx-lm's cache protocol, the language
+model's output type, and Qwen's M-RoPE index. When mlx-vlm changes one of
+them, tests/vision/test_vision_compat.py fails here, not downstream with a wrong
+answer.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import logging
+
+import mlx.core as mx
+
+log = logging.getLogger(__name__)
+
+
+def available() -> bool:
+    """Whether mlx-vlm is importable (`pip install -e '.[vision]'`)."""
+    return importlib.util.find_spec("mlx_vlm") is not None
+
+
+def build_model(config: dict):
+    """An mlx-vlm model of `config` with its initial weights, configured as mlx-vlm's loader does."""
+    import copy
+
+    from mlx_vlm.utils import get_model_and_args, update_module_configs
+
+    config = copy.deepcopy(config)
+    arch, _ = get_model_and_args(config=config)
+    config.setdefault("text_config", {})
+    config.setdefault("vision_config", {})
+    model_config = arch.ModelConfig.from_dict(config)
+    model_config = update_module_configs(model_config, arch, config, ["text", "vision"])
+    return arch.Model(model_config)
+
+
+def load(path: str):
+    """(model, processor) through mlx-vlm's own loader: its sanitize, its processor classes."""
+    from mlx_vlm.utils import load as mlx_vlm_load
+
+    return mlx_vlm_load(path)
+
+
+def language_model(model):
+    """The part that runs over a KV cache: `(ids, inputs_embeds=, cache=, position_ids=)` -> output."""
+    return model.language_model
+
+
+def logits(output):
+    """The logits array of a language model's output (mlx-vlm wraps it in LanguageModelOutput)."""
+    return getattr(output, "logits", output)
+
+
+def input_embeddings(model, input_ids, pixel_values, **image_inputs):
+    """(inputs_embeds [1, L, D], position_ids or None, rope_deltas or None) of a prompt with its images."""
+    import inspect
+
+    if "mask" in inspect.signature(model.get_input_embeddings).parameters:  # Gemma 3 merges with a padding mask
+        image_inputs = {"mask": mx.ones(input_ids.shape, mx.int32), **image_inputs}
+    features = model.get_input_embeddings(input_ids, pixel_values, **image_inputs)
+    return features.inputs_embeds, getattr(features, "position_ids", None), getattr(features, "rope_deltas", None)
+
+
+def rope_index(model, input_ids, grid):
+    """(position_ids, rope_deltas) of a prompt from its ids and image grids alone (Qwen's M-RoPE;
+    (None, None) for families with plain positions): no vision tower needed."""
+    language = model.language_model
+    if not hasattr(language, "get_rope_index"):
+        return None, None
+    return language.get_rope_index(input_ids, grid)
+
+
+def embed_tokens(model, input_ids):
+    """The language model's token embedding (text positions of any row)."""
+    return model.language_model.model.embed_tokens(input_ids)
+
+
+def attention_module(model):
+    """The module whose `scaled_dot_product_attention` the language model's layers call."""
+    return type(model.language_model).__module__
+
+
+def vision_token_id(model) -> int | None:
+    """The placeholder id an image's tokens take (Gemma 3 calls it image_token_index)."""
+    config = model.config
+    return getattr(config, "image_token_id", None) or getattr(config, "image_token_index", None)
+
+
+def make_cache(model) -> list | None:
+    """The language model's own cache objects (sliding layers' RotatingKVCache), or None: one KVCache a layer."""
+    language = model.language_model
+    return language.make_cache() if hasattr(language, "make_cache") else None
+
+
+def render_chat(processor, messages: list[dict]) -> str:
+    """The prompt text: the processor's chat template, else its tokenizer's (Gemma 3's processor has none)."""
+    if getattr(processor, "chat_template", None):
+        return processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return processor.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+
+def prepare_inputs(processor, prompt: str, images: list, **kwargs) -> dict:
+    """mlx-vlm's preprocessing: ids with the placeholders expanded, pixel_values, grids, as mx arrays."""
+    from mlx_vlm.utils import prepare_inputs as mlx_vlm_prepare_inputs
+
+    return mlx_vlm_prepare_inputs(processor, images=images, prompts=prompt, **kwargs)
+
+
+# The image processor's settings that change pixel_values: part of an image's hash.
+_PROCESSOR_SETTINGS = ("min_pixels", "max_pixels", "size", "patch_size", "merge_size", "temporal_patch_size",
+                       "image_mean", "image_std", "rescale_factor", "do_resize", "do_rescale", "do_normalize",
+                       "do_convert_rgb", "resample", "image_seq_length", "do_image_splitting", "max_image_size")
+
+
+def processor_settings(processor) -> dict:
+    image_processor = getattr(processor, "image_processor", processor)
+    return {name: getattr(image_processor, name) for name in _PROCESSOR_SETTINGS if hasattr(image_processor, name)}
+
+
+def vision_features(model, pixel_values, grid):
+    """What get_input_embeddings merges in for one image: Qwen's vision tower output for its pixel
+    rows and grid, Gemma 3's projected tower output for its [1, C, H, W] pixels (grid None)."""
+    if grid is None:
+        hidden, _, _ = model.vision_tower(pixel_values.transpose(0, 2, 3, 1).astype(_embed_dtype(model)),
+                                          output_hidden_states=True)
+        return model.multi_modal_projector(hidden)
+    dtype = model.vision_tower.patch_embed.proj.weight.dtype
+    return model.vision_tower(pixel_values.astype(dtype), grid, output_hidden_states=False)
+
+
+def _embed_dtype(model):
+    return model.language_model.model.embed_tokens.weight.dtype
+
+
+def input_embeddings_from_features(model, input_ids, pixel_values, features, **image_inputs):
+    """As input_embeddings, with the vision tower's output given (mlx-vlm's `cached_image_features`)."""
+    return input_embeddings(model, input_ids, pixel_values, cached_image_features=features, **image_inputs)

@@ -1,0 +1,132 @@
+"""A chat prompt with images: its ids, where its images sit, and the language model's inputs.
+
+Built once per request: the processor renders the template and expands
+each image's placeholder by its grid; the vision tower runs once and its
+output is merged into the prompt's embeddings; Qwen's M-RoPE positions are
+computed for the whole prompt. Each image's span of placeholder tokens
+and its content hash go into the block keys (image_keys.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+from mlxkv.errors import MlxkvError
+from mlxkv.vision import compat
+from mlxkv.vision.image_keys import ImageSpan, image_hash
+from mlxkv.vision.images import MAX_IMAGE_PIXELS, image_parts, is_image_part, load_image
+from mlxkv.vision.model import RowInputs, VisionModel
+
+MAX_IMAGES = 16  # the default images per request
+
+
+@dataclass
+class VisionPrompt:
+    """Built on any thread (the processor's numpy work); `row_inputs` runs the model on the engine's."""
+
+    tokens: list[int]
+    spans: list[ImageSpan]
+    pixel_values: np.ndarray
+    grid: np.ndarray | None  # per image (t, h, w); None for families without one
+
+    @property
+    def image_tokens(self) -> int:
+        return sum(s.length for s in self.spans)
+
+    def cached_image_tokens(self, cached: int) -> int:
+        """Image tokens within the first `cached` tokens (a prefix hit's)."""
+        return sum(max(0, min(s.end, cached) - s.start) for s in self.spans)
+
+    # A prompt is read as its ids wherever ids go (limits, replies, logs); only the engine looks further.
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, index):
+        return self.tokens[index]
+
+    def __iter__(self):
+        return iter(self.tokens)
+
+    def row_inputs(self, model: VisionModel, num_computed: int = 0) -> RowInputs:
+        """The language model's inputs: the vision tower's output merged in, M-RoPE positions.
+        With `num_computed` tokens already cached past every image, no image is embedded."""
+        ids = mx.array([self.tokens])
+        grid = None if self.grid is None else mx.array(self.grid)
+        if num_computed >= max(s.end for s in self.spans):
+            embeds, (positions, deltas) = compat.embed_tokens(model.vlm, ids), compat.rope_index(model.vlm, ids, grid)
+        else:
+            extra = {} if grid is None else {"image_grid_thw": grid}
+            features = mx.concatenate([self._features(model, k) for k in range(len(self.spans))])
+            embeds, positions, deltas = compat.input_embeddings_from_features(
+                model.vlm, ids, mx.array(self.pixel_values), features, **extra)
+        if positions is None:
+            positions = mx.broadcast_to(mx.arange(len(self.tokens))[None, None], (3, 1, len(self.tokens)))
+        delta = 0 if deltas is None else int(mx.array(deltas).reshape(-1)[0].item())
+        return RowInputs(embeds[0], positions[:, 0], delta)
+
+    def _features(self, model: VisionModel, k: int) -> mx.array:
+        """Image k's vision tower output: from the encoder cache, or computed and kept there."""
+        digest = self.spans[k].digest
+        features = model.encoder_cache.get(digest)
+        if features is None:
+            sizes = [1] * len(self.spans) if self.grid is None else [int(np.prod(g)) for g in self.grid]
+            rows = np.cumsum([0] + sizes)
+            pixels = mx.array(self.pixel_values[rows[k] : rows[k + 1]])
+            grid = None if self.grid is None else mx.array(self.grid[k : k + 1])
+            features = compat.vision_features(model.vlm, pixels, grid)
+            mx.eval(features)
+            model.encoder_cache.put(digest, features)
+        return features
+
+
+def vision_prompt(model, messages: list[dict], max_pixels: int = MAX_IMAGE_PIXELS,
+                  max_images: int = MAX_IMAGES) -> VisionPrompt:
+    """The prompt of chat `messages` with image parts; MlxkvError naming a bad part.
+    No MLX work: a server's worker thread may build it."""
+    if not isinstance(model, VisionModel):
+        raise MlxkvError("messages.content: this model takes text only; it has no vision tower loaded")
+    parts = image_parts(messages)
+    if len(parts) > max_images:
+        raise MlxkvError(f"{parts[max_images][0]}: more than {max_images} images in one request")
+    images = [load_image(part, where, max_pixels) for where, part in parts]
+    processor = model.processor
+    text = compat.render_chat(processor, _template_messages(messages))
+    inputs = compat.prepare_inputs(processor, text, images, return_tensors="np")
+    pixels = np.asarray(inputs["pixel_values"])
+    grid = inputs.get("image_grid_thw")
+    grid = None if grid is None else np.asarray(grid)
+    tokens = np.asarray(inputs["input_ids"])[0].tolist()
+    spans = _spans(tokens, model.image_token_id, pixels, grid, compat.processor_settings(processor))
+    if len(spans) != len(images):
+        raise MlxkvError(f"messages: {len(images)} images became {len(spans)} image spans in the prompt")
+    return VisionPrompt(tokens, spans, pixels, grid)
+
+
+def _template_messages(messages: list[dict]) -> list[dict]:
+    """Image parts as the processor's template expects them: {"type": "image"}."""
+    out = []
+    for m in messages:
+        content = m.get("content")
+        if isinstance(content, list):
+            content = [{"type": "image"} if is_image_part(p) else p for p in content]
+        out.append({**m, "content": content})
+    return out
+
+
+def _spans(tokens: list[int], image_token: int, pixels: np.ndarray, grid, settings: dict) -> list[ImageSpan]:
+    """Each run of placeholder tokens, keyed by its own image's pixels and grid."""
+    runs, start = [], None
+    for i, t in enumerate(tokens + [None]):
+        if t == image_token and start is None:
+            start = i
+        elif t != image_token and start is not None:
+            runs.append((start, i - start))
+            start = None
+    rows = [int(np.prod(g)) for g in grid] if grid is not None else [len(pixels) // max(1, len(runs))] * len(runs)
+    bounds = np.cumsum([0] + rows)
+    return [ImageSpan(s, n, image_hash(pixels[bounds[k] : bounds[k + 1]], None if grid is None else grid[k],
+                                       settings))
+            for k, (s, n) in enumerate(runs)]

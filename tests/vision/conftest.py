@@ -1,0 +1,53 @@
+"""Tiny vision models for the vision tests; mlx-vlm is the `vision` extra.
+
+Without mlx-vlm these tests skip, except under CI (CI=true), where the
+extra must be installed and a missing one is a failure, not a skip.
+"""
+
+import os
+from pathlib import Path
+
+import pytest
+
+from mlxkv.vision import compat
+
+HERE = Path(__file__).parent
+
+
+def pytest_collection_modifyitems(config, items):
+    if compat.available():
+        return
+    if os.environ.get("CI"):
+        raise pytest.UsageError("CI needs the vision extra: pip install -e '.[dev,vision]'")
+    skip = pytest.mark.skip(reason="mlx-vlm is not installed (pip install -e '.[vision]')")
+    for item in items:
+        if HERE in Path(item.fspath).parents:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def qwen2_vl_dir(tmp_path_factory):
+    from mlxkv.vision.tiny_vlm import write_tiny_vlm
+
+    return write_tiny_vlm(tmp_path_factory.mktemp("models") / "qwen2_vl")
+
+
+@pytest.fixture(scope="session")
+def qwen2_5_vl_dir(tmp_path_factory):
+    from mlxkv.vision.tiny_vlm import write_tiny_vlm
+
+    return write_tiny_vlm(tmp_path_factory.mktemp("models") / "qwen2_5_vl", "qwen2_5_vl")
+
+
+@pytest.fixture(scope="session")
+def gemma3_dir(tmp_path_factory):
+    from mlxkv.vision.tiny_vlm import write_tiny_vlm
+
+    return write_tiny_vlm(tmp_path_factory.mktemp("models") / "gemma3", "gemma3", seed=1)
+
+
+@pytest.fixture(scope="session")
+def qwen2_vl(qwen2_vl_dir):
+    """(model, processor) as mlx-vlm loads them."""
+    return compat.load(str(qwen2_vl_dir))
+

@@ -1,0 +1,53 @@
+"""Image parts: decoded, limited, and a bad one named in one line."""
+
+import base64
+import io
+
+import pytest
+from vision_cases import make_image
+
+from mlxkv.errors import MlxkvError
+from mlxkv.vision.images import has_images, image_parts, load_image
+
+
+def _png(image) -> bytes:
+    out = io.BytesIO()
+    image.save(out, format="PNG")
+    return out.getvalue()
+
+
+def _data_url(data: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(data).decode()
+
+
+def test_a_path_bytes_a_pil_image_and_a_data_url_give_the_same_pixels(tmp_path):
+    image = make_image()
+    (tmp_path / "a.png").write_bytes(_png(image))
+    parts = [{"type": "image", "image": str(tmp_path / "a.png")}, {"type": "image", "image": _png(image)},
+             {"type": "image", "image": image}, {"type": "image_url", "image_url": {"url": _data_url(_png(image))}}]
+    loaded = [load_image(p, "p").tobytes() for p in parts]
+    assert loaded == [image.tobytes()] * 4
+
+
+@pytest.mark.parametrize("part, says", [
+    ({"type": "image", "image": b"not a png"}, "not an image we can read"),
+    ({"type": "image_url", "image_url": {"url": "data:image/png;base64,@@@"}}, "not valid base64"),
+    ({"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}, "not fetched"),
+    ({"type": "image", "image": 42}, "needs a path, bytes"),
+])
+def test_a_bad_image_part_is_one_line_naming_it(part, says):
+    with pytest.raises(MlxkvError, match=f"messages.0.content.1: .*{says}"):
+        load_image(part, "messages.0.content.1")
+
+
+def test_an_image_over_the_pixel_limit_is_refused():
+    with pytest.raises(MlxkvError, match="112x84 pixels, more than the limit of 1000"):
+        load_image({"type": "image", "image": make_image()}, "m", max_pixels=1000)
+
+
+def test_image_parts_are_found_in_prompt_order():
+    messages = [{"role": "system", "content": "hi"},
+                {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image", "image": b""}]},
+                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}]
+    assert [w for w, _ in image_parts(messages)] == ["messages.1.content.1", "messages.2.content.0"]
+    assert has_images(messages) and not has_images(messages[:1]) and not has_images("hi")

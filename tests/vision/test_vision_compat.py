@@ -1,0 +1,77 @@
+"""Every mlx-vlm name mlxkv touches (mlxkv/vision/compat.py): fails here when mlx-vlm changes them."""
+
+import mlx.core as mx
+import pytest
+from vision_cases import make_image
+from mlx_lm.models.cache import KVCache
+
+from mlxkv.vision import compat
+
+pytestmark = pytest.mark.slow  # the tiny model takes ~3 s to write
+
+PARTS = [{"type": "image"}, {"type": "text", "text": "What is it?"}]
+
+
+def _inputs(processor):
+    prompt = processor.apply_chat_template([{"role": "user", "content": PARTS}], add_generation_prompt=True,
+                                           tokenize=False)
+    return compat.prepare_inputs(processor, prompt, [make_image()])
+
+
+def test_prepare_inputs_expands_the_placeholder_by_the_grid(qwen2_vl):
+    model, processor = qwen2_vl
+    inputs = _inputs(processor)
+    grid = inputs["image_grid_thw"]
+    assert grid.tolist() == [[1, 6, 8]]  # 84x112 pixels in 14x14 patches
+    placeholders = (inputs["input_ids"] == compat.vision_token_id(model)).sum().item()
+    assert placeholders == 6 * 8 // 4  # merged 2x2
+
+
+def test_the_language_model_runs_over_mlx_lm_caches_with_m_rope_positions(qwen2_vl):
+    model, processor = qwen2_vl
+    inputs = _inputs(processor)
+    ids = inputs["input_ids"]
+    embeds, positions, deltas = compat.input_embeddings(model, ids, inputs["pixel_values"],
+                                                        image_grid_thw=inputs["image_grid_thw"])
+    assert embeds.shape[:2] == ids.shape and positions.shape == (3, 1, ids.shape[1])
+    assert deltas.item() < 0  # the image's 12 tokens take 4 x 3 (h, w) positions
+    lm = compat.language_model(model)
+    whole = compat.logits(lm(ids, inputs_embeds=embeds, cache=[KVCache() for _ in lm.layers], position_ids=positions))
+    caches = [KVCache() for _ in lm.layers]
+    cut = 10
+    parts = [compat.logits(lm(ids[:, s:e], inputs_embeds=embeds[:, s:e], cache=caches, position_ids=positions[..., s:e]))
+             for s, e in ((0, cut), (cut, ids.shape[1]))]
+    assert mx.allclose(mx.concatenate(parts, axis=1), whole, atol=1e-4).item()
+    text = compat.embed_tokens(model, ids)
+    assert text.shape == embeds.shape and not mx.allclose(text, embeds).item()
+
+
+def test_attention_goes_through_a_module_mlxkv_can_route(qwen2_vl):
+    import sys
+
+    model, _ = qwen2_vl
+    assert hasattr(sys.modules[compat.attention_module(model)], "scaled_dot_product_attention")
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "gemma3"])
+def test_per_image_features_merge_to_what_get_input_embeddings_computes(family, request):
+    """The encoder cache keeps compat.vision_features per image; merged back they must equal mlx-vlm's own."""
+    import numpy as np
+
+    model, processor = compat.load(str(request.getfixturevalue(f"{family}_dir")))
+    images = [make_image(seed=1), make_image(56, 56, seed=2)]
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "image"}, {"type": "text", "text": "Hi"}]}]
+    inputs = compat.prepare_inputs(processor, compat.render_chat(processor, messages), images)
+    ids, pixels, grid = inputs["input_ids"], inputs["pixel_values"], inputs.get("image_grid_thw")
+    extra = {} if grid is None else {"image_grid_thw": grid}
+    whole, *_ = compat.input_embeddings(model, ids, pixels, **extra)
+    sizes = [1, 1] if grid is None else [int(np.prod(g)) for g in np.array(grid)]
+    bounds = np.cumsum([0] + sizes).tolist()
+    features = mx.concatenate([compat.vision_features(model, pixels[bounds[k]:bounds[k + 1]],
+                                                      None if grid is None else grid[k:k + 1]) for k in range(2)])
+    merged, *_ = compat.input_embeddings_from_features(model, ids, pixels, features, **extra)
+    assert mx.allclose(merged, whole, atol=1e-4).item()
+    assert compat.vision_token_id(model) in ids.tolist()[0]
+    assert compat.processor_settings(processor)  # the settings that key an image's hash
+    caches = compat.make_cache(model)
+    assert caches is None or len(caches) == len(compat.language_model(model).layers)

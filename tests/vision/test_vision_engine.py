@@ -1,0 +1,107 @@
+"""Images through mlxkv's engine: greedy tokens equal mlx-vlm's own generate, and the block keys
+hold each image's content. Tiny random-weight Qwen2-VL and Qwen2.5-VL (M-RoPE, placeholders by
+resolution; 2.5's vision tower windowed) and Gemma 3 (a fixed count of image tokens, a sliding-window layer beside a full one)."""
+
+import pytest
+from vision_cases import make_image
+
+from mlxkv.config import CacheConfig
+from mlxkv.engine.engine import Engine
+from mlxkv.models.loader import load_model
+from mlxkv.vision import compat
+from mlxkv.vision.prompt import vision_prompt
+
+pytestmark = pytest.mark.slow  # a model to write, and mlx-vlm's generate beside ours
+BS = 4
+N = 8  # tokens per reply
+
+
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl", "gemma3"])
+def engine(request):
+    # Chunks of 8 split the images (12 and 16 tokens): both language models are causal over them in mlx-vlm.
+    path = request.getfixturevalue(f"{request.param}_dir")
+    with Engine(load_model(str(path)), CacheConfig(block_size=BS), prefill_chunk=8) as engine:
+        yield engine
+
+
+def _user(*parts):
+    return {"role": "user", "content": [
+        {"type": "image", "image": p} if not isinstance(p, str) else {"type": "text", "text": p} for p in parts]}
+
+
+def _mlx_vlm(engine, messages, images):
+    """mlx-vlm's own greedy reply on the same messages and images."""
+    from mlx_vlm.generate.dispatch import stream_generate
+
+    model, processor = engine.model.vlm, engine.model.processor
+    template = [{**m, "content": [{"type": "image"} if p.get("type") == "image" else p for p in m["content"]]
+                 if isinstance(m["content"], list) else m["content"]} for m in messages]
+    prompt = compat.render_chat(processor, template)
+    return [r.token for r in stream_generate(model, processor, prompt, image=images, max_tokens=N,
+                                             temperature=0.0)][:N]
+
+
+def test_one_image_equals_mlx_vlm(engine):
+    messages = [_user(make_image(), "What is it?")]
+    assert engine.chat(messages, max_tokens=N).tokens == _mlx_vlm(engine, messages, [make_image()])
+
+
+def test_two_images_in_one_turn_equal_mlx_vlm(engine):
+    a, b = make_image(seed=1), make_image(56, 56, seed=2)
+    messages = [_user(a, "and", b, "Which is larger?")]
+    assert engine.chat(messages, max_tokens=N).tokens == _mlx_vlm(engine, messages, [a, b])
+
+
+def test_images_in_two_turns_and_the_next_turn_hits_the_first(engine):
+    a, b = make_image(seed=3), make_image(seed=4)
+    first = [_user(a, "Describe it.")]
+    reply = engine.chat(first, max_tokens=N)
+    assert reply.tokens == _mlx_vlm(engine, first, [a])
+    second = first + [{"role": "assistant", "content": reply.text}, _user(b, "And this one?")]
+    again = engine.chat(second, max_tokens=N)
+    assert again.tokens == _mlx_vlm(engine, second, [a, b])
+    assert again.stats.cached_tokens["pool"] >= len(reply.prompt_tokens) // BS * BS
+
+
+def test_a_different_image_at_the_same_place_hits_only_the_text_before_it(engine):
+    a, b = make_image(seed=5), make_image(seed=6)
+    engine.chat([_user(a, "What is it?")], max_tokens=N)
+    other = [_user(b, "What is it?")]
+    result = engine.chat(other, max_tokens=N)
+    assert result.tokens == _mlx_vlm(engine, other, [b])
+    start = result.prompt_tokens.index(compat.vision_token_id(engine.model.vlm))
+    assert result.stats.cached_tokens["pool"] == start // BS * BS  # the blocks before the image's
+
+
+def test_a_batch_of_text_and_image_rows_equals_their_solo_runs(engine):
+    image_rows = [vision_prompt(engine.model, [_user(make_image(seed=s), "What is it?")]) for s in (7, 8)]
+    text_row = engine.apply_chat_template([{"role": "user", "content": "Hello, world! How are you today?"}])
+    prompts = [image_rows[0], text_row, image_rows[1]]
+    solo = [[c.token for c in engine.stream(p, max_tokens=N, cache_salt="solo")] for p in prompts]
+    batch = engine.generate_batch(prompts, max_tokens=N, cache_salt="batch")  # cold: its own chains
+    assert [r.tokens for r in batch] == solo
+    assert solo[0] != solo[2]  # the two images' rows differ
+
+
+def test_a_new_conversation_re_sending_an_image_takes_it_from_the_encoder_cache(engine):
+    image = make_image(seed=9)
+    engine.chat([_user(image, "What is it?")], max_tokens=N)
+    before = engine.stats()["encoder_cache"]
+    other = [{"role": "system", "content": "Be brief."}, _user(image, "Name it.")]  # no KV prefix in common
+    assert engine.chat(other, max_tokens=N).tokens == _mlx_vlm(engine, other, [image])
+    after = engine.stats()["encoder_cache"]
+    assert (after["hits"] - before["hits"], after["misses"] - before["misses"]) == (1, 0)
+
+
+def test_image_rows_preempted_by_a_full_pool_resume_to_their_solo_replies(request, engine):
+    """A pool of 30 blocks of 4 tokens holds one or two rows as they grow, not three: rows are preempted
+    and resume on their prefix hits, their images' embeddings and positions kept across."""
+    family = request.node.callspec.params["engine"]
+    path = request.getfixturevalue(f"{family}_dir")
+    rows = [vision_prompt(engine.model, [_user(make_image(seed=s), f"Question {s}?")]) for s in (20, 21, 22)]
+    solo = [engine.generate(p, max_tokens=24, cache_salt="solo").tokens for p in rows]
+    with Engine(load_model(str(path)), CacheConfig(block_size=BS, num_blocks=30), prefill_chunk=8) as small:
+        rows = [vision_prompt(small.model, [_user(make_image(seed=s), f"Question {s}?")]) for s in (20, 21, 22)]
+        batch = small.generate_batch(rows, max_tokens=24)
+    assert sum(r.stats.preemptions for r in batch) > 0, [(r.finish_reason, r.extra) for r in batch]
+    assert [r.tokens for r in batch] == solo
