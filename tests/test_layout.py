@@ -80,3 +80,30 @@ def test_the_engine_host_knows_nothing_of_http():
     assert [name for name, text in sources.items()
             if any(word in text for word in ("mlxkv.server", "starlette", "uvicorn", "mlxkv.tui"))] == []
     assert not (ROOT / "mlxkv" / "serving").exists()
+
+
+FORBIDDEN_INSIDE_THE_CORE = ("mlxkv.engine.loop", "mlxkv.engine.model_runner", "mlxkv.cache.coordinator")
+
+
+def _imported_modules(path: Path) -> set[str]:
+    import ast
+
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+            names |= {f"{node.module}.{a.name}" for a in node.names}
+        elif isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+    return names
+
+
+def test_the_engines_callers_use_only_the_cores_surface():
+    """host/, server/, speculative/ and the chat app reach the batch loop, the model runner and
+    the cache coordinator only through EngineCore (engine/core.py), never by importing them."""
+    files = [p for d in ("mlxkv/host", "mlxkv/server", "mlxkv/speculative", "tui") for p in (ROOT / d).rglob("*.py")]
+    assert len(files) > 20
+    reaching = {str(p.relative_to(ROOT)): sorted(m for m in _imported_modules(p)
+                                                 if m.startswith(FORBIDDEN_INSIDE_THE_CORE))
+                for p in files}
+    assert {path: names for path, names in reaching.items() if names} == {}

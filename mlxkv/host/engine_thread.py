@@ -71,17 +71,10 @@ class _Request:
 
 
 def load_engine(model: str, cache: CacheConfig, report: Callable[[str, float | None], None]):
-    """Fetch (download with progress if needed) and load `model` onto a new pool."""
+    """Fetch (download with progress if needed) and load `model` onto a new pool: Engine.load."""
     from mlxkv.engine.engine import Engine
-    from mlxkv.models.fetch import fetch_model
-    from mlxkv.models.loader import load_model
 
-    path = fetch_model(model, report)
-    report(f"loading {model}", None)
-    loaded = load_model(path)
-    loaded.name = model
-    report("sizing the KV pool and opening the cache tiers", None)
-    return Engine(loaded, cache)
+    return Engine.load(model, cache, report=report)
 
 
 _CLOSE = object()
@@ -230,7 +223,7 @@ class EngineThread:
         try:
             with _mlxkv_warnings() as caught:
                 self.engine = self._load(self.model, self.cache, report)
-            self.watcher = PoolWatcher.of(self.engine)
+            self.watcher = PoolWatcher(self.engine.core)
         except Exception as e:  # any load failure becomes one line for the user
             if isinstance(e, MlxkvError):
                 self.error = str(e)
@@ -250,25 +243,25 @@ class EngineThread:
 
     def _serve(self) -> None:
         """Serve queued requests as one continuous batch, stepping while any is open."""
-        loop = self.engine.loop
+        core = self.engine.core
         closing = False
         idle_since = time.monotonic()
-        while not closing or loop.has_work:
-            block = not closing and not loop.has_work
+        while not closing or core.has_work:
+            block = not closing and not core.has_work
             for item in self._take(block):
                 if item is _CLOSE:
                     closing = True
                 elif isinstance(item, tuple):
                     self._call(*item)
                 else:
-                    self._submit(loop, item)
-            if loop.has_work:
-                loop.step()
+                    self._submit(core, item)
+            if core.has_work:
+                core.step()
                 self._snapshot_if_due()
                 idle_since = time.monotonic()
             elif block:
                 self._idle(time.monotonic() - idle_since)
-            self._publish_if_due(idle=not loop.has_work)
+            self._publish_if_due(idle=not core.has_work)
 
     def _idle(self, seconds: float) -> None:
         try:
@@ -304,7 +297,7 @@ class EngineThread:
         except Exception as e:
             future.set_exception(e)
 
-    def _submit(self, loop, request: _Request) -> None:
+    def _submit(self, core, request: _Request) -> None:
         handle = request.handle
         if handle.cancelled:
             self._end(handle, RequestFailed("cancelled before it started", "cancelled"))
@@ -319,9 +312,9 @@ class EngineThread:
         except Exception as e:  # one request's failure never ends the thread
             self._end(handle, RequestFailed(error_line(e, log)))
             return
-        if not loop.has_work:
+        if not core.has_work:
             self.watcher.begin()  # marks are per turn: from an idle pool on
-        loop.add(queued)
+        core.add(queued)
 
     def _sink(self, handle: RequestHandle) -> Callable:
         """Where the batch loop puts a request's records; notes when a snapshot is due."""

@@ -173,7 +173,7 @@ def test_preemption_with_speculation_keeps_the_output(llama):
     _, loaded, reference = llama
     prompts = [prompt_of(60, salt=s) for s in range(4)]
     answers = {tuple(p): reference(p, 40) for p in prompts}
-    peak = engine_for(loaded).cache.peak_blocks(60 + 40, 512)
+    peak = engine_for(loaded).coordinator.peak_blocks(60 + 40, 512)
     engine = engine_for(loaded, num_blocks=peak + 4, proposer=ScriptedProposer(answers, seed=5))
     results = engine.generate_batch(prompts, max_tokens=40)
     assert any(r.stats.preemptions for r in results)
