@@ -107,3 +107,13 @@ def test_the_engines_callers_use_only_the_cores_surface():
                                                  if m.startswith(FORBIDDEN_INSIDE_THE_CORE))
                 for p in files}
     assert {path: names for path, names in reaching.items() if names} == {}
+
+
+def test_config_imports_nothing_above_it():
+    """config.py sits at the bottom with the value types it holds: the cache, the tiers and
+    the engine import it, never the other way round."""
+    bottom = {"mlxkv.errors", "mlxkv.kv_format", "mlxkv.remote_url"}
+    for name in ("config.py", "kv_format.py", "remote_url.py", "errors.py"):
+        modules = {m for m in _imported_modules(ROOT / "mlxkv" / name) if m.startswith("mlxkv.")}
+        above = {m for m in modules if not any(m == b or m.startswith(b + ".") for b in bottom)}
+        assert (name, above) == (name, set())

@@ -31,7 +31,7 @@ from mlxkv.cache.fingerprint import model_fingerprint
 from mlxkv.cache.hashing import BlockHash, root_hash
 from mlxkv.cache.kv_pool import KVLayout, KVPool, with_kv_format
 from mlxkv.cache.pool_sizing import checkpoint_budget, initial_blocks, size_pool
-from mlxkv.config import CacheConfig
+from mlxkv.config import EngineConfig, PoolConfig, TierConfig
 from mlxkv.connectors.build import build_connector
 from mlxkv.engine.limits import RequestLimits
 from mlxkv.engine.loop import BatchLoop
@@ -61,7 +61,7 @@ class EngineCore:
     speculative/ or tui/ (tests/test_layout.py checks the imports).
     """
 
-    def __init__(self, loaded: LoadedModel, config: CacheConfig, *, kv_layout: KVLayout, fingerprint: bytes,
+    def __init__(self, loaded: LoadedModel, config: EngineConfig, *, kv_layout: KVLayout, fingerprint: bytes,
                  kv_pool: KVPool, connector, coordinator: KVCacheCoordinator, attention: AttentionChoice,
                  runner: ModelRunner, loop: BatchLoop, limits: RequestLimits, draft: EngineCore | None = None):
         self.loaded, self.config = loaded, config
@@ -99,9 +99,9 @@ class EngineCore:
 
     def hash_root(self, cache_salt: str | None = None) -> BlockHash | None:
         """The root of a request's block chain; None when the prefix cache is off."""
-        if not self.config.prefix_cache:
+        if not self.config.pool.prefix_cache:
             return None
-        return root_hash(self.fingerprint, cache_salt, self.config.remote_tier_salt)
+        return root_hash(self.fingerprint, cache_salt, self.config.tiers.remote_tier_salt)
 
     def derived_root(self, root: BlockHash | None) -> BlockHash | None:
         """The root this core's chains take for a request of another core (a draft's of its
@@ -140,7 +140,7 @@ class EngineCore:
             "kv_bytes_per_block": lay.bytes_per_block,
             "pool_bytes": self.kv_pool.nbytes,
             "pool_budget_bytes": pool.budget * lay.bytes_per_block,
-            "prefix_cache": self.config.prefix_cache,
+            "prefix_cache": self.config.pool.prefix_cache,
             "requests": self.requests_served,
             "attention": self.attention.as_dict(),
             "pool": pool.usage(),
@@ -153,7 +153,7 @@ class EngineCore:
         speculation = self.loop.speculation
         if speculation is None:
             return {"mode": None}
-        return {"mode": self.config.speculative, "max_tokens": speculation.max_tokens,
+        return {"mode": self.config.speculation.mode, "max_tokens": speculation.max_tokens,
                 **speculation.stats.as_dict(), "tok_s_by_batch": speculation.cost.describe()}
 
     # -- pauses and the end ---------------------------------------------------
@@ -167,11 +167,10 @@ class EngineCore:
         """
         if self.has_work:
             return
-        config = self.config
-        if seconds >= config.idle_checkpoint_s:
+        if seconds >= self.config.checkpoints.idle_s:
             self.coordinator.write_pending_checkpoints()
         served = self.requests_served
-        if seconds >= config.idle_shrink_s and self._shrunk_after != served:
+        if seconds >= self.config.pool.idle_shrink_s and self._shrunk_after != served:
             self._shrunk_after = served
             before = self.kv_pool.nbytes
             self.coordinator.shrink()
@@ -186,23 +185,25 @@ class EngineCore:
             self.draft.close()
 
 
-def build_core(loaded: LoadedModel, config: CacheConfig, *, prefill_chunk: int = PREFILL_STEP,
+def build_core(loaded: LoadedModel, config: EngineConfig, *, prefill_chunk: int = PREFILL_STEP,
                max_running: int = MAX_RUNNING, device: Device | None = None) -> EngineCore:
     """The one way an engine core is built: `loaded` on a new pool sized and tiered by `config`."""
-    layout = with_kv_format(probe_kv_layout(loaded, config.block_size), config.kv_format)
+    pool = config.pool
+    layout = with_kv_format(probe_kv_layout(loaded, pool.block_size), pool.kv_format)
     groups, kv = layout.group_layout, layout.kv
-    fingerprint = model_fingerprint(loaded.model, loaded.config, layout.dtype, config.block_size,
+    fingerprint = model_fingerprint(loaded.model, loaded.config, layout.dtype, pool.block_size,
                                     None if groups.is_plain else groups.describe(),
                                     layout.kv_format if kv.quantized else None)
     budget = size_pool(config, layout, loaded.max_context, device)
     # The pool grows on demand to its budget (block_pool.py): memory as sequences need it.
     kv_pool = KVPool(layout, initial_blocks(budget))
-    connector = build_connector(config, fingerprint, layout)
+    connector = build_connector(config.tiers, fingerprint, layout)
+    checkpoints = config.checkpoints
     coordinator = KVCacheCoordinator(
-        groups, config.block_size, budget, kv_pool=kv_pool, connector=connector,
+        groups, pool.block_size, budget, kv_pool=kv_pool, connector=connector,
         initial=kv_pool.num_blocks, checkpoint_budget=checkpoint_budget(config, layout, budget),
-        checkpoint_interval=config.checkpoint_interval, checkpoint_write_ratio=config.checkpoint_write_ratio)
-    attention = choose_attention(config.attention, layout.dtype, layout.head_dim, layout.v_head_dim,
+        checkpoint_interval=checkpoints.interval, checkpoint_write_ratio=checkpoints.write_ratio)
+    attention = choose_attention(config.attention.path, layout.dtype, layout.head_dim, layout.v_head_dim,
                                  layout.block_size, loaded.config.get("num_attention_heads", layout.n_kv_heads),
                                  layout.n_kv_heads, kv_bits=kv.bits,
                                  kv_group_size=kv.group_size if kv.quantized else None)
@@ -212,38 +213,40 @@ def build_core(loaded: LoadedModel, config: CacheConfig, *, prefill_chunk: int =
     loop = BatchLoop(coordinator, runner, loaded.tokenizer.eos_token_ids, prefill_chunk, max_running,
                      WiredLimit(model_bytes, device), speculation)
     peak = None if groups.is_plain else (lambda n: coordinator.peak_blocks(n, prefill_chunk))
-    limits = RequestLimits(loaded.vocab_size, loaded.max_context, budget, config.block_size, peak)
+    limits = RequestLimits(loaded.vocab_size, loaded.max_context, budget, pool.block_size, peak)
     return EngineCore(loaded, config, kv_layout=layout, fingerprint=fingerprint, kv_pool=kv_pool,
                       connector=connector, coordinator=coordinator, attention=attention, runner=runner,
                       loop=loop, limits=limits, draft=draft)
 
 
-def _speculation(config: CacheConfig, loaded: LoadedModel, coordinator: KVCacheCoordinator,
+def _speculation(config: EngineConfig, loaded: LoadedModel, coordinator: KVCacheCoordinator,
                  budget: int) -> tuple[Speculation | None, EngineCore | None]:
     """The loop's speculative decoding as configured, and the draft model's core if it has one;
     none for a hybrid model, whose recurrent state cannot be rolled back past rejected
     tokens (one log line says so)."""
-    if config.speculative is None:
+    speculative = config.speculation
+    if speculative.mode is None:
         return None, None
     if coordinator.recurrent is not None:
         log.warning("speculative decoding is off for this model: its recurrent layers' state cannot be "
                     "rolled back past rejected proposals; it decodes one token at a time")
         return None, None
-    if config.speculative == "lookup":
-        return Speculation(LookupProposer(), config.speculative_tokens), None
+    if speculative.mode == "lookup":
+        return Speculation(LookupProposer(), speculative.tokens), None
     draft = load_draft(config, loaded, budget)
-    return Speculation(DraftProposer(draft, loaded.vocab_size), config.speculative_tokens), draft
+    return Speculation(DraftProposer(draft, loaded.vocab_size), speculative.tokens), draft
 
 
-def load_draft(config: CacheConfig, target: LoadedModel, target_blocks: int) -> EngineCore:
+def load_draft(config: EngineConfig, target: LoadedModel, target_blocks: int) -> EngineCore:
     """The draft model on a core of its own: its pool as many blocks as the target's
     (a draft's blocks are smaller), no tiers; it must read tokens as the target does."""
-    loaded = load_named(config.draft_model)
-    draft_config = CacheConfig(block_size=config.block_size, num_blocks=target_blocks,
-                               prefix_cache=config.prefix_cache, memory_tier_bytes=0, attention=config.attention)
-    draft = build_core(loaded, draft_config)
+    name = config.speculation.draft_model
+    loaded = load_named(name)
+    pool = PoolConfig(config.pool.block_size, num_blocks=target_blocks, prefix_cache=config.pool.prefix_cache)
+    draft = build_core(loaded, EngineConfig(pool=pool, tiers=TierConfig(memory_tier_bytes=0),
+                                            attention=config.attention))
     check_same_tokenizer(target, draft.loaded)
     if draft.coordinator.recurrent is not None:
-        raise MlxkvError(f"the draft model {config.draft_model!r} has recurrent layers, whose state cannot be "
+        raise MlxkvError(f"the draft model {name!r} has recurrent layers, whose state cannot be "
                          "rolled back past rejected proposals; choose a draft of attention layers only")
     return draft

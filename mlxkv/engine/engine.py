@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator
 import mlx.core as mx
 
 from mlxkv.chat import prompting
-from mlxkv.config import CacheConfig
+from mlxkv.config import CacheConfig, EngineConfig, engine_config
 from mlxkv.engine.core import MAX_RUNNING, PREFILL_STEP, build_core  # noqa: F401  (PREFILL_STEP: re-exported)
 from mlxkv.engine.records import GenerationChunk, GenerationResult, RequestFailed
 from mlxkv.engine.request import Request
@@ -35,17 +35,19 @@ class Engine:
     chunks, same numerics); `max_running` the most sequences decoding at once.
     """
 
-    def __init__(self, loaded: LoadedModel, config: CacheConfig, *,
+    def __init__(self, loaded: LoadedModel, config: CacheConfig | EngineConfig | None = None, *,
                  prefill_chunk: int = PREFILL_STEP, max_running: int = MAX_RUNNING, device: Device | None = None):
-        self.core = build_core(loaded, config, prefill_chunk=prefill_chunk, max_running=max_running, device=device)
+        self.config = engine_config(config)  # the split config (config.py); a CacheConfig is its flat builder
+        self.core = build_core(loaded, self.config, prefill_chunk=prefill_chunk, max_running=max_running,
+                               device=device)
         self.loaded = loaded
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
-        self.cache_config = config
         self._request_ids = itertools.count()
 
     @classmethod
-    def load(cls, model: str, config: CacheConfig | None = None, *, report=None, **cache_fields) -> Engine:
+    def load(cls, model: str, config: CacheConfig | EngineConfig | None = None, *, report=None,
+             **cache_fields) -> Engine:
         """Load `model` (a path, a Hugging Face id, or "demo") onto a new pool.
 
         `config` or the CacheConfig fields as keywords (block_size=16,

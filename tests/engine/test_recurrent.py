@@ -232,7 +232,7 @@ def test_a_short_chat_survives_a_restart_though_the_ratio_writes_nothing(family,
     if leave == "close":
         engine.close()
     else:
-        engine.idle(engine.cache_config.idle_checkpoint_s)
+        engine.idle(engine.config.checkpoints.idle_s)
         engine.connector.flush(30)
     assert len(checkpoint_files(disk)) == 1
     follow = chat + prompt_of(6, salt=13)
