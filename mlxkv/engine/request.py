@@ -5,7 +5,11 @@ tokens known so far (prompt, then any output before a preemption);
 preemption releases it, leaving its full blocks cached in the pool (or
 spilled to a tier), so the next admission starts on prefix hits.
 
-Its state moves only through `start`, `preempt` and `finish`:
+Its state moves only through `start`, `preempt` and `finish`. The request is
+the one writer of its fields: its stats (`RequestStats`) too, recorded
+from what the scheduler, the postprocess and the speculation computed
+(`start`, `record_first_token`, `record_finish`, `record_proposal`), and
+its tokens issued to the device (`issue`).
 
     WAITING --start--> RUNNING --finish--> FINISHED
        ^                  |
@@ -54,11 +58,11 @@ class Request:
     output: list[int] = field(default_factory=list)
     seq: Sequence | None = None
     state: RequestState = RequestState.WAITING
-    stats: RequestStats | None = None  # from the first admission on
+    stats: RequestStats | None = None  # from the first admission on; written here only
     arrival: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
     # Decode tokens queued on the device so far; more than len(output)
-    # while a pipelined step is in flight (loop.py).
+    # while a pipelined step is in flight (loop.py). Written by `issue` only.
     issued: int = 0
     _waiting_since: float | None = None
 
@@ -78,13 +82,14 @@ class Request:
             raise RuntimeError(f"request {self.request_id}: no move from {self.state.value} to {to.value}")
         self.state = to
 
-    def start(self, now: float, seq: Sequence, stats: RequestStats) -> None:
-        """Admitted on `seq`: the wait since arrival (or since a preemption) ends."""
+    def start(self, now: float, seq: Sequence) -> None:
+        """Admitted on `seq`: the wait since arrival (or since a preemption) ends.
+        The first admission's prefix hit is the reply's reuse."""
         self._move(RequestState.RUNNING)
         waited = now - self._waiting_since
         if self.stats is None:
-            self.stats = stats
-            stats.queued_s = waited
+            prompt = len(self.prompt)
+            self.stats = RequestStats(prompt, dict(seq.cached_tokens), prompt - seq.num_reused, queued_s=waited)
         else:
             self.stats.preempted_s += waited
         self.seq = seq
@@ -97,6 +102,33 @@ class Request:
 
     def finish(self) -> None:
         self._move(RequestState.FINISHED)
+
+    def issue(self, n: int) -> None:
+        """`n` more of its decode tokens are queued on the device."""
+        self.issued += n
+
+    # -- its stats: recorded here, from what the step computed ----------------
+
+    def record_first_token(self, now: float) -> None:
+        self.first_token_at = now
+        stats = self.stats
+        stats.ttft_s = now - self.arrival  # queued time included; it is in queued_s too
+        busy = stats.ttft_s - stats.queued_s - stats.preempted_s
+        if busy > 0:
+            stats.prompt_tokens_per_s = stats.computed_tokens / busy
+
+    def record_finish(self, now: float, peak_memory_gb: float) -> None:
+        stats = self.stats
+        stats.generation_tokens = len(self.output)
+        elapsed = now - self.first_token_at
+        if stats.generation_tokens > 1 and elapsed > 0:
+            stats.decode_tokens_per_s = (stats.generation_tokens - 1) / elapsed
+        stats.peak_memory_gb = peak_memory_gb
+
+    def record_proposal(self, proposed: int, accepted: int) -> None:
+        """Speculative decoding: tokens proposed for this reply in a step, and accepted."""
+        self.stats.proposed_tokens += proposed
+        self.stats.accepted_tokens += accepted
 
     def append_token(self, token: int) -> None:
         """A token the request keeps: its output and its running sequence's."""

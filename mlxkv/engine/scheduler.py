@@ -28,7 +28,6 @@ from dataclasses import dataclass, field
 
 from mlxkv.cache.coordinator import KVCacheCoordinator, PrefixHit
 from mlxkv.cache.sequence import Sequence
-from mlxkv.engine.records import RequestStats
 from mlxkv.engine.request import Request, RequestState
 from mlxkv.errors import PoolExhaustedError
 
@@ -144,9 +143,7 @@ class Scheduler:
         rest = len(seq.prompt) - seq.num_computed
         first = min(rest, self.prefill_chunk)
         self.cache.allocate_slots(seq, first, ahead=rest - first)
-        prompt = len(request.prompt)
-        stats = RequestStats(prompt, dict(seq.cached_tokens), prompt - seq.num_reused)
-        request.start(time.perf_counter(), seq, stats)
+        request.start(time.perf_counter(), seq)
         self.running.append(request)
         self.on_start(seq)
 

@@ -85,8 +85,7 @@ class Speculation:
     def _observe(self, request: Request, proposed: int, accepted: int) -> None:
         self._length(request).observe(proposed, accepted)
         self.stats.observe(proposed, accepted)
-        request.stats.proposed_tokens += proposed  # the reply's own share, for its last record
-        request.stats.accepted_tokens += accepted
+        request.record_proposal(proposed, accepted)  # the reply's own share, for its last record
 
     def forget(self, request: Request) -> None:
         self._lengths.pop(request, None)
