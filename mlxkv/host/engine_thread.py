@@ -60,14 +60,27 @@ class EngineEvent:
     warnings: list[str] = field(default_factory=list)  # "ready": MlxkvWarnings raised while loading
 
 
+# The engine thread's queue carries these three messages.
+
+
 @dataclass
-class _Request:
+class _Submit:
+    """A request, its prompt templated already (on the submitting thread)."""
+
     handle: RequestHandle
-    prompt: object  # text or token ids; None when messages are given
-    messages: list[dict] | None
+    prompt: object  # text or token ids
     options: dict
-    fit_context: bool = False
-    reply_room: int | None = None
+
+
+@dataclass
+class _Call:
+    fn: Callable
+    future: Future
+
+
+@dataclass
+class _Close:
+    pass
 
 
 def load_engine(model: str, cache: CacheConfig, report: Callable[[str, float | None], None]):
@@ -75,9 +88,6 @@ def load_engine(model: str, cache: CacheConfig, report: Callable[[str, float | N
     from mlxkv.engine.engine import Engine
 
     return Engine.load(model, cache, report=report)
-
-
-_CLOSE = object()
 
 
 @contextlib.contextmanager
@@ -121,10 +131,17 @@ class EngineThread:
         self.idle_tick = idle_tick
         self._queue: queue.Queue = queue.Queue()
         self._ids = itertools.count()
-        self._open: dict[int, RequestHandle] = {}  # submitted and not finished
+        # Requests open: counted by the submitting threads (under the lock) and by the
+        # engine thread as they end, each count with its one writer; the handles of the
+        # requests the engine thread has taken are its own.
+        self._submitted, self._ended = 0, 0
+        self._submit_lock = threading.Lock()
+        self._open: dict[int, RequestHandle] = {}  # taken and not finished: the engine thread's
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._main, name="mlxkv-engine", daemon=True)
-        self.engine = None  # read it only on the engine thread (see call())
+        # Read it only on the engine thread (see call()); its tokenizer and limits, which never
+        # change once it is loaded, template chats on the submitting thread (submit).
+        self.engine = None
         self.error: str | None = None
         self._closed = False
         self._snapshot_due = False
@@ -165,31 +182,54 @@ class EngineThread:
         if reply_room is not None and (not whole(reply_room) or reply_room < 1):
             raise MlxkvError(f"reply_room must be a whole number, at least 1, got {reply_room!r}")
         handle = RequestHandle(next(self._ids))
-        self._open[handle.id] = handle
-        self._queue.put(_Request(handle, prompt, messages, options, fit_context, reply_room))
+        if messages is not None:
+            prompt = self._chat_prompt(handle, messages, options, fit_context, reply_room)
+            if prompt is None:  # failed: the handle says why
+                return handle
+        with self._submit_lock:  # so no request is queued behind the close
+            if self._closed:
+                raise MlxkvError("the engine is closed")
+            self._submitted += 1
+            self._queue.put(_Submit(handle, prompt, options))
         return handle
+
+    def _chat_prompt(self, handle: RequestHandle, messages: list[dict], options: dict, fit_context: bool,
+                     reply_room: int | None) -> list[int] | None:
+        """The chat's prompt, templated here, on the submitting thread: a long chat's template
+        (and its fitting, context_window.py) never costs the batch a step. None if it failed."""
+        self._ready.wait()
+        if self.error is not None:
+            handle._put(RequestFailed(self.error))
+            return None
+        room = options.get("max_tokens") if reply_room is None else reply_room
+        try:
+            prompt, handle.left_out = self.engine.chat_prompt(messages, room, fit=fit_context)
+        except Exception as e:  # one request's failure never ends the thread
+            handle._put(RequestFailed(error_line(e, log)))
+            return None
+        return prompt
 
     def call(self, fn: Callable) -> Future:
         """Run `fn(engine)` on the engine thread between requests."""
         future: Future = Future()
-        self._queue.put((fn, future))
+        self._queue.put(_Call(fn, future))
         return future
 
     def close(self, timeout: float | None = 30.0) -> None:
-        """Cancel open requests, finish SSD writes, and end the thread."""
-        if self._closed:
-            return
-        self._closed = True
-        for handle in list(self._open.values()):
-            handle.cancel()
-        self._queue.put(_CLOSE)
+        """Cancel open requests (the engine thread does, when it takes the close), finish SSD
+        writes, and end the thread."""
+        with self._submit_lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._queue.put(_Close())
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout)
 
     @property
     def open_requests(self) -> int:
         """Requests submitted and not finished (queued, running, or being cancelled)."""
-        return len(self._open)
+        return self._submitted - self._ended
 
     @property
     def alive(self) -> bool:
@@ -248,13 +288,15 @@ class EngineThread:
         idle_since = time.monotonic()
         while not closing or core.has_work:
             block = not closing and not core.has_work
-            for item in self._take(block):
-                if item is _CLOSE:
+            for message in self._take(block):
+                if isinstance(message, _Close):
                     closing = True
-                elif isinstance(item, tuple):
-                    self._call(*item)
+                    for handle in self._open.values():
+                        handle.cancel()
+                elif isinstance(message, _Call):
+                    self._call(message)
                 else:
-                    self._submit(core, item)
+                    self._submit(core, message)
             if core.has_work:
                 core.step()
                 self._snapshot_if_due()
@@ -284,31 +326,28 @@ class EngineThread:
                 return items
 
     def _refuse_all(self) -> None:
-        while (item := self._queue.get()) is not _CLOSE:
-            if isinstance(item, tuple):
-                item[1].set_exception(MlxkvError(self.error))
+        while not isinstance(message := self._queue.get(), _Close):
+            if isinstance(message, _Call):
+                message.future.set_exception(MlxkvError(self.error))
             else:
-                self._open.pop(item.handle.id, None)
-                item.handle._put(RequestFailed(self.error))
+                self._end(message.handle, RequestFailed(self.error))
 
-    def _call(self, fn: Callable, future: Future) -> None:
+    def _call(self, call: _Call) -> None:
         try:
-            future.set_result(fn(self.engine))
+            call.future.set_result(call.fn(self.engine))
         except Exception as e:
-            future.set_exception(e)
+            call.future.set_exception(e)
 
-    def _submit(self, core, request: _Request) -> None:
+    def _submit(self, core, request: _Submit) -> None:
         handle = request.handle
+        self._open[handle.id] = handle
         if handle.cancelled:
             self._end(handle, RequestFailed("cancelled before it started", "cancelled"))
             return
         try:
-            prompt = request.prompt
-            if request.messages is not None:
-                room = request.options.get("max_tokens") if request.reply_room is None else request.reply_room
-                prompt, handle.left_out = self.engine.chat_prompt(request.messages, room, fit=request.fit_context)
             sink = self._sink(handle)
-            queued = self.engine.make_request(prompt, sink, should_stop=handle._cancel.is_set, **request.options)
+            queued = self.engine.make_request(request.prompt, sink, should_stop=handle._cancel.is_set,
+                                              **request.options)
         except Exception as e:  # one request's failure never ends the thread
             self._end(handle, RequestFailed(error_line(e, log)))
             return
@@ -321,20 +360,24 @@ class EngineThread:
         first = [True]
 
         def put(record) -> None:
-            handle._put(record)
             if is_last(record):
-                self._open.pop(handle.id, None)
+                self._ended_request(handle)
                 self._snapshot_due = True
             elif first[0]:  # the first token's snapshot shows the prefix hits
                 first[0] = False
                 self._snapshot_due = True
+            handle._put(record)
 
         return put
 
     def _end(self, handle: RequestHandle, record) -> None:
-        self._open.pop(handle.id, None)
+        self._ended_request(handle)
         handle._put(record)
         self._snapshot_due = True
+
+    def _ended_request(self, handle: RequestHandle) -> None:
+        self._open.pop(handle.id, None)
+        self._ended += 1
 
     def _snapshot_if_due(self) -> None:
         now = time.monotonic()
