@@ -168,21 +168,28 @@ class EngineCore:
         if self.has_work:
             return
         if seconds >= self.config.checkpoints.idle_s:
-            self.coordinator.write_pending_checkpoints()
+            self._write_pending_checkpoints()
         served = self.requests_served
         if seconds >= self.config.pool.idle_shrink_s and self._shrunk_after != served:
             self._shrunk_after = served
             before = self.kv_pool.nbytes
-            self.coordinator.shrink()
+            pool = self.block_pool
+            pool.shrink(keep_cached=pool.peak_in_use)  # about what the last busy spell used
             log.info("idle: the KV pool gave back %.1f MiB", (before - self.kv_pool.nbytes) / 2**20)
 
     def close(self) -> None:
         """Leave what a restart needs on the SSD tier (a hybrid's newest checkpoints), then
         finish the connector's pending work (its writes)."""
-        self.coordinator.write_pending_checkpoints()
+        self._write_pending_checkpoints()
         self.connector.close()
         if self.draft is not None:
             self.draft.close()
+
+
+    def _write_pending_checkpoints(self) -> None:
+        """A hybrid's newest checkpoint of each chain not on disk yet goes there (close, idle)."""
+        if self.coordinator.recurrent is not None:
+            self.coordinator.recurrent.write_pending()
 
 
 def build_core(loaded: LoadedModel, config: EngineConfig, *, prefill_chunk: int = PREFILL_STEP,

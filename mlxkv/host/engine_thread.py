@@ -34,6 +34,7 @@ from mlxkv.config import CacheConfig
 from mlxkv.engine.records import GenerationChunk, RequestFailed, is_last  # noqa: F401  (re-exported)
 from mlxkv.engine.sampling import whole
 from mlxkv.errors import MlxkvError, MlxkvWarning, error_line, warning_text
+from mlxkv.host.messages import Call, Close, Submit
 from mlxkv.host.request_handle import RequestHandle
 
 log = logging.getLogger(__name__)
@@ -58,29 +59,6 @@ class EngineEvent:
     info: dict = field(default_factory=dict)  # "ready": engine.stats()
     snapshot: object = None  # "snapshot" and "ready": a pool_view.PoolSnapshot
     warnings: list[str] = field(default_factory=list)  # "ready": MlxkvWarnings raised while loading
-
-
-# The engine thread's queue carries these three messages.
-
-
-@dataclass
-class _Submit:
-    """A request, its prompt templated already (on the submitting thread)."""
-
-    handle: RequestHandle
-    prompt: object  # text or token ids
-    options: dict
-
-
-@dataclass
-class _Call:
-    fn: Callable
-    future: Future
-
-
-@dataclass
-class _Close:
-    pass
 
 
 def load_engine(model: str, cache: CacheConfig, report: Callable[[str, float | None], None]):
@@ -190,7 +168,7 @@ class EngineThread:
             if self._closed:
                 raise MlxkvError("the engine is closed")
             self._submitted += 1
-            self._queue.put(_Submit(handle, prompt, options))
+            self._queue.put(Submit(handle, prompt, options))
         return handle
 
     def _chat_prompt(self, handle: RequestHandle, messages: list[dict], options: dict, fit_context: bool,
@@ -212,7 +190,7 @@ class EngineThread:
     def call(self, fn: Callable) -> Future:
         """Run `fn(engine)` on the engine thread between requests."""
         future: Future = Future()
-        self._queue.put(_Call(fn, future))
+        self._queue.put(Call(fn, future))
         return future
 
     def close(self, timeout: float | None = 30.0) -> None:
@@ -222,7 +200,7 @@ class EngineThread:
             if self._closed:
                 return
             self._closed = True
-            self._queue.put(_Close())
+            self._queue.put(Close())
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout)
 
@@ -289,11 +267,11 @@ class EngineThread:
         while not closing or core.has_work:
             block = not closing and not core.has_work
             for message in self._take(block):
-                if isinstance(message, _Close):
+                if isinstance(message, Close):
                     closing = True
                     for handle in self._open.values():
                         handle.cancel()
-                elif isinstance(message, _Call):
+                elif isinstance(message, Call):
                     self._call(message)
                 else:
                     self._submit(core, message)
@@ -326,19 +304,19 @@ class EngineThread:
                 return items
 
     def _refuse_all(self) -> None:
-        while not isinstance(message := self._queue.get(), _Close):
-            if isinstance(message, _Call):
+        while not isinstance(message := self._queue.get(), Close):
+            if isinstance(message, Call):
                 message.future.set_exception(MlxkvError(self.error))
             else:
                 self._end(message.handle, RequestFailed(self.error))
 
-    def _call(self, call: _Call) -> None:
+    def _call(self, call: Call) -> None:
         try:
             call.future.set_result(call.fn(self.engine))
         except Exception as e:
             call.future.set_exception(e)
 
-    def _submit(self, core, request: _Submit) -> None:
+    def _submit(self, core, request: Submit) -> None:
         handle = request.handle
         self._open[handle.id] = handle
         if handle.cancelled:
