@@ -30,7 +30,7 @@ def register_prefill(plan: StepPlan, cache) -> list[Request]:
     for request, _ in plan.prefill:
         cache.register_computed(request.seq)
     for request in plan.cancelled:
-        if request.output:  # preempted, then cancelled while it waited for blocks
+        if request.num_output:  # preempted, then cancelled while it waited for blocks
             request.record_finish(time.perf_counter(), _peak_memory_gb())
             request.sink(RequestFailed("cancelled while waiting for blocks", "cancelled", request.stats))
         else:
@@ -75,7 +75,7 @@ def _hand_out(request: Request, token: int, scheduler: Scheduler, eos, now: floa
 def _finish_reason(request: Request, token: int, eos) -> str | None:
     if token in eos:
         return "stop"
-    if len(request.output) >= request.max_tokens:
+    if request.num_output >= request.max_tokens:
         return "length"
     return "cancelled" if request.cancelled else None
 

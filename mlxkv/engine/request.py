@@ -55,7 +55,6 @@ class Request:
     detokenizer: object
     should_stop: Callable[[], bool] | None = None
     speculative: bool = False  # its decode may take proposals (the engine speculates, it did not opt out)
-    output: list[int] = field(default_factory=list)
     seq: Sequence | None = None
     state: RequestState = RequestState.WAITING
     stats: RequestStats | None = None  # from the first admission on; written here only
@@ -65,13 +64,43 @@ class Request:
     # while a pipelined step is in flight (loop.py). Written by `issue` only.
     issued: int = 0
     _waiting_since: float | None = None
+    # Its generated tokens while no sequence holds them (before its first admission, after a
+    # preemption). A running request's are its sequence's, so each token is stored once.
+    _waiting_output: list[int] = field(default_factory=list)
 
     def __post_init__(self):
         self._waiting_since = self.arrival
 
     @property
+    def output(self) -> list[int]:
+        """Every token generated so far, as a new list (O(length): per-step code uses num_output)."""
+        if self.seq is None:
+            return list(self._waiting_output)
+        return self.seq.prompt[len(self.prompt):] + self.seq.output
+
+    @property
+    def num_output(self) -> int:
+        if self.seq is None:
+            return len(self._waiting_output)
+        return self.seq.num_tokens - len(self.prompt)
+
+    @property
     def tokens(self) -> list[int]:
-        return self.prompt + self.output
+        """Every known token, prompt then output, as a new list."""
+        return self.seq.tokens if self.seq is not None else self.prompt + self._waiting_output
+
+    @property
+    def last_token(self) -> int:
+        if self.seq is not None:
+            return self.seq.last_token
+        return (self._waiting_output or self.prompt)[-1]
+
+    def tokens_since(self, start: int) -> list[int]:
+        """The known tokens from position `start` on, without copying those before it."""
+        if self.seq is None:
+            return (self.prompt + self._waiting_output)[start:]
+        prompt, output = self.seq.prompt, self.seq.output
+        return output[start - len(prompt):] if start >= len(prompt) else prompt[start:] + output
 
     @property
     def cancelled(self) -> bool:
@@ -92,11 +121,12 @@ class Request:
             self.stats = RequestStats(prompt, dict(seq.cached_tokens), prompt - seq.num_reused, queued_s=waited)
         else:
             self.stats.preempted_s += waited
-        self.seq = seq
+        self.seq, self._waiting_output = seq, []  # its sequence holds them now (its prompt's tail)
 
     def preempt(self, now: float) -> None:
         self._move(RequestState.WAITING)
         self.stats.preemptions += 1
+        self._waiting_output = self.output
         self.seq = None
         self._waiting_since = now
 
@@ -119,7 +149,7 @@ class Request:
 
     def record_finish(self, now: float, peak_memory_gb: float) -> None:
         stats = self.stats
-        stats.generation_tokens = len(self.output)
+        stats.generation_tokens = self.num_output
         elapsed = now - self.first_token_at
         if stats.generation_tokens > 1 and elapsed > 0:
             stats.decode_tokens_per_s = (stats.generation_tokens - 1) / elapsed
@@ -131,8 +161,7 @@ class Request:
         self.stats.accepted_tokens += accepted
 
     def append_token(self, token: int) -> None:
-        """A token the request keeps: its output and its running sequence's."""
-        self.output.append(token)
+        """A token the request keeps: its running sequence's output, where it is stored."""
         self.seq.output.append(token)
 
     @property

@@ -94,7 +94,7 @@ class Scheduler:
         for r in dropped:
             self._leave_queue(r)
             r.finish()
-        for r in [r for r in self.running if r.cancelled and not r.output and r.remaining_prefill > 0]:
+        for r in [r for r in self.running if r.cancelled and not r.num_output and r.remaining_prefill > 0]:
             self.finish(r)
             dropped.append(r)
         return dropped
@@ -120,7 +120,7 @@ class Scheduler:
     def _fits(self, request: Request, hit: PrefixHit) -> bool:
         if self._prefix_pending(hit):
             return False
-        need = self.cache.admission_blocks(hit, len(request.prompt) + len(request.output), self.prefill_chunk)
+        need = self.cache.admission_blocks(hit, len(request.prompt) + request.num_output, self.prefill_chunk)
         return need + len(self.running) <= self.pool.num_free
 
     def _prefix_pending(self, hit: PrefixHit) -> bool:

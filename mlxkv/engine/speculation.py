@@ -41,7 +41,7 @@ class Speculation:
     @staticmethod
     def _room(request: Request) -> int:
         """Proposals a request may still take: its reply ends at max_tokens, one token more than accepted."""
-        return request.max_tokens - len(request.output) - 1
+        return request.max_tokens - request.num_output - 1
 
     def wants_step(self, requests: list[Request]) -> bool:
         """Whether some decoding row would propose now and verify steps pay at this batch size

@@ -57,7 +57,7 @@ class DraftProposer:
     def _catch_up(self, request) -> bool:
         """The request's draft sequence computed up to its last known token; False if the draft's pool is full."""
         seq = self._seqs.get(request)
-        tokens = request.prompt + request.output
+        tokens = request.tokens
         try:
             if seq is None:
                 root = self.draft.derived_root(request.hash_root)  # the salt carries over
@@ -87,7 +87,7 @@ class DraftProposer:
     def _decode(self, rows: list) -> dict:
         """k_max batched draft steps; each row proposes its first k tokens."""
         made = {request: Proposal([], []) for request, _ in rows}
-        last = {request: (request.output or request.prompt)[-1] for request, _ in rows}
+        last = {request: request.last_token for request, _ in rows}
         for step in range(max(k for _, k in rows)):
             live = [request for request, k in rows if k > step]
             seqs = [self._seqs[r] for r in live]
