@@ -25,7 +25,6 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_TOKENS = 256
 
 
-
 class Engine:
     """A model on a paged, prefix-cached KV pool, generating for one thread at a time.
 
@@ -52,6 +51,8 @@ class Engine:
 
         `config` or the CacheConfig fields as keywords (block_size=16,
         disk_tier=...); `report(text, fraction)` hears of downloads and loading."""
+        if config is not None and cache_fields:
+            raise MlxkvError("give a config or its fields as keywords, not both")
         config = config or CacheConfig(**cache_fields)
         report = report or (lambda text, fraction=None: None)
         loaded = load_named(model, report)
