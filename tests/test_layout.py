@@ -144,3 +144,24 @@ def test_no_class_in_the_cache_has_more_than_16_methods():
     assert counts["mlxkv/cache/coordinator.py:KVCacheCoordinator"] <= MAX_METHODS
     over = {name: n for name, n in counts.items() if n > MAX_METHODS}
     assert {name: n for name, n in over.items() if n > OVER_THE_BAR.get(name, MAX_METHODS)} == {}
+
+
+def test_a_request_is_the_one_writer_of_its_stats_and_issued():
+    """Only engine/request.py assigns a RequestStats field or Request.issued; the scheduler,
+    the postprocess and the speculation hand it what they computed."""
+    import ast
+    import dataclasses
+
+    from mlxkv.engine.records import RequestStats
+
+    owned = {f.name for f in dataclasses.fields(RequestStats)} | {"issued", "output"}
+    writers = {}
+    for d in ("engine", "speculative", "host"):
+        for path in (ROOT / "mlxkv" / d).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                targets = node.targets if isinstance(node, ast.Assign) else (
+                    [node.target] if isinstance(node, ast.AugAssign) else [])
+                for t in targets:
+                    if isinstance(t, ast.Attribute) and t.attr in owned:
+                        writers.setdefault(str(path.relative_to(ROOT)), set()).add(t.attr)
+    assert set(writers) == {"mlxkv/engine/request.py"}, writers
