@@ -120,9 +120,6 @@ def test_config_imports_nothing_above_it():
 
 
 MAX_METHODS = 16
-# Classes over the bar today, at their count: they may only shrink. The attention groups'
-# base (a rule's four hooks beside the block-table bookkeeping) is not split yet.
-OVER_THE_BAR = {"mlxkv/cache/groups/base.py:AttentionManager": 19}
 
 
 def _methods(cls) -> int:
@@ -141,9 +138,8 @@ def test_no_class_in_the_cache_has_more_than_16_methods():
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ClassDef):
                 counts[f"{path.relative_to(ROOT)}:{node.name}"] = _methods(node)
-    assert counts["mlxkv/cache/coordinator.py:KVCacheCoordinator"] <= MAX_METHODS
-    over = {name: n for name, n in counts.items() if n > MAX_METHODS}
-    assert {name: n for name, n in over.items() if n > OVER_THE_BAR.get(name, MAX_METHODS)} == {}
+    assert len(counts) > 20 and counts["mlxkv/cache/coordinator.py:KVCacheCoordinator"] > 10
+    assert {name: n for name, n in counts.items() if n > MAX_METHODS} == {}
 
 
 def test_a_request_is_the_one_writer_of_its_stats_and_issued():

@@ -163,7 +163,7 @@ class KVCacheCoordinator:
             return
         fresh = self.pool.allocate(sum(short))
         for manager, n in zip(self.attention, short):
-            manager.extend(seq.request_id, fresh[:n])
+            manager.tables.extend(seq.request_id, fresh[:n])
             fresh = fresh[n:]
 
     def slots_needed(self, seq: Sequence, num_new: int) -> int:
@@ -177,9 +177,9 @@ class KVCacheCoordinator:
             passed = manager.passed(seq.request_id, seq.num_computed, registered)
             if not passed:
                 continue
-            if manager.has_unstored(seq.request_id, passed):
+            if manager.tables.has_unstored(seq.request_id, passed):
                 self._writes.store_group(manager, seq.request_id)  # read before the pool may reuse them
-            self.pool.free(manager.drop(seq.request_id, passed))
+            self.pool.free(manager.tables.drop(seq.request_id, passed))
 
     def prefill_stop(self, seq: Sequence) -> int | None:
         """Where the prefill chunk now starting must end so a checkpoint can be taken there, or None."""
@@ -206,7 +206,7 @@ class KVCacheCoordinator:
         seq.num_computed = num_computed
         keep = blocks_for(num_computed, self.block_size)
         for manager in self.attention:
-            self.pool.free(manager.trim(seq.request_id, keep)[::-1])
+            self.pool.free(manager.tables.trim(seq.request_id, keep)[::-1])
 
     def register_computed(self, seq: Sequence, *, store_now: bool = True) -> None:
         """Register the blocks now full of computed, known tokens (and a prefill's checkpoints).
@@ -247,7 +247,7 @@ class KVCacheCoordinator:
                 self.recurrent.register(seq, known, every=False)
             self.recurrent.leave(seq)
         self._writes.store(self.attention, seq.request_id)
-        tables = [m.release(seq.request_id) for m in self.attention]
+        tables = [m.tables.release(seq.request_id) for m in self.attention]
         longest = max((len(table) for table in tables), default=0)
         self.pool.free([table[i] for i in reversed(range(longest)) for table in tables
                         if i < len(table) and table[i] is not None])
@@ -256,11 +256,11 @@ class KVCacheCoordinator:
 
     def tables(self, seq: Sequence) -> list[list[Block | None]]:
         """The sequence's block table in each attention group."""
-        return [m.table(seq.request_id) for m in self.attention]
+        return [m.tables.table(seq.request_id) for m in self.attention]
 
     def held(self, seq: Sequence) -> list[Block]:
         """Every block the sequence holds a reference to, in every group."""
-        return [block for m in self.attention for block in m.held(seq.request_id)]
+        return [block for m in self.attention for block in m.tables.held(seq.request_id)]
 
 
 def _hash_upto(seq: Sequence, num_tokens: int, block_size: int) -> None:

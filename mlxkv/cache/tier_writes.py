@@ -45,7 +45,7 @@ class TierWrites:
             self.store_group(manager, request_id)
 
     def store_group(self, manager: AttentionManager, request_id: int) -> None:
-        blocks = manager.take_unstored(request_id)
+        blocks = manager.tables.take_unstored(request_id)
         if not blocks:
             return
         try:

@@ -91,7 +91,7 @@ def test_a_running_sequence_holds_only_its_window_or_chunk(family):
     seen = []
     while engine.loop.has_work:
         engine.loop.step()
-        held = [len(m.held(request.request_id)) for m in engine.coordinator.attention]
+        held = [len(m.tables.held(request.request_id)) for m in engine.coordinator.attention]
         if request.seq is not None and any(held):
             seen.append((request.seq.num_computed, held))
     bound = -(-WINDOW // BLOCK) + 2  # the window or chunk (a partial block at each end) and the block being written

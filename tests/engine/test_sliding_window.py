@@ -77,7 +77,7 @@ def held_per_step(engine: Engine, prompt: list[int], max_tokens: int) -> list[tu
     while engine.loop.has_work:
         engine.loop.step()
         seq = request.seq
-        held = [len(m.held(request.request_id)) for m in engine.coordinator.attention]
+        held = [len(m.tables.held(request.request_id)) for m in engine.coordinator.attention]
         if seq is not None and any(held):
             seen.append((seq.num_computed, held))
     return seen
