@@ -6,6 +6,8 @@ import argparse
 import math
 import os
 
+from mlxkv import config as defaults
+
 REMOTE_TIER_ENV = "MLXKV_REMOTE_TIER"
 REMOTE_TIER_SALT_ENV = "MLXKV_REMOTE_TIER_SALT"
 
@@ -36,14 +38,14 @@ def number(kind: type, low: float, high: float | None = None):
 def add_cache_flags(p: argparse.ArgumentParser, model_help: str | None = None) -> None:
     p.add_argument("--model", default="demo" if model_help is None else None,
                    help=model_help or 'model directory, GGUF file, Hugging Face id, "demo" (default) or "tiny"')
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (power of two)")
+    p.add_argument("--block-size", type=int, default=defaults.DEFAULT_BLOCK_SIZE, help="tokens per KV block (power of two)")
     p.add_argument("--num-blocks", type=int, default=None, help="KV pool size in blocks (default: a share of memory)")
     p.add_argument("--no-prefix-cache", action="store_true", help="do not share blocks between prompts")
     p.add_argument("--kv-bits", type=int, default=None, choices=[8, 4],
                    help="store K/V quantized in the pool and its tiers (default: the model's dtype)")
-    p.add_argument("--kv-group-size", type=int, default=64, choices=[64, 32],
+    p.add_argument("--kv-group-size", type=int, default=defaults.DEFAULT_KV_GROUP_SIZE, choices=[64, 32],
                    help="values per scale and bias of a quantized pool")
-    p.add_argument("--memory-tier-mb", type=number(int, 0), default=256, help="unified-memory tier budget (0 turns it off)")
+    p.add_argument("--memory-tier-mb", type=number(int, 0), default=defaults.DEFAULT_MEMORY_TIER_BYTES >> 20, help="unified-memory tier budget (0 turns it off)")
     p.add_argument("--memory-tier-bits", type=int, default=None, choices=[4, 8], help="quantize memory-tier blocks")
     p.add_argument("--disk-tier", default=None, metavar="DIR", help="SSD tier directory (persists across runs)")
     p.add_argument("--disk-tier-mb", type=number(int, 1), default=None, help="SSD tier budget")
@@ -54,7 +56,8 @@ def add_cache_flags(p: argparse.ArgumentParser, model_help: str | None = None) -
     p.add_argument("--speculative", choices=["lookup", "draft"], default=None,
                    help="speculative decoding: proposals from the prompt (lookup) or a draft model")
     p.add_argument("--draft-model", default=None, metavar="PATH_OR_ID", help="the draft model for --speculative draft")
-    p.add_argument("--speculative-tokens", type=number(int, 1, 7), default=4, help="most tokens proposed per step")
+    p.add_argument("--speculative-tokens", type=number(int, 1, defaults.MAX_SPECULATIVE_TOKENS),
+                   default=defaults.DEFAULT_SPECULATIVE_TOKENS, help="most tokens proposed per step")
 
 
 def add_remote_tier_flags(p: argparse.ArgumentParser) -> None:
@@ -64,12 +67,24 @@ def add_remote_tier_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--remote-tier-salt", default=os.environ.get(REMOTE_TIER_SALT_ENV), metavar="SECRET",
                    help="only engines with this secret share blocks (default: "
                         f"${REMOTE_TIER_SALT_ENV}; the variable keeps it out of the process list)")
-    p.add_argument("--remote-tier-prefix", default="mlxkv:", metavar="PREFIX", help="key prefix on the server")
+    p.add_argument("--remote-tier-prefix", default=defaults.DEFAULT_REMOTE_TIER_PREFIX, metavar="PREFIX", help="key prefix on the server")
     p.add_argument("--remote-tier-ttl", type=number(int, 1), default=None, metavar="SECONDS",
                    help="keys expire this long after they are written (default: never; the server's LRU evicts)")
-    p.add_argument("--remote-tier-timeout-ms", type=number(float, 1, 60000), default=50.0, metavar="MS",
-                   help="the longest a read waits on the server before it is a miss (default 50)")
+    p.add_argument("--remote-tier-timeout-ms", type=number(float, 1, 60000),
+                   default=defaults.DEFAULT_REMOTE_TIER_TIMEOUT_MS, metavar="MS",
+                   help="the longest a read waits on the server before it is a miss (default %(default)g)")
     p.add_argument("--no-remote-tier", action="store_true", help="turn the remote tier off")
+
+
+def kv_format(args):
+    """The pool's format from --kv-bits and --kv-group-size: a KVFormat from here to the kernel."""
+    from mlxkv.errors import MlxkvError
+    from mlxkv.kv_format import KVFormat
+
+    try:
+        return KVFormat(args.kv_bits, args.kv_group_size)
+    except MlxkvError as e:  # argparse's choices make this unreachable from the command line
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def cache_config(args):
@@ -80,8 +95,7 @@ def cache_config(args):
         block_size=args.block_size,
         num_blocks=args.num_blocks,
         prefix_cache=not args.no_prefix_cache,
-        kv_bits=args.kv_bits,
-        kv_group_size=args.kv_group_size,
+        kv_format=kv_format(args),
         memory_tier_bytes=args.memory_tier_mb << 20,
         memory_tier_bits=args.memory_tier_bits,
         disk_tier=None if args.no_disk_tier else args.disk_tier,

@@ -143,7 +143,7 @@ def sweep(family: str) -> dict:
               "reference": [ref_a, ref_b] + [r[0] for r in refs]}
     engine = Engine(LoadedModel(model, _Tokenizer(), config, family),
                     CacheConfig(block_size=BLOCK, num_blocks=256, memory_tier_bytes=0))
-    layout = engine.cache.group_layout
+    layout = engine.coordinator.group_layout
     result["layout"] = layout.describe()
     result["batched"] = layout.batched
     (a, la, _), = ours(engine, [PROMPT_A])

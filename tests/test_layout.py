@@ -80,3 +80,84 @@ def test_the_engine_host_knows_nothing_of_http():
     assert [name for name, text in sources.items()
             if any(word in text for word in ("mlxkv.server", "starlette", "uvicorn", "mlxkv.tui"))] == []
     assert not (ROOT / "mlxkv" / "serving").exists()
+
+
+FORBIDDEN_INSIDE_THE_CORE = ("mlxkv.engine.loop", "mlxkv.engine.model_runner", "mlxkv.cache.coordinator")
+
+
+def _imported_modules(path: Path) -> set[str]:
+    import ast
+
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+            names |= {f"{node.module}.{a.name}" for a in node.names}
+        elif isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+    return names
+
+
+def test_the_engines_callers_use_only_the_cores_surface():
+    """host/, server/, speculative/ and the chat app reach the batch loop, the model runner and
+    the cache coordinator only through EngineCore (engine/core.py), never by importing them."""
+    files = [p for d in ("mlxkv/host", "mlxkv/server", "mlxkv/speculative", "tui") for p in (ROOT / d).rglob("*.py")]
+    assert len(files) > 20
+    reaching = {str(p.relative_to(ROOT)): sorted(m for m in _imported_modules(p)
+                                                 if m.startswith(FORBIDDEN_INSIDE_THE_CORE))
+                for p in files}
+    assert {path: names for path, names in reaching.items() if names} == {}
+
+
+def test_config_imports_nothing_above_it():
+    """config.py sits at the bottom with the value types it holds: the cache, the tiers and
+    the engine import it, never the other way round."""
+    bottom = {"mlxkv.errors", "mlxkv.kv_format", "mlxkv.remote_url"}
+    for name in ("config.py", "kv_format.py", "remote_url.py", "errors.py"):
+        modules = {m for m in _imported_modules(ROOT / "mlxkv" / name) if m.startswith("mlxkv.")}
+        above = {m for m in modules if not any(m == b or m.startswith(b + ".") for b in bottom)}
+        assert (name, above) == (name, set())
+
+
+MAX_METHODS = 16
+
+
+def _methods(cls) -> int:
+    """Functions defined in a class body; a property reads as an attribute, so it does not count."""
+    import ast
+
+    fns = [n for n in cls.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    return sum(1 for f in fns if not any(getattr(d, "id", None) == "property" for d in f.decorator_list))
+
+
+def test_no_class_in_the_cache_has_more_than_16_methods():
+    import ast
+
+    counts = {}
+    for path in (ROOT / "mlxkv" / "cache").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                counts[f"{path.relative_to(ROOT)}:{node.name}"] = _methods(node)
+    assert len(counts) > 20 and counts["mlxkv/cache/coordinator.py:KVCacheCoordinator"] > 10
+    assert {name: n for name, n in counts.items() if n > MAX_METHODS} == {}
+
+
+def test_a_request_is_the_one_writer_of_its_stats_and_issued():
+    """Only engine/request.py assigns a RequestStats field or Request.issued; the scheduler,
+    the postprocess and the speculation hand it what they computed."""
+    import ast
+    import dataclasses
+
+    from mlxkv.engine.records import RequestStats
+
+    owned = {f.name for f in dataclasses.fields(RequestStats)} | {"issued", "output"}
+    writers = {}
+    for d in ("engine", "speculative", "host"):
+        for path in (ROOT / "mlxkv" / d).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                targets = node.targets if isinstance(node, ast.Assign) else (
+                    [node.target] if isinstance(node, ast.AugAssign) else [])
+                for t in targets:
+                    if isinstance(t, ast.Attribute) and t.attr in owned:
+                        writers.setdefault(str(path.relative_to(ROOT)), set()).add(t.attr)
+    assert set(writers) == {"mlxkv/engine/request.py"}, writers

@@ -51,7 +51,7 @@ def run_hybrid_benchmark(prompt_tokens: int = 512, rounds: int = 3, spec: TinyMo
     path = str(bench_model_path(spec, log))
     loaded = load_model(path)
     engine = Engine(loaded, CacheConfig(block_size=BLOCK_SIZE, memory_tier_bytes=0))
-    described = describe_model(engine) + f"; groups: {engine.cache.group_layout.describe()}"
+    described = describe_model(engine) + f"; groups: {engine.coordinator.group_layout.describe()}"
     log(described)
     vocab = loaded.config["vocab_size"]
     prompt = _tokens(prompt_tokens, vocab, seed=3)

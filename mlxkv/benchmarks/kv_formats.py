@@ -84,7 +84,7 @@ def _size_rows(loaded, kv: KVFormat) -> list[dict]:
     ours = with_kv_format(full, kv)
     name, ratio, goal = ours.kv_format, ours.bytes_per_token / full.bytes_per_token, BYTES_GOALS[kv.bits]
     per_seq = blocks_for(FIT_TOKENS, 16)
-    fits = [size_pool(CacheConfig(memory_budget_bytes=FIT_BUDGET), lay, None) // per_seq for lay in (ours, full)]
+    fits = [size_pool(CacheConfig(memory_budget_bytes=FIT_BUDGET).engine_config(), lay, None) // per_seq for lay in (ours, full)]
     shape = f"{loaded.name}'s {full.num_layers} layers x {full.n_kv_heads} KV heads x {full.head_dim}"
     return [
         row(f"KV bytes/token, {name} / float16", "B", ours.bytes_per_token, full.bytes_per_token, "float16 pool",

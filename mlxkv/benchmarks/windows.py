@@ -68,7 +68,7 @@ def _engine(spec: TinyModelSpec, context: int, log) -> tuple[Engine, str]:
     # Room for a few full contexts in every layer: the cases use several cache salts.
     num_blocks = 4 * blocks_for(context + DECODE_TOKENS, BLOCK_SIZE) * spec.num_layers
     engine = Engine(loaded, CacheConfig(block_size=BLOCK_SIZE, num_blocks=num_blocks, memory_tier_bytes=0))
-    described = describe_model(engine) + f"; groups: {engine.cache.group_layout.describe()}"
+    described = describe_model(engine) + f"; groups: {engine.coordinator.group_layout.describe()}"
     log(described)
     return engine, described
 
@@ -99,7 +99,7 @@ def _held_in_decode(engine: Engine, prompt: list[int]) -> int:
         loop.step()
         seq = request.seq
         if seq is not None and seq.num_computed > len(prompt):
-            held = max(held, len(engine.cache.held(seq)))
+            held = max(held, len(engine.coordinator.held(seq)))
     return held
 
 

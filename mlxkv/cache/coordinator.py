@@ -9,18 +9,18 @@ share:
   pool first, then the connector's tiers; one lookup per admission attempt,
   valid while `generation` stands;
 - admission: holding the hit's pool blocks and hydrating its tier blocks,
-  all or nothing;
+  all or nothing (hydration.py);
 - slots for the tokens computed next, registration of blocks as they
   fill, and release;
-- the connector seam (cache/connector.py): its calls are made here and in
-  the recurrent manager, nowhere else.
+- the connector seam (cache/connector.py): its calls are made by the
+  coordinator's parts (hydration.py reads, tier_writes.py stores and
+  spills) and the recurrent manager, nowhere else.
 
 It owns the block pool, so it installs the pool's hooks.
 """
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 from mlxkv.cache.block_pool import Block, BlockPool
@@ -31,12 +31,11 @@ from mlxkv.cache.groups.full import FullAttentionManager
 from mlxkv.cache.groups.recurrent import CheckpointNeed, RecurrentManager
 from mlxkv.cache.groups.sliding import SlidingWindowManager
 from mlxkv.cache.hashing import BlockHash, extend_block_hashes
+from mlxkv.cache.hydration import Hydration
 from mlxkv.cache.kv_pool import KVPool
 from mlxkv.cache.layer_groups import GroupLayout, KVGroup
 from mlxkv.cache.sequence import Sequence
-from mlxkv.cache.tiers import POOL, TIERS
-
-log = logging.getLogger(__name__)
+from mlxkv.cache.tier_writes import TierWrites
 
 # Decode fills a block every block_size tokens. Offered one at a time, each
 # costs a pool read and the SSD tier a file with its own fsync. Offered in
@@ -87,7 +86,8 @@ class KVCacheCoordinator:
         self.block_size = block_size
         self.kv_pool = kv_pool
         self.connector = connector or NoopKVCacheConnector()
-        self.pool = BlockPool(budget, initial=initial, on_evict=self._on_evict,
+        self._writes = TierWrites(self.connector, kv_pool)
+        self.pool = BlockPool(budget, initial=initial, on_evict=self._writes.spill,
                               on_grow=kv_pool.grow if kv_pool else None, on_shrink=kv_pool.shrink if kv_pool else None)
         self.attention: list[AttentionManager] = [_manager_class(g)(g, self.pool, block_size) for g in layout.groups]
         self.recurrent = None
@@ -98,20 +98,7 @@ class KVCacheCoordinator:
         # The fixed point's order: the cheapest bound first.
         self._managers = sorted(self.attention, key=lambda m: m.slots_ahead(), reverse=True)
         self._managers += [self.recurrent] if self.recurrent else []
-
-    def _reader(self, blocks: list[Block]):
-        ids, groups = [b.block_id for b in blocks], [b.group for b in blocks]
-        return lambda: self.kv_pool.read_blocks(ids, groups)
-
-    def _on_evict(self, blocks: list[Block]) -> None:
-        # Read in reverse: a freed sequence's blocks are evicted last first,
-        # so reversed they are in prefix order, one run a hydrate copies in
-        # stretches; handed over in eviction order, for the tiers' LRU.
-        read = self._reader(blocks[::-1])
-        try:
-            self.connector.evict_blocks([b.block_hash for b in blocks], lambda: read()[::-1])
-        except Exception:  # a failed spill loses cached copies, never a request
-            log.exception("the connector could not spill %d blocks", len(blocks))
+        self._hydration = Hydration(self.pool, kv_pool, self.connector, self.attention, self.recurrent, block_size)
 
     # -- lookup and admission -------------------------------------------------
 
@@ -150,71 +137,14 @@ class KVCacheCoordinator:
     def admit(self, request_id: int, tokens: list[int], root: BlockHash | None, hit: PrefixHit) -> Sequence:
         """A sequence holding the hit's blocks, hydrated from the tiers; if a tier's copy is gone, look again."""
         for _ in range(HYDRATE_ATTEMPTS):
-            if not self._room_for(hit):
+            if not self._hydration.room_for(hit):
                 break  # computing those blocks would not fit either: the scheduler waits or preempts
-            seq = self._take(request_id, tokens, root, hit)
+            seq = self._hydration.take(request_id, tokens, root, hit)
             if seq is not None:
                 return seq
             hit = self.lookup(tokens, root, hashes=hit.hashes)
-        return self._take(request_id, tokens, root, self.lookup(tokens, root, hashes=hit.hashes, use_tiers=False))
-
-    def _room_for(self, hit: PrefixHit) -> bool:
-        """Whether the pool can take the hit's tier blocks beside its own."""
-        unreferenced = sum(1 for block in hit.pool_blocks if block.ref_count == 0)
-        return hit.tier_blocks <= self.pool.num_free - unreferenced
-
-    def _take(self, request_id: int, tokens: list[int], root, hit: PrefixHit) -> Sequence | None:
-        """Hold the hit's blocks; None (holding nothing) if a tier could not supply its share."""
-        loaded = self.recurrent.load(hit.checkpoint) if hit.checkpoint is not None else None
-        if hit.checkpoint is not None and loaded is None:
-            return None
-        touched = hit.pool_blocks
-        self.pool.touch(touched)
-        sources = [POOL] * hit.num_blocks
-        held, hydrated = [], []
-        for manager, needs in zip(self.attention, hit.groups):
-            blocks = self._hydrate(manager, needs.tiers, sources)
-            if blocks is None:
-                self.pool.free(touched + hydrated)
-                return None
-            hydrated += [block for _, block in blocks]
-            held.append(needs.pool + blocks)
-        seq = Sequence(request_id, tokens, root, hit.hashes)
-        seq.num_cached_blocks = hit.num_blocks
-        seq.num_computed = hit.num_blocks * self.block_size
-        for manager, blocks in zip(self.attention, held):
-            manager.start(request_id, hit.num_blocks, blocks)
-        if self.recurrent is not None:
-            self.recurrent.start(request_id, loaded[0] if loaded else None, seq.num_computed)
-        state_tier = loaded[1] if loaded else POOL
-        for source in sources:
-            source = max(source, state_tier, key=TIERS.index)  # as slow as the checkpoint, too
-            seq.cached_tokens[source] += self.block_size
-        return seq
-
-    def _hydrate(self, manager: AttentionManager, wanted: list[tuple[int, BlockHash]],
-                 sources: list[str]) -> list[tuple[int, Block]] | None:
-        """A group's tier blocks, loaded into fresh pool blocks; None if any is missing."""
-        if not wanted:
-            return []
-        keys = [key for _, key in wanted]
-        loaded = self.connector.load_blocks(keys)
-        good = 0
-        while (good < min(len(loaded), len(keys)) and loaded[good].block_hash == keys[good]
-               and loaded[good].kv.group == manager.index):
-            good += 1
-        # Which free block takes which key is ours to choose: in id order, a
-        # run of tier blocks lands on runs of ids, one slice copy per layer.
-        blocks = sorted(self.pool.allocate(good), key=lambda blk: blk.block_id) if good else []
-        if good:
-            self.kv_pool.write_blocks([blk.block_id for blk in blocks], [block.kv for block in loaded[:good]])
-            self.pool.register(blocks, keys[:good], manager.index)
-        if good < len(keys):
-            self.pool.free(blocks)  # they stay cached under their keys; the hit is looked up again
-            return None
-        for (i, _), found in zip(wanted, loaded):
-            sources[i] = max(sources[i], found.tier, key=TIERS.index)  # as slow as its slowest group
-        return [(i, block) for (i, _), block in zip(wanted, blocks)]
+        return self._hydration.take(request_id, tokens, root,
+                                    self.lookup(tokens, root, hashes=hit.hashes, use_tiers=False))
 
     # -- computing ------------------------------------------------------------
 
@@ -233,7 +163,7 @@ class KVCacheCoordinator:
             return
         fresh = self.pool.allocate(sum(short))
         for manager, n in zip(self.attention, short):
-            manager.extend(seq.request_id, fresh[:n])
+            manager.tables.extend(seq.request_id, fresh[:n])
             fresh = fresh[n:]
 
     def slots_needed(self, seq: Sequence, num_new: int) -> int:
@@ -247,9 +177,9 @@ class KVCacheCoordinator:
             passed = manager.passed(seq.request_id, seq.num_computed, registered)
             if not passed:
                 continue
-            if manager.has_unstored(seq.request_id, passed):
-                self._store_group(manager, seq.request_id)  # read before the pool may reuse them
-            self.pool.free(manager.drop(seq.request_id, passed))
+            if manager.tables.has_unstored(seq.request_id, passed):
+                self._writes.store_group(manager, seq.request_id)  # read before the pool may reuse them
+            self.pool.free(manager.tables.drop(seq.request_id, passed))
 
     def prefill_stop(self, seq: Sequence) -> int | None:
         """Where the prefill chunk now starting must end so a checkpoint can be taken there, or None."""
@@ -276,7 +206,7 @@ class KVCacheCoordinator:
         seq.num_computed = num_computed
         keep = blocks_for(num_computed, self.block_size)
         for manager in self.attention:
-            self.pool.free(manager.trim(seq.request_id, keep)[::-1])
+            self.pool.free(manager.tables.trim(seq.request_id, keep)[::-1])
 
     def register_computed(self, seq: Sequence, *, store_now: bool = True) -> None:
         """Register the blocks now full of computed, known tokens (and a prefill's checkpoints).
@@ -292,32 +222,15 @@ class KVCacheCoordinator:
         known = min(seq.num_computed, seq.num_tokens)
         full = known // self.block_size
         if full > seq.num_cached_blocks:
-            self._hash_upto(seq, known)
+            _hash_upto(seq, known, self.block_size)
             start = seq.num_cached_blocks
             waiting = max((m.register(seq.request_id, seq.block_hashes, start, full) for m in self.attention),
                           default=0)
             seq.num_cached_blocks = full
             if store_now or waiting >= STORE_BATCH_BLOCKS:
-                self._store(seq)
+                self._writes.store(self.attention, seq.request_id)
         if self.recurrent is not None:
             self.recurrent.register(seq, min(known, len(seq.prompt)), every=True)
-
-    def _hash_upto(self, seq: Sequence, num_tokens: int) -> None:
-        if len(seq.block_hashes) < num_tokens // self.block_size:
-            extend_block_hashes(seq.block_hashes, seq.hash_root, seq.tokens[:num_tokens], self.block_size)
-
-    def _store(self, seq: Sequence) -> None:
-        for manager in self.attention:
-            self._store_group(manager, seq.request_id)
-
-    def _store_group(self, manager: AttentionManager, request_id: int) -> None:
-        blocks = manager.take_unstored(request_id)
-        if not blocks:
-            return
-        try:
-            self.connector.cache_blocks([b.block_hash for b in blocks], self._reader(blocks))
-        except Exception:  # a lost copy, as with a spill; the release must still free
-            log.exception("the connector could not store %d blocks", len(blocks))
 
     # -- leaving --------------------------------------------------------------
 
@@ -330,11 +243,11 @@ class KVCacheCoordinator:
         if self.recurrent is not None:
             if seq.hash_root is not None:
                 known = min(seq.num_computed, seq.num_tokens)
-                self._hash_upto(seq, known)
+                _hash_upto(seq, known, self.block_size)
                 self.recurrent.register(seq, known, every=False)
             self.recurrent.leave(seq)
-        self._store(seq)
-        tables = [m.release(seq.request_id) for m in self.attention]
+        self._writes.store(self.attention, seq.request_id)
+        tables = [m.tables.release(seq.request_id) for m in self.attention]
         longest = max((len(table) for table in tables), default=0)
         self.pool.free([table[i] for i in reversed(range(longest)) for table in tables
                         if i < len(table) and table[i] is not None])
@@ -343,18 +256,13 @@ class KVCacheCoordinator:
 
     def tables(self, seq: Sequence) -> list[list[Block | None]]:
         """The sequence's block table in each attention group."""
-        return [m.table(seq.request_id) for m in self.attention]
+        return [m.tables.table(seq.request_id) for m in self.attention]
 
     def held(self, seq: Sequence) -> list[Block]:
         """Every block the sequence holds a reference to, in every group."""
-        return [block for m in self.attention for block in m.held(seq.request_id)]
+        return [block for m in self.attention for block in m.tables.held(seq.request_id)]
 
-    # -- idle -----------------------------------------------------------------
 
-    def write_pending_checkpoints(self) -> int:
-        """A hybrid's newest checkpoint of each chain not on disk yet goes there (close, idle)."""
-        return self.recurrent.write_pending() if self.recurrent is not None else 0
-
-    def shrink(self) -> int:
-        """Give memory back while idle: the pool keeps about what the last busy spell used."""
-        return self.pool.shrink(keep_cached=self.pool.peak_in_use)
+def _hash_upto(seq: Sequence, num_tokens: int, block_size: int) -> None:
+    if len(seq.block_hashes) < num_tokens // block_size:
+        extend_block_hashes(seq.block_hashes, seq.hash_root, seq.tokens[:num_tokens], block_size)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from mlxkv.cache.block_pool import GROW_MIN_BLOCKS
 from mlxkv.cache.kv_pool import KVLayout
 from mlxkv.cache.groups.base import blocks_for
-from mlxkv.config import DEFAULT_MEMORY_SHARE, CacheConfig
+from mlxkv.config import DEFAULT_MEMORY_SHARE, EngineConfig, PoolConfig
 from mlxkv.errors import MlxkvError
 from mlxkv.system.machine import physical_memory
 from mlxkv.system.wired import MLXDevice
@@ -18,19 +18,19 @@ DEFAULT_CONTEXT = 8192  # for a model that does not say
 STATELESS_BLOCKS = 1 << 20
 
 
-def checkpoint_budget(cfg: CacheConfig, layout: KVLayout, num_blocks: int) -> int:
+def checkpoint_budget(cfg: EngineConfig, layout: KVLayout, num_blocks: int) -> int:
     """Bytes for a hybrid model's state checkpoints: their share of the pool's budget.
 
     The blocks got the rest of that budget (size_pool), so the checkpoints
     are `share / (1 - share)` of what the blocks take.
     """
-    share = cfg.checkpoint_share
+    share = cfg.checkpoints.share
     if not layout.bytes_per_block:  # state slots alone (Mamba): the checkpoints are the whole cache
-        return cfg.memory_budget_bytes or int(_usable_memory(physical_memory(), None) * DEFAULT_MEMORY_SHARE)
+        return cfg.pool.memory_budget_bytes or int(_usable_memory(physical_memory(), None) * DEFAULT_MEMORY_SHARE)
     return int(num_blocks * layout.bytes_per_block * share / (1 - share))
 
 
-def size_pool(cfg: CacheConfig, layout: KVLayout, max_context: int | None, device=None) -> int:
+def size_pool(cfg: EngineConfig, layout: KVLayout, max_context: int | None, device=None) -> int:
     """The pool's budget in blocks (it grows to it on demand); never more than the machine's memory holds.
 
     On a Mac the default share is of the GPU's recommended working set when
@@ -40,9 +40,9 @@ def size_pool(cfg: CacheConfig, layout: KVLayout, max_context: int | None, devic
     if not layout.bytes_per_block:
         return STATELESS_BLOCKS  # no attention slots: blocks hold nothing, only hashes name prefixes
     memory = physical_memory()
-    blocks = _pool_blocks(cfg, layout, max_context, _usable_memory(memory, device))
-    if layout.group_layout.has_recurrent and cfg.num_blocks is None:
-        blocks = max(1, int(blocks * (1 - cfg.checkpoint_share)))
+    blocks = _pool_blocks(cfg.pool, layout, max_context, _usable_memory(memory, device))
+    if layout.group_layout.has_recurrent and cfg.pool.num_blocks is None:
+        blocks = max(1, int(blocks * (1 - cfg.checkpoints.share)))
     need = blocks * layout.bytes_per_block
     if need > memory:
         # (machine.py: an allocation MLX cannot make is a segmentation fault)
@@ -54,7 +54,7 @@ def size_pool(cfg: CacheConfig, layout: KVLayout, max_context: int | None, devic
     return blocks
 
 
-def _pool_blocks(cfg: CacheConfig, layout: KVLayout, max_context: int | None, memory: int) -> int:
+def _pool_blocks(cfg: PoolConfig, layout: KVLayout, max_context: int | None, memory: int) -> int:
     if cfg.num_blocks is not None:
         return cfg.num_blocks
     if cfg.memory_budget_bytes is not None:

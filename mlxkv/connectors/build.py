@@ -1,4 +1,4 @@
-"""The connector a CacheConfig asks for: explicit, tiers, or the no-op."""
+"""The connector a TierConfig (config.py) asks for: explicit, tiers, or the no-op."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from mlxkv.connectors.tiered import TieredKVCacheConnector
 
 
 def build_connector(cache_config, fingerprint: bytes, layout):
-    """The connector a CacheConfig asks for: explicit, tiers (memory, SSD, remote), or the no-op."""
+    """The connector `cache_config` (a TierConfig) asks for: explicit, tiers (memory, SSD, remote), or the no-op."""
     if cache_config.connector is not None:
         return cache_config.connector
     disk, remote = _disk_tier(cache_config, fingerprint, layout), _remote_tier(cache_config, fingerprint, layout)

@@ -43,11 +43,12 @@ class BatchLoop:
     running now, and how many requests it has served."""
 
     def __init__(self, cache: KVCacheCoordinator, runner: ModelRunner, eos, prefill_chunk: int,
-                 max_running: int = 64, wired: WiredLimit | None = None, speculation: Speculation | None = None):
+                 max_running: int, wired: WiredLimit, speculation: Speculation | None = None):
+        """`wired`: the limit held while steps run (system/wired.py; a test gives it a fake device)."""
         self.cache = cache
         self.speculation = speculation
         self.runner = runner
-        self.wired = wired or WiredLimit(device=_NoDevice())
+        self.wired = wired
         self.eos = eos
         self.scheduler = Scheduler(cache, prefill_chunk, max_running,
                                    on_start=self._on_start, on_release=self._on_release)
@@ -141,7 +142,7 @@ class BatchLoop:
         mx.async_eval(sampled, *self.runner.kv_pool.arrays)
         self._last_sampled = {r: sampled[i : i + 1] for i, r in enumerate(plan.decode)}
         for r in plan.decode:
-            r.issued += 1
+            r.issue(1)
         return _InFlight(plan, sampled)
 
     def _read_in_flight(self) -> list[Request]:
@@ -167,7 +168,7 @@ class BatchLoop:
         for request, tokens in zip(plan.decode, kept):
             seq = request.seq
             self.cache.rollback(seq, seq.num_computed - plan.decode_len + len(tokens))
-            request.issued += len(tokens)
+            request.issue(len(tokens))
         return finished + postprocess(plan, kept, self.scheduler, self.eos)
 
     def abort(self, request: Request) -> None:
@@ -191,10 +192,3 @@ class BatchLoop:
     def _on_release(self, seq: Sequence) -> None:
         self.running.pop(seq.request_id, None)
         self.runner.release(seq)
-
-
-class _NoDevice:
-    """A loop built without a WiredLimit (tests of the loop alone) never wires memory."""
-
-    def is_metal(self) -> bool:
-        return False

@@ -30,8 +30,8 @@ def register_prefill(plan: StepPlan, cache) -> list[Request]:
     for request, _ in plan.prefill:
         cache.register_computed(request.seq)
     for request in plan.cancelled:
-        if request.output:  # preempted, then cancelled while it waited for blocks
-            _finish_stats(request, time.perf_counter())
+        if request.num_output:  # preempted, then cancelled while it waited for blocks
+            request.record_finish(time.perf_counter(), _peak_memory_gb())
             request.sink(RequestFailed("cancelled while waiting for blocks", "cancelled", request.stats))
         else:
             request.sink(RequestFailed("cancelled before it started", "cancelled"))
@@ -57,7 +57,7 @@ def _hand_out(request: Request, token: int, scheduler: Scheduler, eos, now: floa
     request.append_token(token)
     scheduler.cache.register_computed(request.seq, store_now=False)
     if request.first_token_at is None:
-        _first_token(request, now)
+        request.record_first_token(now)
     finish = _finish_reason(request, token, eos)
     detok = request.detokenizer
     if finish != "stop":
@@ -66,7 +66,7 @@ def _hand_out(request: Request, token: int, scheduler: Scheduler, eos, now: floa
         request.sink(GenerationChunk(detok.last_segment, token))
         return False
     detok.finalize()
-    _finish_stats(request, now)
+    request.record_finish(now, _peak_memory_gb())
     scheduler.finish(request)  # blocks are back before the last record is seen
     request.sink(GenerationChunk(detok.last_segment, token, finish, request.stats))
     return True
@@ -75,24 +75,10 @@ def _hand_out(request: Request, token: int, scheduler: Scheduler, eos, now: floa
 def _finish_reason(request: Request, token: int, eos) -> str | None:
     if token in eos:
         return "stop"
-    if len(request.output) >= request.max_tokens:
+    if request.num_output >= request.max_tokens:
         return "length"
     return "cancelled" if request.cancelled else None
 
 
-def _first_token(request: Request, now: float) -> None:
-    request.first_token_at = now
-    stats = request.stats
-    stats.ttft_s = now - request.arrival  # queued time included; it is in queued_s too
-    busy = stats.ttft_s - stats.queued_s - stats.preempted_s
-    if busy > 0:
-        stats.prompt_tokens_per_s = stats.computed_tokens / busy
-
-
-def _finish_stats(request: Request, now: float) -> None:
-    stats = request.stats
-    stats.generation_tokens = len(request.output)
-    elapsed = now - request.first_token_at
-    if stats.generation_tokens > 1 and elapsed > 0:
-        stats.decode_tokens_per_s = (stats.generation_tokens - 1) / elapsed
-    stats.peak_memory_gb = mx.get_peak_memory() / 1e9
+def _peak_memory_gb() -> float:
+    return mx.get_peak_memory() / 1e9

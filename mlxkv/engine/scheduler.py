@@ -28,7 +28,6 @@ from dataclasses import dataclass, field
 
 from mlxkv.cache.coordinator import KVCacheCoordinator, PrefixHit
 from mlxkv.cache.sequence import Sequence
-from mlxkv.engine.records import RequestStats
 from mlxkv.engine.request import Request, RequestState
 from mlxkv.errors import PoolExhaustedError
 
@@ -95,7 +94,7 @@ class Scheduler:
         for r in dropped:
             self._leave_queue(r)
             r.finish()
-        for r in [r for r in self.running if r.cancelled and not r.output and r.remaining_prefill > 0]:
+        for r in [r for r in self.running if r.cancelled and not r.num_output and r.remaining_prefill > 0]:
             self.finish(r)
             dropped.append(r)
         return dropped
@@ -121,7 +120,7 @@ class Scheduler:
     def _fits(self, request: Request, hit: PrefixHit) -> bool:
         if self._prefix_pending(hit):
             return False
-        need = self.cache.admission_blocks(hit, len(request.prompt) + len(request.output), self.prefill_chunk)
+        need = self.cache.admission_blocks(hit, len(request.prompt) + request.num_output, self.prefill_chunk)
         return need + len(self.running) <= self.pool.num_free
 
     def _prefix_pending(self, hit: PrefixHit) -> bool:
@@ -144,9 +143,7 @@ class Scheduler:
         rest = len(seq.prompt) - seq.num_computed
         first = min(rest, self.prefill_chunk)
         self.cache.allocate_slots(seq, first, ahead=rest - first)
-        prompt = len(request.prompt)
-        stats = RequestStats(prompt, dict(seq.cached_tokens), prompt - seq.num_reused)
-        request.start(time.perf_counter(), seq, stats)
+        request.start(time.perf_counter(), seq)
         self.running.append(request)
         self.on_start(seq)
 

@@ -42,7 +42,7 @@ class Speculation:
     @staticmethod
     def _room(request: Request) -> int:
         """Proposals a request may still take: its reply ends at max_tokens, one token more than accepted."""
-        return request.max_tokens - len(request.output) - 1
+        return request.max_tokens - request.num_output - 1
 
     def wants_step(self, requests: list[Request]) -> bool:
         """Whether some decoding row would propose now and verify steps pay at this batch size
@@ -86,8 +86,7 @@ class Speculation:
     def _observe(self, request: Request, proposed: int, accepted: int) -> None:
         self._length(request).observe(proposed, accepted)
         self.stats.observe(proposed, accepted)
-        request.stats.proposed_tokens += proposed  # the reply's own share, for its last record
-        request.stats.accepted_tokens += accepted
+        request.record_proposal(proposed, accepted)  # the reply's own share, for its last record
 
     def forget(self, request: Request) -> None:
         self._lengths.pop(request, None)

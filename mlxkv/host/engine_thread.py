@@ -34,6 +34,7 @@ from mlxkv.config import CacheConfig
 from mlxkv.engine.records import GenerationChunk, RequestFailed, is_last  # noqa: F401  (re-exported)
 from mlxkv.engine.sampling import whole
 from mlxkv.errors import MlxkvError, MlxkvWarning, error_line, warning_text
+from mlxkv.host.messages import Call, Close, Submit
 from mlxkv.host.request_handle import RequestHandle
 
 log = logging.getLogger(__name__)
@@ -60,31 +61,11 @@ class EngineEvent:
     warnings: list[str] = field(default_factory=list)  # "ready": MlxkvWarnings raised while loading
 
 
-@dataclass
-class _Request:
-    handle: RequestHandle
-    prompt: object  # text or token ids; None when messages are given
-    messages: list[dict] | None
-    options: dict
-    fit_context: bool = False
-    reply_room: int | None = None
-
-
 def load_engine(model: str, cache: CacheConfig, report: Callable[[str, float | None], None]):
-    """Fetch (download with progress if needed) and load `model` onto a new pool."""
+    """Fetch (download with progress if needed) and load `model` onto a new pool: Engine.load."""
     from mlxkv.engine.engine import Engine
-    from mlxkv.models.fetch import fetch_model
-    from mlxkv.models.loader import load_model
 
-    path = fetch_model(model, report)
-    report(f"loading {model}", None)
-    loaded = load_model(path)
-    loaded.name = model
-    report("sizing the KV pool and opening the cache tiers", None)
-    return Engine(loaded, cache)
-
-
-_CLOSE = object()
+    return Engine.load(model, cache, report=report)
 
 
 @contextlib.contextmanager
@@ -128,10 +109,17 @@ class EngineThread:
         self.idle_tick = idle_tick
         self._queue: queue.Queue = queue.Queue()
         self._ids = itertools.count()
-        self._open: dict[int, RequestHandle] = {}  # submitted and not finished
+        # Requests open: counted by the submitting threads (under the lock) and by the
+        # engine thread as they end, each count with its one writer; the handles of the
+        # requests the engine thread has taken are its own.
+        self._submitted, self._ended = 0, 0
+        self._submit_lock = threading.Lock()
+        self._open: dict[int, RequestHandle] = {}  # taken and not finished: the engine thread's
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._main, name="mlxkv-engine", daemon=True)
-        self.engine = None  # read it only on the engine thread (see call())
+        # Read it only on the engine thread (see call()); its tokenizer and limits, which never
+        # change once it is loaded, template chats on the submitting thread (submit).
+        self.engine = None
         self.error: str | None = None
         self._closed = False
         self._snapshot_due = False
@@ -172,31 +160,54 @@ class EngineThread:
         if reply_room is not None and (not whole(reply_room) or reply_room < 1):
             raise MlxkvError(f"reply_room must be a whole number, at least 1, got {reply_room!r}")
         handle = RequestHandle(next(self._ids))
-        self._open[handle.id] = handle
-        self._queue.put(_Request(handle, prompt, messages, options, fit_context, reply_room))
+        if messages is not None:
+            prompt = self._chat_prompt(handle, messages, options, fit_context, reply_room)
+            if prompt is None:  # failed: the handle says why
+                return handle
+        with self._submit_lock:  # so no request is queued behind the close
+            if self._closed:
+                raise MlxkvError("the engine is closed")
+            self._submitted += 1
+            self._queue.put(Submit(handle, prompt, options))
         return handle
+
+    def _chat_prompt(self, handle: RequestHandle, messages: list[dict], options: dict, fit_context: bool,
+                     reply_room: int | None) -> list[int] | None:
+        """The chat's prompt, templated here, on the submitting thread: a long chat's template
+        (and its fitting, context_window.py) never costs the batch a step. None if it failed."""
+        self._ready.wait()
+        if self.error is not None:
+            handle._put(RequestFailed(self.error))
+            return None
+        room = options.get("max_tokens") if reply_room is None else reply_room
+        try:
+            prompt, handle.left_out = self.engine.chat_prompt(messages, room, fit=fit_context)
+        except Exception as e:  # one request's failure never ends the thread
+            handle._put(RequestFailed(error_line(e, log)))
+            return None
+        return prompt
 
     def call(self, fn: Callable) -> Future:
         """Run `fn(engine)` on the engine thread between requests."""
         future: Future = Future()
-        self._queue.put((fn, future))
+        self._queue.put(Call(fn, future))
         return future
 
     def close(self, timeout: float | None = 30.0) -> None:
-        """Cancel open requests, finish SSD writes, and end the thread."""
-        if self._closed:
-            return
-        self._closed = True
-        for handle in list(self._open.values()):
-            handle.cancel()
-        self._queue.put(_CLOSE)
+        """Cancel open requests (the engine thread does, when it takes the close), finish SSD
+        writes, and end the thread."""
+        with self._submit_lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._queue.put(Close())
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout)
 
     @property
     def open_requests(self) -> int:
         """Requests submitted and not finished (queued, running, or being cancelled)."""
-        return len(self._open)
+        return self._submitted - self._ended
 
     @property
     def alive(self) -> bool:
@@ -230,7 +241,7 @@ class EngineThread:
         try:
             with _mlxkv_warnings() as caught:
                 self.engine = self._load(self.model, self.cache, report)
-            self.watcher = PoolWatcher.of(self.engine)
+            self.watcher = PoolWatcher(self.engine.core)
         except Exception as e:  # any load failure becomes one line for the user
             if isinstance(e, MlxkvError):
                 self.error = str(e)
@@ -250,25 +261,27 @@ class EngineThread:
 
     def _serve(self) -> None:
         """Serve queued requests as one continuous batch, stepping while any is open."""
-        loop = self.engine.loop
+        core = self.engine.core
         closing = False
         idle_since = time.monotonic()
-        while not closing or loop.has_work:
-            block = not closing and not loop.has_work
-            for item in self._take(block):
-                if item is _CLOSE:
+        while not closing or core.has_work:
+            block = not closing and not core.has_work
+            for message in self._take(block):
+                if isinstance(message, Close):
                     closing = True
-                elif isinstance(item, tuple):
-                    self._call(*item)
+                    for handle in self._open.values():
+                        handle.cancel()
+                elif isinstance(message, Call):
+                    self._call(message)
                 else:
-                    self._submit(loop, item)
-            if loop.has_work:
-                loop.step()
+                    self._submit(core, message)
+            if core.has_work:
+                core.step()
                 self._snapshot_if_due()
                 idle_since = time.monotonic()
             elif block:
                 self._idle(time.monotonic() - idle_since)
-            self._publish_if_due(idle=not loop.has_work)
+            self._publish_if_due(idle=not core.has_work)
 
     def _idle(self, seconds: float) -> None:
         try:
@@ -291,57 +304,58 @@ class EngineThread:
                 return items
 
     def _refuse_all(self) -> None:
-        while (item := self._queue.get()) is not _CLOSE:
-            if isinstance(item, tuple):
-                item[1].set_exception(MlxkvError(self.error))
+        while not isinstance(message := self._queue.get(), Close):
+            if isinstance(message, Call):
+                message.future.set_exception(MlxkvError(self.error))
             else:
-                self._open.pop(item.handle.id, None)
-                item.handle._put(RequestFailed(self.error))
+                self._end(message.handle, RequestFailed(self.error))
 
-    def _call(self, fn: Callable, future: Future) -> None:
+    def _call(self, call: Call) -> None:
         try:
-            future.set_result(fn(self.engine))
+            call.future.set_result(call.fn(self.engine))
         except Exception as e:
-            future.set_exception(e)
+            call.future.set_exception(e)
 
-    def _submit(self, loop, request: _Request) -> None:
+    def _submit(self, core, request: Submit) -> None:
         handle = request.handle
+        self._open[handle.id] = handle
         if handle.cancelled:
             self._end(handle, RequestFailed("cancelled before it started", "cancelled"))
             return
         try:
-            prompt = request.prompt
-            if request.messages is not None:
-                room = request.options.get("max_tokens") if request.reply_room is None else request.reply_room
-                prompt, handle.left_out = self.engine.chat_prompt(request.messages, room, fit=request.fit_context)
             sink = self._sink(handle)
-            queued = self.engine.make_request(prompt, sink, should_stop=handle._cancel.is_set, **request.options)
+            queued = self.engine.make_request(request.prompt, sink, should_stop=handle._cancel.is_set,
+                                              **request.options)
         except Exception as e:  # one request's failure never ends the thread
             self._end(handle, RequestFailed(error_line(e, log)))
             return
-        if not loop.has_work:
+        if not core.has_work:
             self.watcher.begin()  # marks are per turn: from an idle pool on
-        loop.add(queued)
+        core.add(queued)
 
     def _sink(self, handle: RequestHandle) -> Callable:
         """Where the batch loop puts a request's records; notes when a snapshot is due."""
         first = [True]
 
         def put(record) -> None:
-            handle._put(record)
             if is_last(record):
-                self._open.pop(handle.id, None)
+                self._ended_request(handle)
                 self._snapshot_due = True
             elif first[0]:  # the first token's snapshot shows the prefix hits
                 first[0] = False
                 self._snapshot_due = True
+            handle._put(record)
 
         return put
 
     def _end(self, handle: RequestHandle, record) -> None:
-        self._open.pop(handle.id, None)
+        self._ended_request(handle)
         handle._put(record)
         self._snapshot_due = True
+
+    def _ended_request(self, handle: RequestHandle) -> None:
+        self._open.pop(handle.id, None)
+        self._ended += 1
 
     def _snapshot_if_due(self) -> None:
         now = time.monotonic()

@@ -15,9 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from mlxkv.cache.block_pool import BlockPool
 from mlxkv.cache.tiers import DISK, MEMORY, POOL, REMOTE
-from mlxkv.engine.loop import BatchLoop
 
 MARK_NONE = " "
 MARK_POOL_HIT = "p"
@@ -49,23 +47,28 @@ class PoolSnapshot:
 
 
 class PoolWatcher:
-    """Snapshots of a pool, with marks for the turn since `begin()`.
+    """Snapshots of an engine core's pool, with marks for the turn since `begin()`.
 
-    `running` is the batch loop's map of running sequences, read at each
-    snapshot; `connector` gives the tiers' counters.
+    `core` is an EngineCore (engine/core.py): its `block_pool`, its running
+    sequences' block tables (`running_tables()`), its tiers' counters
+    (`tier_stats()`) and `requests_served`, read at each snapshot.
     """
 
-    def __init__(self, pool: BlockPool, loop: BatchLoop, connector, block_size: int, kv_format: str = "",
-                 kv_bytes_per_token: int = 0):
-        self.pool, self.loop, self.connector, self.block_size = pool, loop, connector, block_size
-        self.kv_format, self.kv_bytes_per_token = kv_format, kv_bytes_per_token
+    def __init__(self, core):
+        self.core = core
+        layout = core.kv_layout
+        self.block_size, self.kv_format, self.kv_bytes_per_token = (layout.block_size, layout.kv_format,
+                                                                    layout.bytes_per_token)
         self.begin()
 
     @classmethod
     def of(cls, engine) -> PoolWatcher:
-        layout = engine.kv_layout
-        return cls(engine.block_pool, engine.loop, engine.connector, layout.block_size, layout.kv_format,
-                   layout.bytes_per_token)
+        """The watcher of an Engine's core."""
+        return cls(engine.core)
+
+    @property
+    def pool(self):
+        return self.core.block_pool
 
     def begin(self) -> None:
         blocks = self.pool.blocks
@@ -81,16 +84,16 @@ class PoolWatcher:
             self._marks += MARK_NONE.encode() * grown
             self._hashes += [None] * grown
         self._mark_spills(pool.blocks)
-        for seq in self.loop.running.values():
-            self._mark_sequence(seq, self.block_size)
+        for cached_tokens, table in self.core.running_tables():
+            self._mark_sequence(cached_tokens, table, self.block_size)
         marks = self._marks.decode()
         return PoolSnapshot(
             states=pool.block_states(),
             marks=marks,
             usage=pool.usage(),
-            tiers=self.connector.stats(),
+            tiers=self.core.tier_stats(),
             block_size=self.block_size,
-            requests=self.loop.requests_served,
+            requests=self.core.requests_served,
             mark_counts={m: marks.count(m) for m in (MARK_POOL_HIT, MARK_MEMORY, MARK_DISK, MARK_REMOTE, MARK_NEW,
                                                      MARK_SPILL)},
             kv_format=self.kv_format,
@@ -104,13 +107,13 @@ class PoolWatcher:
             if old is not None and block.block_hash != old:
                 self._marks[block.block_id] = spill
 
-    def _mark_sequence(self, seq, block_size: int) -> None:
+    def _mark_sequence(self, cached_tokens: dict, table: list, block_size: int) -> None:
         ends, total = [], 0
         for source, mark in _SOURCES:
-            total += seq.cached_tokens.get(source, 0) // block_size
+            total += cached_tokens.get(source, 0) // block_size
             ends.append((total, ord(mark)))
         new = ord(MARK_NEW)
-        for i, block in enumerate(self.loop.cache.tables(seq)[0]):
+        for i, block in enumerate(table):
             if block is None:
                 continue  # a sliding window let go of it, or a hit never needed it
             if self._marks[block.block_id] == ord(MARK_SPILL):

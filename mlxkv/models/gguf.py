@@ -31,10 +31,6 @@ SHARD_BYTES = 1 << 30  # weights written a shard at a time: an import never hold
 EOS_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
 
 
-def is_gguf(name: str) -> bool:
-    return name.lower().endswith(".gguf")
-
-
 def models_dir() -> Path:
     return cache_root() / "models"
 

@@ -15,7 +15,7 @@ from mlxkv.cache.layer_groups import GroupLayout, group_layout
 from mlxkv.cache.page_format import EMPTY, KEYS, OWN, KVShape
 from mlxkv.errors import MlxkvError, first_line
 from mlxkv.models import compat
-from mlxkv.models.fetch import local_model
+from mlxkv.models.fetch import Report, fetch_model, local_model
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +64,16 @@ def load_model(name: str) -> LoadedModel:
         raise MlxkvError(f"could not load model {name!r}: {reason}") from None
     loaded = LoadedModel(model, tokenizer, config, name)
     check_supported(loaded)
+    return loaded
+
+
+def load_named(name: str, report: Report = lambda what, fraction: None) -> LoadedModel:
+    """The one way a model is loaded, target, draft or the host's: fetch `name` (a path, a
+    Hugging Face id, "demo"; downloads report their progress), load it, and keep `name`."""
+    path = fetch_model(name, report)
+    report(f"loading {name}", None)
+    loaded = load_model(path)
+    loaded.name = name
     return loaded
 
 

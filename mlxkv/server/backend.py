@@ -71,22 +71,23 @@ def short_name(model: str) -> str:
 
 
 def _model_info(name: str, engine) -> ModelInfo:
-    cache = engine.cache_config
-    disk = cache.disk_tier
-    log_path = None if disk is None else Path(disk).expanduser() / engine.fingerprint.hex() / REPLY_LOG
-    tiers = [f"pool {engine.block_pool.budget} blocks of {cache.block_size} tokens"]
-    if cache.memory_tier_bytes:
-        tiers.append(f"memory tier {cache.memory_tier_bytes >> 20} MiB")
+    core = engine.core
+    config, block_size = core.config.tiers, core.kv_layout.block_size
+    disk = config.disk_tier
+    log_path = None if disk is None else Path(disk).expanduser() / core.fingerprint.hex() / REPLY_LOG
+    tiers = [f"pool {core.block_pool.budget} blocks of {block_size} tokens"]
+    if config.memory_tier_bytes:
+        tiers.append(f"memory tier {config.memory_tier_bytes >> 20} MiB")
     if disk is not None:
         tiers.append(f"SSD tier {disk}")
-    if cache.remote_tier is not None:
-        from mlxkv.connectors.remote.url import redact
+    if config.remote_tier is not None:
+        from mlxkv.remote_url import redact
 
-        tiers.append(f"remote tier {redact(cache.remote_tier)}")
-    vision = getattr(engine, "model", None)
-    vision = vision if isinstance(vision, VisionModel) else None
-    return ModelInfo(short_name(name), engine.tokenizer, engine.limits, engine.loaded.max_context, log_path,
-                     cache.block_size, ", ".join(tiers), vision)
+        tiers.append(f"remote tier {redact(config.remote_tier)}")
+    model = getattr(core.loaded, "model", None)
+    vision = model if isinstance(model, VisionModel) else None
+    return ModelInfo(short_name(name), core.tokenizer, core.limits, core.loaded.max_context, log_path,
+                     block_size, ", ".join(tiers), vision)
 
 
 class RecordReader:

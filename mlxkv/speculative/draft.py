@@ -1,7 +1,9 @@
 """A draft model proposes: a smaller model of the same tokenizer, on its own paged cache.
 
-The draft runs on an engine of its own (its model, pool, coordinator and
-runner, its own fingerprint and layout), so its prefix is cached as the
+The draft runs on an engine core of its own (its model, pool, coordinator
+and runner, its own fingerprint and layout; engine/core.py), driving its
+sequences through the core's `sequences` surface, which runs the batch
+loop's own step code (engine/run.py). So its prefix is cached as the
 target's is: a new turn of a chat catches up from the draft's prefix hit,
 not from scratch. For the rows asked, a proposal is k decode steps of the
 draft, batched; each row's draft sequence then holds KV for its known
@@ -16,7 +18,6 @@ This proposer owns its draft sequences: it alone writes them.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 
 import mlx.core as mx
@@ -33,8 +34,9 @@ CATCH_UP_CHUNK = 512  # tokens a draft sequence prefills per forward when it cat
 
 class DraftProposer:
     def __init__(self, draft, vocab_size: int):
-        """`draft`: an Engine of the draft model; `vocab_size`: the target's."""
+        """`draft`: the draft model's EngineCore (engine/core.py); `vocab_size`: the target's."""
         self.draft = draft
+        self.sequences = draft.sequences  # the core's surface for sequences run beside its loop
         self.vocab_size = vocab_size
         self._seqs: dict[object, Sequence] = {}
 
@@ -49,37 +51,29 @@ class DraftProposer:
     def forget(self, request) -> None:
         seq = self._seqs.pop(request, None)
         if seq is not None:
-            self.draft.cache.release(seq)
-            self.draft.runner.release(seq)
+            self.sequences.release(seq)
 
     # -- catching up with the target --------------------------------------------------
 
     def _catch_up(self, request) -> bool:
         """The request's draft sequence computed up to its last known token; False if the draft's pool is full."""
         seq = self._seqs.get(request)
-        tokens = request.prompt + request.output
+        tokens = request.tokens
         try:
             if seq is None:
-                seq = self._seqs[request] = self._admit(request, tokens)
+                root = self.draft.derived_root(request.hash_root)  # the salt carries over
+                seq = self._seqs[request] = self.sequences.admit(request.request_id, tokens, len(request.prompt),
+                                                                 root)
             else:
-                self._resync(seq, tokens, len(request.prompt))
-            self._prefill(seq, len(tokens) - 1)
+                self._resync(seq, tokens)
+            self.sequences.prefill(seq, len(tokens) - 1, CATCH_UP_CHUNK)
             return True
         except PoolExhaustedError:
             log.debug("the draft model's pool is full: no proposal this step")
             self.forget(request)
             return False
 
-    def _admit(self, request, tokens: list[int]) -> Sequence:
-        cache = self.draft.cache
-        root = None if request.hash_root is None else hashlib.sha256(
-            b"mlxkv-draft\0" + self.draft.fingerprint + request.hash_root).digest()  # the salt carries over
-        prompt = tokens[: len(request.prompt)]
-        seq = cache.admit(request.request_id, prompt, root, cache.lookup(prompt, root))
-        seq.output.extend(tokens[len(prompt):])
-        return seq
-
-    def _resync(self, seq: Sequence, tokens: list[int], prompt_len: int) -> None:
+    def _resync(self, seq: Sequence, tokens: list[int]) -> None:
         """Make the draft sequence's tokens the target's, keeping the KV both agree on."""
         agree = len(seq.prompt)
         known = seq.prompt + seq.output
@@ -87,37 +81,23 @@ class DraftProposer:
             agree += 1
         seq.output[:] = tokens[len(seq.prompt):]
         if seq.num_computed > agree:
-            self.draft.cache.rollback(seq, max(agree, seq.num_cached_blocks * self.draft.cache.block_size))
-
-    def _prefill(self, seq: Sequence, upto: int) -> None:
-        tokens = None
-        while seq.num_computed < upto:
-            tokens = tokens or seq.prompt + seq.output
-            n = min(CATCH_UP_CHUNK, upto - seq.num_computed)
-            self.draft.cache.allocate_slots(seq, n)
-            out = self.draft.runner.forward([seq], mx.array([tokens[seq.num_computed : seq.num_computed + n]]),
-                                            mirror=False)
-            self.draft.cache.computed([seq], n, out.states)
-            self.draft.cache.register_computed(seq)
-            mx.eval(self.draft.kv_pool.arrays)
+            self.sequences.rollback(seq, max(agree, seq.num_cached_blocks * self.sequences.block_size))
 
     # -- proposing -------------------------------------------------------------------
 
     def _decode(self, rows: list) -> dict:
         """k_max batched draft steps; each row proposes its first k tokens."""
         made = {request: Proposal([], []) for request, _ in rows}
-        last = {request: (request.output or request.prompt)[-1] for request, _ in rows}
+        last = {request: request.last_token for request, _ in rows}
         for step in range(max(k for _, k in rows)):
             live = [request for request, k in rows if k > step]
             seqs = [self._seqs[r] for r in live]
             try:
                 for seq in seqs:
-                    self.draft.cache.allocate_slots(seq, 1)
+                    self.sequences.allocate(seq, 1)
             except PoolExhaustedError:
                 break  # what was proposed so far stands
-            out = self.draft.runner.forward(seqs, mx.array([[last[r]] for r in live]), mirror=len(seqs) == 1)
-            self.draft.cache.computed(seqs, 1, out.states)
-            logprobs = out.logits - mx.logsumexp(out.logits, axis=-1, keepdims=True)
+            logprobs = self.sequences.decode(seqs, [last[r] for r in live])
             for i, (request, seq) in enumerate(zip(live, seqs)):
                 last[request] = self._pick(request, logprobs[i], made[request])
                 seq.output.append(last[request])  # the draft's own guess, corrected at the next catch-up
@@ -149,9 +129,10 @@ def _to_vocab(logprobs: mx.array, vocab_size: int) -> mx.array:
 
 
 def check_same_tokenizer(target, draft) -> None:
-    """A draft proposes token ids: both must read them the same, or the target rejects them all."""
+    """A draft proposes token ids: both must read them the same, or the target rejects them all.
+    `target`, `draft`: the loaded models (models/loader.py's LoadedModel)."""
     sample = "Hello, world! def f(x):\n    return x + 1  # 2026"
     if target.tokenizer.encode(sample) != draft.tokenizer.encode(sample) or (
             target.tokenizer.eos_token_ids != draft.tokenizer.eos_token_ids):
-        raise MlxkvError(f"the draft model {draft.loaded.name!r} does not share the tokenizer of "
-                         f"{target.loaded.name!r}; speculative decoding needs the same tokenizer")
+        raise MlxkvError(f"the draft model {draft.name!r} does not share the tokenizer of "
+                         f"{target.name!r}; speculative decoding needs the same tokenizer")

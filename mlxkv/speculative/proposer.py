@@ -40,9 +40,9 @@ class LookupProposer:
         index = self._indexes.get(request)
         if index is None:
             index = self._indexes[request] = PromptLookup(request.prompt)
-        known = len(request.prompt) + len(request.output)
+        known = len(request.prompt) + request.num_output
         if len(index) < known:
-            index.extend(request.output[len(index) - len(request.prompt):])
+            index.extend(request.tokens_since(len(index)))
         return index
 
     def propose(self, requests: list, lengths: list[int]) -> list[Proposal]:

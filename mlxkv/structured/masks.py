@@ -35,11 +35,11 @@ def mask_decode(requests, inputs: mx.array | None, logits: mx.array) -> mx.array
     a row whose newest token is not in its output yet consumes it from there."""
     rows = [(i, r) for i, r in enumerate(requests) if r.grammar is not None]
     mx.async_eval(logits)
-    pending = [r for _, r in rows if r.issued > len(r.output)]
+    pending = [r for _, r in rows if r.issued > r.num_output]
     last = inputs[:, 0].tolist() if pending and inputs is not None else None  # waits for the previous step
     start = time.perf_counter()  # the masks' own time, from here
     for i, r in rows:
-        r.grammar.catch_up(r.output, [last[i]] if last is not None and r.issued > len(r.output) else [])
+        r.grammar.catch_up(r.output, [last[i]] if last is not None and r.issued > r.num_output else [])
     compiler = rows[0][1].grammar.compiler
     bitmask = np.full((len(requests), _words(compiler.vocab_size)), -1, dtype=np.int32)
     _fill(compiler, [(r.grammar, i, None) for i, r in rows], bitmask)
@@ -152,16 +152,15 @@ def _eos_only(bitmask: np.ndarray, index: int, eos_ids: list[int], rows: int) ->
 
 
 def _record(compiler, rows, bitmask: np.ndarray, start: float, length: int) -> None:
-    """The step's mask time, into the compiler's stats and each row's share (its RequestStats);
+    """The step's mask time, into the compiler's stats and each row's share (its RequestStats, by the request);
     at DEBUG the tokens each row's masks refused (a popcount, skipped otherwise)."""
     elapsed = time.perf_counter() - start
     compiler.stats.mask_s += elapsed
     compiler.stats.mask_steps += 1
     debug = log.isEnabledFor(logging.DEBUG)
     for i, r in rows:
-        stats = r.stats  # this module is the one writer of its structured fields
-        stats.constrained = True
-        stats.mask_s += elapsed / len(rows)
+        refused = 0
         if debug:
             allowed = int(np.bitwise_count(bitmask[i * length].view(np.uint32)).sum())
-            stats.masked_tokens += max(0, compiler.vocab_size - allowed)
+            refused = max(0, compiler.vocab_size - allowed)
+        r.record_mask(elapsed / len(rows), refused)  # the request writes its own stats

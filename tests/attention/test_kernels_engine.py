@@ -102,11 +102,11 @@ def test_under_the_speed_gate_each_step_takes_its_buckets_path(family, kernel_at
     """A gate that found the kernels slower at batch 1 and faster at batch 8: a lone request decodes on
     the reference path (its mirror), a batch of four on the kernels; tokens equal mlx-lm's either way."""
     from mlxkv.attention.speed_gate import Bucket, SpeedGate
-    from mlxkv.engine import engine as engine_module
+    from mlxkv.engine import core as core_module  # where build_core chooses the attention path
 
     gate = SpeedGate(tuple(Bucket(b, c, 2.0 if b == 1 else 0.5, 1.0) for b in (1, 8) for c in (512, 4096, 16384)))
-    checked = engine_module.choose_attention
-    monkeypatch.setattr(engine_module, "choose_attention",
+    checked = core_module.choose_attention
+    monkeypatch.setattr(core_module, "choose_attention",
                         lambda *shape, **fmt: dataclasses.replace(checked(*shape, **fmt), gate=gate))
     _, path, model, tokenizer = family
     engine = Engine.load(path, CacheConfig(block_size=16, num_blocks=64, memory_tier_bytes=0))

@@ -113,7 +113,7 @@ def test_a_waiting_request_is_looked_up_again_only_when_the_cache_changed(llama_
     loop.add(waiting)
     steps, generations = 0, set()
     while waiting.state.value == "waiting" and loop.has_work:
-        generations.add(engine.cache.generation)
+        generations.add(engine.coordinator.generation)
         loop.step()
         steps += 1
     assert steps > 10  # it waited while the first request decoded

@@ -115,11 +115,11 @@ def test_on_metal_the_default_budget_respects_the_recommended_working_set():
             return self.recommended
 
     layout = KVLayout(4, 2, 128, 128, 16, mx.float16)  # 64 KiB blocks
-    roomy = size_pool(CacheConfig(), layout, max_context=1 << 20, device=Metal(1 << 50))
-    tight = size_pool(CacheConfig(), layout, max_context=1 << 20, device=Metal(8 << 30))
+    roomy = size_pool(CacheConfig().engine_config(), layout, max_context=1 << 20, device=Metal(1 << 50))
+    tight = size_pool(CacheConfig().engine_config(), layout, max_context=1 << 20, device=Metal(8 << 30))
     assert tight == (8 << 30) // 4 // layout.bytes_per_block < roomy
     # An explicit size is taken as asked.
-    assert size_pool(CacheConfig(num_blocks=99), layout, max_context=None, device=Metal(1 << 20)) == 99
+    assert size_pool(CacheConfig(num_blocks=99).engine_config(), layout, max_context=None, device=Metal(1 << 20)) == 99
 
 
 def test_an_idle_engine_gives_memory_back_and_answers_the_same(llama):
@@ -154,6 +154,6 @@ def test_a_model_of_states_alone_budgets_checkpoints_not_blocks():
 
     layout = KVLayout(0, 1, 1, 1, 16, mx.float32)  # no page layers: blocks hold nothing
     assert layout.bytes_per_block == 0
-    assert size_pool(CacheConfig(num_blocks=8), layout, max_context=None) == STATELESS_BLOCKS
-    assert checkpoint_budget(CacheConfig(memory_budget_bytes=1 << 30), layout, STATELESS_BLOCKS) == 1 << 30
-    assert checkpoint_budget(CacheConfig(), layout, STATELESS_BLOCKS) > 0
+    assert size_pool(CacheConfig(num_blocks=8).engine_config(), layout, max_context=None) == STATELESS_BLOCKS
+    assert checkpoint_budget(CacheConfig(memory_budget_bytes=1 << 30).engine_config(), layout, STATELESS_BLOCKS) == 1 << 30
+    assert checkpoint_budget(CacheConfig().engine_config(), layout, STATELESS_BLOCKS) > 0

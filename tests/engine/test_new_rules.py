@@ -48,7 +48,7 @@ def engine_for(loaded, num_blocks=256, prefill_chunk=512, **cache) -> Engine:
 
 def test_each_family_has_its_rule(family):
     name, _, loaded, _ = family
-    layout = engine_for(loaded).cache.group_layout
+    layout = engine_for(loaded).coordinator.group_layout
     rules = {"gemma4_text": lambda: layout.page is not None and {g.window for g in layout.groups} == {None, WINDOW},
              "deepseek_v32": lambda: layout.composites and layout.page is not None,
              "llama4": lambda: {g.chunk for g in layout.groups} == {None, WINDOW} and not layout.batched,
@@ -91,12 +91,12 @@ def test_a_running_sequence_holds_only_its_window_or_chunk(family):
     seen = []
     while engine.loop.has_work:
         engine.loop.step()
-        held = [len(m.held(request.request_id)) for m in engine.cache.attention]
+        held = [len(m.tables.held(request.request_id)) for m in engine.coordinator.attention]
         if request.seq is not None and any(held):
             seen.append((request.seq.num_computed, held))
     bound = -(-WINDOW // BLOCK) + 2  # the window or chunk (a partial block at each end) and the block being written
     for computed, held in seen:
-        for group, n in zip(engine.cache.group_layout.groups, held):
+        for group, n in zip(engine.coordinator.group_layout.groups, held):
             if group.window is None and group.chunk is None:  # the whole prompt's blocks from admission on
                 assert n == -(-max(computed, 150) // BLOCK)
             else:
@@ -117,7 +117,7 @@ def test_a_batch_equals_solo_runs(family):
 def test_preemption_through_the_memory_tier_keeps_output_equal(family):
     name, _, loaded, reference = family
     # Short prompts are admitted together; their long replies then run the pool short.
-    peak = engine_for(loaded).cache.peak_blocks(20 + 60, 512)
+    peak = engine_for(loaded).coordinator.peak_blocks(20 + 60, 512)
     engine = engine_for(loaded, num_blocks=peak + 4, memory_tier_bytes=64 << 20)
     prompts = [prompt_of(20, salt=s) for s in range(4)]
     results = engine.generate_batch(prompts, max_tokens=60)
@@ -135,7 +135,7 @@ def run_short_once(engine: Engine, after: int) -> None:
     """Make the pool run short once, when a request has `after` tokens: the scheduler
     then preempts its newest request, as it does when decode slots cannot be had
     (a model of states alone takes no blocks, so its pool never runs short itself)."""
-    scheduler, cache = engine.loop.scheduler, engine.cache
+    scheduler, cache = engine.loop.scheduler, engine.coordinator
     allocate, fits = cache.allocate_slots, scheduler.decode_fits
     state = {"armed": False, "done": False}
 

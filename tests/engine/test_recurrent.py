@@ -42,7 +42,7 @@ def engine_for(loaded, num_blocks=128, prefill_chunk=512, **cache) -> Engine:
 
 def test_the_recurrent_layers_are_their_own_slots(family):
     _, loaded, _ = family
-    layout = engine_for(loaded).cache.group_layout
+    layout = engine_for(loaded).coordinator.group_layout
     assert layout.has_recurrent and layout.groups and not layout.is_plain
     assert not set(layout.recurrent) & {s for g in layout.groups for s in g.slots}
 
@@ -83,7 +83,7 @@ def test_a_batch_equals_solo_runs(family):
 
 def test_preemption_resumes_from_a_checkpoint_with_the_same_output(family):
     _, loaded, reference = family
-    peak = engine_for(loaded).cache.peak_blocks(80 + 40, 512)
+    peak = engine_for(loaded).coordinator.peak_blocks(80 + 40, 512)
     engine = engine_for(loaded, num_blocks=peak + 3)
     prompts = [prompt_of(80, salt=s) for s in range(4)]
     results = engine.generate_batch(prompts, max_tokens=40)
@@ -232,7 +232,7 @@ def test_a_short_chat_survives_a_restart_though_the_ratio_writes_nothing(family,
     if leave == "close":
         engine.close()
     else:
-        engine.idle(engine.cache_config.idle_checkpoint_s)
+        engine.idle(engine.config.checkpoints.idle_s)
         engine.connector.flush(30)
     assert len(checkpoint_files(disk)) == 1
     follow = chat + prompt_of(6, salt=13)

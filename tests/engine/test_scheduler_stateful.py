@@ -90,7 +90,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     def references_are_the_running_block_tables(self):
         if not hasattr(self, "engine"):
             return
-        cache = self.engine.cache
+        cache = self.engine.coordinator
         held = Counter(b.block_id for seq in self.engine.loop.running.values() for b in cache.held(seq))
         pool = self.engine.block_pool
         assert {b.block_id: b.ref_count for b in pool.blocks if b.ref_count} == dict(held)

@@ -77,7 +77,7 @@ def held_per_step(engine: Engine, prompt: list[int], max_tokens: int) -> list[tu
     while engine.loop.has_work:
         engine.loop.step()
         seq = request.seq
-        held = [len(m.held(request.request_id)) for m in engine.cache.attention]
+        held = [len(m.tables.held(request.request_id)) for m in engine.coordinator.attention]
         if seq is not None and any(held):
             seen.append((seq.num_computed, held))
     return seen
@@ -92,7 +92,7 @@ def test_a_running_sequence_holds_only_its_window_in_a_sliding_group(family):
     # independent of the context, which grows to 190 tokens (12 blocks).
     bound = -(-WINDOW // BLOCK) + 2
     for computed, held in seen:
-        for group in engine.cache.group_layout.groups:
+        for group in engine.coordinator.group_layout.groups:
             if group.window is None:  # the whole prompt's blocks from admission on
                 assert held[group.index] == -(-max(computed, 150) // BLOCK)
             else:
@@ -111,7 +111,7 @@ def test_a_batch_equals_solo_runs(family):
 def test_preemption_and_evictions_through_the_memory_tier_keep_output_equal(family):
     _, loaded, reference = family
     # Room for one request and a little: the others are preempted, cached blocks evicted to the tier.
-    peak = engine_for(loaded).cache.peak_blocks(80 + 30, 512)
+    peak = engine_for(loaded).coordinator.peak_blocks(80 + 30, 512)
     engine = engine_for(loaded, num_blocks=peak + 4, memory_tier_bytes=64 << 20)
     prompts = [prompt_of(80, salt=s) for s in range(4)]
     results = engine.generate_batch(prompts, max_tokens=30)
@@ -147,4 +147,4 @@ def test_a_new_process_restores_the_prefix_from_the_ssd_tier(family, tmp_path):
     assert first["tokens"] == second["tokens"] == reference(prompt, 12)
     # Every group's blocks went to disk, each file saying whose they are.
     groups = {safetensors.safe_open(str(f), "np").metadata()["group"] for f in (tmp_path / "kv").rglob("*.safetensors")}
-    assert groups == {str(g.index) for g in engine_for(loaded).cache.group_layout.groups}
+    assert groups == {str(g.index) for g in engine_for(loaded).coordinator.group_layout.groups}

@@ -173,7 +173,7 @@ def test_preemption_with_speculation_keeps_the_output(llama):
     _, loaded, reference = llama
     prompts = [prompt_of(60, salt=s) for s in range(4)]
     answers = {tuple(p): reference(p, 40) for p in prompts}
-    peak = engine_for(loaded).cache.peak_blocks(60 + 40, 512)
+    peak = engine_for(loaded).coordinator.peak_blocks(60 + 40, 512)
     engine = engine_for(loaded, num_blocks=peak + 4, proposer=ScriptedProposer(answers, seed=5))
     results = engine.generate_batch(prompts, max_tokens=40)
     assert any(r.stats.preemptions for r in results)
@@ -324,6 +324,39 @@ def test_a_draft_that_is_the_model_itself_is_always_right(llama):
     assert engine.generate(prompt, max_tokens=30).tokens == reference(prompt, 30)
     stats = engine.stats()["speculative"]
     assert stats["mode"] == "draft" and stats["acceptance_rate"] == 1.0 and stats["tokens_per_step"] == 5.0
+
+
+def test_the_draft_runs_through_the_batch_loops_step_code(llama, monkeypatch):
+    """Every forward of the draft model goes through run.py's prefill_chunk and forward_rows
+    (engine/sequences.py), the functions the batch loop steps with: no copy of them."""
+    from mlxkv.engine import run, sequences
+
+    path, loaded, reference = llama
+    engine = draft_engine(loaded, path)
+    inside, stray, used = [], [], set()
+
+    def through(fn):
+        def step_code(*args, **kwargs):
+            inside.append(fn.__name__)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                used.add(inside.pop())
+        return step_code
+
+    monkeypatch.setattr(sequences, "forward_rows", through(run.forward_rows))
+    monkeypatch.setattr(sequences, "prefill_chunk", through(run.prefill_chunk))
+    forward = engine.draft.runner.forward
+
+    def watched(*args, **kwargs):
+        if not inside:
+            stray.append(args[1].shape)
+        return forward(*args, **kwargs)
+
+    engine.draft.runner.forward = watched
+    prompt = prompt_of(40, salt=53)
+    assert engine.generate(prompt, max_tokens=12).tokens == reference(prompt, 12)
+    assert used == {"forward_rows", "prefill_chunk"} and stray == []
 
 
 def test_a_draft_model_batched_equals_mlx_lm_and_resumes_its_own_cached_prefix(llama, tmp_path):

@@ -71,6 +71,24 @@ def test_second_chat_turn_reuses_the_first(engine):
     assert second[-1].stats.cached_tokens["pool"] >= 8
 
 
+def test_a_chat_is_templated_on_the_submitting_thread_and_counted_open_until_it_ends(engine, monkeypatch):
+    from mlxkv.chat import prompting
+
+    templated_on = []
+    chat_prompt = prompting.chat_prompt
+
+    def recorded(*args, **kwargs):
+        templated_on.append(threading.current_thread().name)
+        return chat_prompt(*args, **kwargs)
+
+    monkeypatch.setattr(prompting, "chat_prompt", recorded)
+    handle = engine.submit(messages=QUESTION, max_tokens=4)
+    assert engine.open_requests == 1
+    assert list(handle)[-1].finish_reason == "length"
+    assert templated_on == [threading.current_thread().name] != ["mlxkv-engine"]
+    assert engine.open_requests == 0
+
+
 def test_cancel_keeps_the_reply_so_far_and_releases_blocks(engine):
     handle = engine.submit(tokens(30, start=11), max_tokens=400)
     records = []

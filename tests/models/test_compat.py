@@ -70,7 +70,7 @@ def test_every_layer_of_every_supported_family_attends_through_the_paged_path(fa
     forwards = {1 + MAX_TOKENS - 1, 1 + MAX_TOKENS}
     # Every attention slot (a hybrid's recurrent slots keep mlx-lm's ArraysCache; a
     # CacheList's parts are (slot, part)).
-    layout = engine.cache.group_layout
+    layout = engine.coordinator.group_layout
     attention_slots = {slot for group in layout.groups for slot in group.slots}
     covered = {s if isinstance(s, int) else s[0] for s in attention_slots | set(layout.recurrent)}
     assert covered == set(range(layout.num_slots))

@@ -16,7 +16,7 @@ import anthropic
 import openai
 
 from faults import wait_until as wait_for  # noqa: F401  (the server tests' name for it)
-from mlxkv.config import CacheConfig
+from mlxkv.config import CacheConfig, EngineConfig, TierConfig
 from mlxkv.engine.engine import Engine
 from mlxkv.engine.limits import RequestLimits
 from mlxkv.engine.records import GenerationChunk, RequestStats
@@ -94,10 +94,10 @@ class ScriptedThread:
         tokenizer = load(Path(model_dir))
         limits = RequestLimits(tokenizer.vocab_size, 4096, 1024, 16)
         pool = SimpleNamespace(budget=1024, usage=lambda: {"in_use": 0, "num_blocks": 16, "budget_blocks": 1024})
-        self.engine = SimpleNamespace(tokenizer=tokenizer, limits=limits, block_pool=pool,
-                                      loaded=SimpleNamespace(max_context=4096), stats=lambda: {"scripted": True},
-                                      cache_config=SimpleNamespace(disk_tier=None, remote_tier=None, block_size=16,
-                                                                   memory_tier_bytes=0), fingerprint=bytes(32))
+        core = SimpleNamespace(tokenizer=tokenizer, limits=limits, block_pool=pool,
+                               loaded=SimpleNamespace(max_context=4096), kv_layout=SimpleNamespace(block_size=16),
+                               config=EngineConfig(tiers=TierConfig(memory_tier_bytes=0)), fingerprint=bytes(32))
+        self.engine = SimpleNamespace(core=core, tokenizer=tokenizer, limits=limits, stats=lambda: {"scripted": True})
         self.published = {"scripted": True, "pool": pool.usage()}
         self.submitted: list[tuple[list[int], dict]] = []
         self.alive = True

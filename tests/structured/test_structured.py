@@ -193,7 +193,8 @@ def test_a_matcher_rolls_back_and_a_complete_grammar_allows_only_eos(engine):
     assert not matcher.accepting and matcher.consumed == 1 and matcher.valid_prefix([b]) == 1
     matcher.advance([b])
     request.stats = RequestStats.unknown(1)  # as admission gives it: the masks write their time there
-    request.output, request.issued = [a, b], 2
+    request._waiting_output = [a, b]  # a preempted request's kept tokens: its output while it holds no sequence
+    request.issue(2)
     logits = mask_decode([request], None, mx.zeros((1, engine.loaded.vocab_size)))
     allowed = set(np.flatnonzero(np.isfinite(np.array(logits[0]))).tolist())
     assert allowed == set(engine.tokenizer.eos_token_ids)

@@ -1,4 +1,4 @@
-"""What every attention group's manager shares: its running sequences' block tables.
+"""What every attention group's manager shares: its rule's questions, over its block tables.
 
 A manager answers for one layer group (layer_groups.py) with one rule:
 how long a prefix hit it accepts (`longest_hit`), which blocks a hit at b
@@ -6,11 +6,8 @@ needs (`needs`), how many blocks a sequence holds on its way to n tokens
 (`peak_blocks`), and which blocks a running sequence may let go of
 (`passed`). full.py and sliding.py are the two rules; recurrent.py is the
 recurrent layers' manager, which holds states instead of blocks. The
-coordinator (coordinator.py) asks each in turn and does the rest.
-
-Entry i of a table is the block of the sequence's i-th block of tokens,
-or None where the group never needed it (a hit started past it) or let
-go of it (a sliding window moved past).
+coordinator (coordinator.py) asks each in turn and does the rest. A
+manager's running sequences' block tables are its `tables` (tables.py).
 """
 
 from __future__ import annotations
@@ -18,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from mlxkv.cache.block_pool import Block, BlockPool
+from mlxkv.cache.groups.tables import SequenceTables
 from mlxkv.cache.hashing import BlockHash, group_hash
 from mlxkv.cache.layer_groups import KVGroup
 
@@ -79,14 +77,13 @@ class GroupNeeds:
 
 
 class AttentionManager:
-    """One attention group's block tables; subclasses give the rule (full.py, sliding.py)."""
+    """One attention group's rule over its block tables; subclasses give the rule (full.py, sliding.py)."""
 
     def __init__(self, group: KVGroup, pool: BlockPool, block_size: int):
         self.group = group
         self.pool = pool
         self.block_size = block_size
-        self._tables: dict[int, list[Block | None]] = {}  # request id -> table
-        self._unstored: dict[int, list[Block]] = {}  # registered, not yet offered to the connector
+        self.tables = SequenceTables()
 
     @property
     def index(self) -> int:
@@ -131,64 +128,24 @@ class AttentionManager:
         table: list[Block | None] = [None] * num_blocks
         for i, block in held:
             table[i] = block
-        self._tables[request_id] = table
-        self._unstored[request_id] = []
+        self.tables.start(request_id, table)
 
     # -- running ---------------------------------------------------------------
-
-    def table(self, request_id: int) -> list[Block | None]:
-        return self._tables[request_id]
 
     def short(self, request_id: int, num_computed: int, num_new: int, ahead: int) -> int:
         """Blocks the table lacks for the next `num_new` tokens (+ `ahead`, if this rule takes them now)."""
         end = num_computed + num_new + (ahead if self.slots_ahead() else 0)
-        return max(0, blocks_for(end, self.block_size) - len(self._tables[request_id]))
-
-    def extend(self, request_id: int, blocks: list[Block]) -> None:
-        self._tables[request_id].extend(blocks)
-
-    def trim(self, request_id: int, num_blocks: int) -> list[Block]:
-        """Cut the table to `num_blocks` entries; returns the held blocks cut, for the pool to free."""
-        table = self._tables[request_id]
-        cut = [b for b in table[num_blocks:] if b is not None]
-        del table[num_blocks:]
-        return cut
+        return max(0, blocks_for(end, self.block_size) - len(self.tables.table(request_id)))
 
     def passed(self, request_id: int, num_computed: int, registered: int) -> list[int]:
         """Indices of held blocks the next token no longer needs (registered ones only)."""
-        table = self._tables[request_id]
+        table = self.tables.table(request_id)
         end = min(self.first_needed(num_computed), len(table), registered)
         return [i for i in range(end) if table[i] is not None]
 
-    def drop(self, request_id: int, indices: list[int]) -> list[Block]:
-        """Let go of these blocks of the table; returns them, for the pool to free."""
-        table = self._tables[request_id]
-        blocks = [table[i] for i in indices]
-        for i in indices:
-            table[i] = None
-        return blocks
-
-    def has_unstored(self, request_id: int, indices: list[int]) -> bool:
-        unstored = self._unstored[request_id]
-        table = self._tables[request_id]
-        return any(table[i] in unstored for i in indices)
-
     def register(self, request_id: int, hashes: list[BlockHash], start: int, end: int) -> int:
         """Register the table's blocks start..end-1 under their keys; returns how many are waiting to be stored."""
-        table = self._tables[request_id]
+        table = self.tables.table(request_id)
         held = [(b, self.key(h)) for b, h in zip(table[start:end], hashes[start:end]) if b is not None]
         newly = self.pool.register([b for b, _ in held], [key for _, key in held], self.group.index)
-        self._unstored[request_id].extend(newly)
-        return len(self._unstored[request_id])
-
-    def take_unstored(self, request_id: int) -> list[Block]:
-        blocks, self._unstored[request_id] = self._unstored[request_id], []
-        return blocks
-
-    def release(self, request_id: int) -> list[Block | None]:
-        """The sequence leaves: its table, for the coordinator to free."""
-        self._unstored.pop(request_id, None)
-        return self._tables.pop(request_id)
-
-    def held(self, request_id: int) -> list[Block]:
-        return [b for b in self._tables.get(request_id, ()) if b is not None]
+        return self.tables.add_unstored(request_id, newly)

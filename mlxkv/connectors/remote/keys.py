@@ -20,9 +20,9 @@ from __future__ import annotations
 
 from mlxkv.cache.checkpoints import CheckpointRef
 from mlxkv.cache.hashing import BlockHash
+from mlxkv.config import DEFAULT_REMOTE_TIER_PREFIX as DEFAULT_PREFIX  # noqa: F401  (defined once, in config)
 from mlxkv.connectors.disk.run_file import FORMAT_VERSION
 
-DEFAULT_PREFIX = "mlxkv:"
 # Checkpoints the stream remembers (approximately: Redis trims it in whole nodes).
 STREAM_LENGTH = 1 << 16
 

@@ -28,13 +28,14 @@ import logging
 import time
 from collections.abc import Callable
 
+from mlxkv.config import DEFAULT_REMOTE_TIER_TIMEOUT_MS
 from mlxkv.connectors.health import DOWN, DROPPING, OK, READ_ONLY, TierHealth
 from mlxkv.connectors.remote.url import redact
 from mlxkv.errors import first_line
 
 log = logging.getLogger(__name__)
 
-DEFAULT_TIMEOUT_S = 0.05
+DEFAULT_TIMEOUT_S = DEFAULT_REMOTE_TIER_TIMEOUT_MS / 1000
 WRITE_TIMEOUT_S = 2.0  # a SET's whole send: a few MB on a slow network
 PROBE_TIMEOUT_S = 1.0
 BACKOFF_MIN_S = 0.25

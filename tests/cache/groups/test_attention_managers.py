@@ -77,12 +77,12 @@ def test_a_table_registers_and_releases_its_blocks():
     manager = full()
     blocks = manager.pool.allocate(3)
     manager.start(7, 0, [])
-    manager.extend(7, blocks)
+    manager.tables.extend(7, blocks)
     assert manager.register(7, HASHES, 0, 2) == 2  # two registered, waiting to be stored
     assert [b.block_hash for b in blocks] == [HASHES[0], HASHES[1], None]
-    assert manager.take_unstored(7) == blocks[:2] and manager.take_unstored(7) == []
+    assert manager.tables.take_unstored(7) == blocks[:2] and manager.tables.take_unstored(7) == []
     assert manager.passed(7, num_computed=48, registered=2) == []  # full attention never lets go
-    assert manager.release(7) == blocks and manager.held(7) == []
+    assert manager.tables.release(7) == blocks and manager.tables.held(7) == []
 
 
 # -- sliding window -------------------------------------------------------------
@@ -129,11 +129,11 @@ def test_a_sliding_group_lets_go_of_registered_blocks_its_window_passed():
     manager = sliding(32)
     blocks = manager.pool.allocate(4)
     manager.start(3, 0, [])
-    manager.extend(3, blocks)
+    manager.tables.extend(3, blocks)
     assert manager.passed(3, num_computed=64, registered=4) == [0, 1]  # the token at 64 sees 33..64
     assert manager.passed(3, num_computed=64, registered=1) == [0]  # never an unregistered one
-    assert manager.drop(3, [0, 1]) == blocks[:2] and manager.table(3) == [None, None, *blocks[2:]]
-    assert manager.held(3) == blocks[2:]
+    assert manager.tables.drop(3, [0, 1]) == blocks[:2] and manager.tables.table(3) == [None, None, *blocks[2:]]
+    assert manager.tables.held(3) == blocks[2:]
     assert not manager.slots_ahead()
     assert manager.peak_blocks(1000, chunk=64) == 7  # window + chunk (6 blocks), and a partial one
     assert manager.peak_blocks(40, chunk=64) == 3
@@ -169,7 +169,7 @@ def test_a_chunked_group_lets_go_of_the_blocks_before_its_chunk():
     manager = chunked(32)
     blocks = manager.pool.allocate(5)
     manager.start(4, 0, [])
-    manager.extend(4, blocks)
+    manager.tables.extend(4, blocks)
     assert manager.passed(4, num_computed=70, registered=5) == [0, 1, 2, 3]  # 70's chunk starts at 64
     assert manager.passed(4, num_computed=63, registered=5) == [0, 1]
     assert manager.peak_blocks(1000, chunk=64) == 7 and manager.peak_blocks(40, chunk=64) == 3
