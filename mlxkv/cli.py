@@ -118,7 +118,7 @@ class OneLineErrors(argparse.ArgumentParser):
     Subcommands' parsers are of this class too (add_subparsers takes it)."""
 
     def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -201,7 +201,7 @@ def test_verify_steps_ask_for_the_verify_buckets(llama_dir, monkeypatch):
     """The engine passes each step's query count: a verify step of k proposals asks for k + 1
     queries (the gate's several-query buckets), a decode step for 1, a prefill chunk for more."""
     from mlxkv.config import CacheConfig
-    from mlxkv.engine import engine as engine_module
+    from mlxkv.engine import core as engine_module
     from mlxkv.engine.engine import Engine
     from mlxkv.speculative.step_cost import AlwaysSpeculate
 

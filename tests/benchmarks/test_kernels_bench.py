@@ -27,13 +27,13 @@ def test_the_mac_report_shows_kernel_rows_and_the_speed_gate():
 
     gate = [{"batch": 1, "context": 512, "kernel_ms": 0.2, "reference_ms": 0.1, "queries": 1, "path": "reference"},
             {"batch": 8, "context": 512, "kernel_ms": 0.3, "reference_ms": 0.6, "queries": 4, "path": "kernel"}]
-    rows = [{"context": 1024, "batch": b, "path": "kernel", "dtype": "float16", "paged_ms": ms, "sdpa_ms": 0.1,
+    rows = [{"context": 1024, "batch": b, "queries": 1, "path": "kernel", "dtype": "float16", "paged_ms": ms, "sdpa_ms": 0.1,
              "ratio": ms / 0.1, "goal": GOAL} for b, ms in ((1, 0.105), (8, 0.125))]
     machine = {"chip": "Apple M3", "memory_gib": 16, "os": "macOS", "macos": "15.1", "mlx": "0.32", "mlx_lm": "0.32",
                "mlxkv": "0.1", "attention": {"path": "kernel", "check": None, "gate": gate, "why": "passed"}}
     text = markdown({"date": "today", "machine": machine,
                      "suites": {"kernels": rows, "tiers": [], "engine": [], "memory": []}})
-    assert "| 1024 | 8 | kernel | 0.125 | 0.100 | 1.250x | <= 1.1 |" in text
+    assert "| 1024 | 8 | 1 | kernel | 0.125 | 0.100 | 1.250x | <= 1.1 |" in text
     assert "Worst kernel/SDPA ratio 1.250x: the goal (<= 1.1x) is NOT met." in text
     assert "| 1 | 1 | 512 | 0.200 | 0.100 | 2.000x | reference |" in text
     assert "| 4 | 8 | 512 | 0.300 | 0.600 | 0.500x | kernel |" in text
