@@ -158,6 +158,7 @@ def test_planted_inefficiencies_miss_the_goals(inst, old, new, what):
 # ---- mlxkv bench kernels --efficiency --------------------------------------------------------
 
 
+@pytest.mark.slow
 @needs_clang
 def test_the_bench_reports_a_row_per_instantiation_and_pass(monkeypatch, capsys):
     chosen = [Instantiation(mx.float16, 64, 2, 16), Instantiation(mx.float16, 80, 1, 32),

@@ -36,6 +36,7 @@ def test_every_format_and_head_dim(on_device, bits, group, head_dim, queries):
     check_case(case, partition=32)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("queries", [1, 3])
 def test_the_quantized_kernels_equal_the_full_precision_ones_on_the_same_values(on_device, bits, queries):

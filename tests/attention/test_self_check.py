@@ -158,6 +158,7 @@ def faulting(launch):
     (mx.float16, 64, 16, (2, 2), (4, 32)),
     pytest.param(mx.bfloat16, 128, 32, (8, 2), (8, 64), marks=pytest.mark.slow),
 ], ids=["float32-d64", "float16-d128", "bfloat16-d64", "q4-float16-d64", "q8-bfloat16-d128"])
+@pytest.mark.slow
 def test_the_real_kernels_pass_their_check(dtype, head_dim, block_size, heads, pool, checked_once):
     check = self_check.check_kernels(dtype, head_dim, block_size, *heads, harness_run(), *pool)
     assert check.ok, check.reason
@@ -187,6 +188,7 @@ def test_every_multi_query_instantiation_a_model_uses_is_checked():
     (forgets_chunks, "2 queries per row, chunk boundary: differs from the float64 oracle"),
 ], ids=["compile", "gpu-fault", "lying", "second-tile", "single-pass", "reduce", "multi", "multi-partitioned",
         "forgets-chunks"])
+@pytest.mark.slow
 def test_a_kernel_that_fails_its_check_sends_decode_to_the_reference_path(run, says):
     with pytest.warns(KernelCheckWarning) as caught:
         choice = choose_attention("kernel", mx.float16, 64, 64, 16, 4, 2, run=run)
@@ -210,6 +212,7 @@ def test_a_passing_check_keeps_the_kernels(checked_once):
     assert choice.path == "kernel" and choice.check.ok
 
 
+@pytest.mark.slow
 def test_a_quantized_pool_is_checked_in_its_format_and_auto_times_it():
     timed = []
 

@@ -132,6 +132,7 @@ def test_memory_benchmark_row(llama_dir):
     assert "16 of " in r["note"]  # the pool made one growth step's blocks, not its budget
 
 
+@pytest.mark.slow
 def test_the_mac_report_runs_end_to_end_here_on_the_cpu_path(tmp_path):
     from mlxkv.benchmarks.report import ReportSizes, run_report
     from mlxkv.models.tiny import write_tiny_model

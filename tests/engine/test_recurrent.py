@@ -81,6 +81,7 @@ def test_a_batch_equals_solo_runs(family):
         assert result.tokens == reference(prompt, 24)
 
 
+@pytest.mark.slow
 def test_preemption_resumes_from_a_checkpoint_with_the_same_output(family):
     _, loaded, reference = family
     peak = engine_for(loaded).coordinator.peak_blocks(80 + 40, 512)
@@ -179,6 +180,7 @@ def test_a_bad_checkpoint_file_falls_back_to_the_longest_good_hit(family, tmp_pa
     assert disk["corrupt"] == (2 if fault == "corrupt" else 0)
 
 
+@pytest.mark.slow
 def test_short_turns_write_a_checkpoint_only_once_the_kv_since_the_last_outweighs_it(family, tmp_path):
     """The SSD write policy (groups/recurrent.py): turns whose KV is small against a
     checkpoint leave theirs in memory; after a crash a restart resumes at the last
@@ -216,6 +218,7 @@ def test_short_turns_write_a_checkpoint_only_once_the_kv_since_the_last_outweigh
     assert restarted["tokens"] == reference(follow, 16)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("leave", ["close", "idle"])
 def test_a_short_chat_survives_a_restart_though_the_ratio_writes_nothing(family, tmp_path, leave):
     """Short turns write no checkpoint by the ratio (here as if the state were

@@ -38,6 +38,7 @@ def demo(demo_path):
         yield engine
 
 
+@pytest.mark.slow
 def test_greedy_output_equals_mlx_lm_and_is_english(demo, demo_path):
     ours = demo.chat(FRANCE, max_tokens=12)
     model, tokenizer = mlx_lm.load(demo_path)
