@@ -39,7 +39,7 @@ def mask_decode(requests, inputs: mx.array | None, logits: mx.array) -> mx.array
     last = inputs[:, 0].tolist() if pending and inputs is not None else None  # waits for the previous step
     start = time.perf_counter()  # the masks' own time, from here
     for i, r in rows:
-        r.grammar.catch_up(r.output, [last[i]] if last is not None and r.issued > r.num_output else [])
+        r.grammar.catch_up(r, [last[i]] if last is not None and r.issued > r.num_output else [])
     compiler = rows[0][1].grammar.compiler
     bitmask = np.full((len(requests), _words(compiler.vocab_size)), -1, dtype=np.int32)
     _fill(compiler, [(r.grammar, i, None) for i, r in rows], bitmask)
@@ -56,7 +56,7 @@ def mask_verify(requests, proposals: dict, logits: mx.array) -> mx.array:
     start = time.perf_counter()
     batch, length = logits.shape[0], logits.shape[1]
     for _, r in rows:
-        r.grammar.catch_up(r.output)
+        r.grammar.catch_up(r)
     compiler = rows[0][1].grammar.compiler
     bitmask = np.full((batch * length, _words(compiler.vocab_size)), -1, dtype=np.int32)
     items = []
@@ -75,7 +75,7 @@ def cut_proposals(proposals: dict) -> dict:
     cut = {}
     for request, proposal in proposals.items():
         if request.grammar is not None and proposal.tokens:
-            request.grammar.catch_up(request.output)
+            request.grammar.catch_up(request)
             n = request.grammar.valid_prefix(proposal.tokens)
             if n < len(proposal.tokens):
                 proposal = replace(proposal, tokens=proposal.tokens[:n],
@@ -90,7 +90,7 @@ def mask_draft(request, logprobs: mx.array, drafted: list[int]) -> mx.array:
     back after the mask, so a draft proposes only what the grammar allows (an unmasked draft's
     first token was nearly always refused, and its proposals cut to none)."""
     matcher = request.grammar
-    matcher.catch_up(request.output)
+    matcher.catch_up(request)
     start = time.perf_counter()
     consumed = 0
     for token in drafted:

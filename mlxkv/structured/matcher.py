@@ -43,11 +43,12 @@ class RowMatcher:
                 self.failed = self.ll.get_error() or f"token {token} is not allowed"
                 log.warning("a constrained reply left its grammar (%s): it ends here", self.failed)
 
-    def catch_up(self, output: list[int], in_flight: list[int] = ()) -> None:
-        """Advance over the reply's tokens not consumed yet, then a token still in flight."""
-        known = len(output)
+    def catch_up(self, request, in_flight: list[int] = ()) -> None:
+        """Advance over `request`'s reply tokens not consumed yet, then a token still in flight.
+        Reads only the new tokens (Request.tokens_since): this runs every step of a constrained row."""
+        known = request.num_output
         if self.consumed < known:
-            self.advance(output[self.consumed:])
+            self.advance(request.tokens_since(len(request.prompt) + self.consumed))
         if self.consumed == known:
             self.advance(list(in_flight))
 
