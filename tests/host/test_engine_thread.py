@@ -167,6 +167,9 @@ def test_close_cancels_open_requests_and_refuses_new_ones(llama_dir):
 
 
 def test_batches_come_at_most_once_per_interval_and_the_first_at_once():
+    # Bounds with room for a loaded machine: the interval is long next to the feeder's
+    # sleeps, and "at once" means well inside one interval, not a speed.
+    interval = 0.2
     handle = RequestHandle(0)
     for i in range(5):
         handle._put(GenerationChunk(str(i), i))
@@ -175,19 +178,19 @@ def test_batches_come_at_most_once_per_interval_and_the_first_at_once():
 
     def feed():
         for i in range(5, 30):
-            time.sleep(0.004)
+            time.sleep(0.01)
             handle._put(GenerationChunk(str(i), i))
         handle._put(GenerationChunk("!", 30, "length"))
 
     threading.Thread(target=feed).start()
-    for batch in handle.batches(0.05):
+    for batch in handle.batches(interval):
         got.append(batch)
         times.append(time.monotonic() - start)
-    assert [r.token for r in got[0]] == [0, 1, 2, 3, 4] and times[0] < 0.03
+    assert [r.token for r in got[0]] == [0, 1, 2, 3, 4] and times[0] < interval / 2
     assert [r.token for b in got for r in b] == list(range(31))
     spaced = times[:-1]  # the last record is passed on at once
-    assert all(b - a >= 0.045 for a, b in zip(spaced, spaced[1:]))
-    assert len(got) <= 5
+    assert all(b - a >= interval * 0.9 for a, b in zip(spaced, spaced[1:]))
+    assert len(got) < len(range(31))  # records were merged, not passed one by one
 
 
 def test_pool_watcher_marks_hydration_from_memory_and_spills(llama_dir):
