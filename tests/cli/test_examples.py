@@ -13,8 +13,9 @@ pytestmark = pytest.mark.slow  # subprocesses, apps and real terminals
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
-def test_kv_cache_connector_example_hydrates_from_memory():
-    out = subprocess.run([sys.executable, str(EXAMPLES / "kv_cache_connector.py")],
+def test_kv_cache_connector_example_hydrates_from_memory(llama_dir):
+    # A tiny model: what the example shows is the tier, and the demo model took a minute here.
+    out = subprocess.run([sys.executable, str(EXAMPLES / "kv_cache_connector.py"), "--model", llama_dir],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     last_turn = [l for l in out.stdout.splitlines() if l.startswith("A, turn 2")][0]
