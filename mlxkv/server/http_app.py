@@ -158,8 +158,18 @@ def _reply_fields(reply) -> str:
         return f" prompt={reply.prompt_len} cancelled" if reply.cancelled else f" prompt={reply.prompt_len}"
     s = reply.stats
     cached = sum(s.cached_tokens.values())
-    return (f" prompt={s.prompt_tokens} cached={cached}{_image_fields(reply.prompt, cached)} ttft={s.ttft_s:.2f}s "
-            f"out={s.generation_tokens}")
+    return (f" prompt={s.prompt_tokens} cached={cached}{_tier_fields(s.cached_tokens)}"
+            f"{_image_fields(reply.prompt, cached)} ttft={s.ttft_s:.2f}s out={s.generation_tokens}")
+
+
+# How the access log names the tiers a prompt's reuse came from beyond the pool.
+TIER_WORDS = {"memory": "memory", "disk": "SSD", "remote": "remote"}
+
+
+def _tier_fields(cached_tokens: dict) -> str:
+    """" (40 from SSD)": the cached tokens that came from a tier, not the pool (after a restart or reload)."""
+    parts = [f"{n} from {TIER_WORDS.get(tier, tier)}" for tier, n in cached_tokens.items() if tier != "pool" and n]
+    return f" ({', '.join(parts)})" if parts else ""
 
 
 def _image_fields(prompt, cached: int) -> str:

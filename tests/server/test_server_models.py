@@ -1,0 +1,155 @@
+"""Several models in one real server, through the official clients: names and aliases reach
+their models with a single model's output, models load on demand and unload for room or
+when idle, an unloaded model's cache comes back from the SSD tier, two models serve side by
+side, and a model that fails to load leaves the others serving."""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+
+import pytest
+
+from mlxkv.config import CacheConfig
+from mlxkv.engine.engine import Engine
+from mlxkv.host.engine_thread import load_engine
+from mlxkv.server.model_specs import NEVER, ModelSpec
+from mlxkv.server.server import ModelsOptions, Server, ServerOptions
+from server_support import CACHE, anthropic_client, openai_client, raw, wait_for
+
+pytestmark = pytest.mark.slow
+STEP_S = 0.05  # the llama's steps are slowed this much, so its streams overlap the qwen's requests
+
+
+def ask(topic: str) -> list[dict]:
+    return [{"role": "system", "content": "You answer briefly."},
+            {"role": "user", "content": f"Tell me about {topic}, and why it matters to people who live there."}]
+
+
+def slow_llama(llama_dir: str):
+    def load(model, cache, report):
+        engine = load_engine(model, cache, report)
+        if model == llama_dir:
+            step = engine.loop.step
+
+            def slow_step():
+                time.sleep(STEP_S)
+                return step()
+
+            engine.loop.step = slow_step
+        return engine
+
+    return load
+
+
+@pytest.fixture(scope="module")
+def dirs(model_dirs, tmp_path_factory):
+    broken = tmp_path_factory.mktemp("broken")
+    (broken / "config.json").write_text(json.dumps({"model_type": "no-such-family"}))
+    return {"llama": model_dirs["llama"], "qwen": model_dirs["qwen2"], "broken": str(broken)}
+
+
+@pytest.fixture(scope="module")
+def oracles(dirs):
+    with Engine.load(dirs["llama"], CacheConfig(**CACHE)) as llama, Engine.load(dirs["qwen"], CacheConfig(**CACHE)) as qwen:
+        yield {"llama": llama, "qwen": qwen}
+
+
+@pytest.fixture(scope="module")
+def fleet(dirs):
+    """llama, qwen and a broken model; aliases for Claude Code's two names; idle models unload after 2 s."""
+    specs = [ModelSpec("llama", dirs["llama"]), ModelSpec("qwen", dirs["qwen"]), ModelSpec("broken", dirs["broken"])]
+    models = ModelsOptions(aliases=[("claude-haiku-*", "qwen"), ("claude-*", "llama")], keep_alive_s=2.0)
+    with Server.load_models(specs, CacheConfig(**CACHE), ServerOptions(port=0), models,
+                            load=slow_llama(dirs["llama"])).start() as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def one_at_a_time(dirs, tmp_path_factory):
+    """--max-loaded 1 with an SSD tier: each switch unloads the other model."""
+    specs = [ModelSpec("llama", dirs["llama"]), ModelSpec("qwen", dirs["qwen"])]
+    cache = CacheConfig(**CACHE, disk_tier=str(tmp_path_factory.mktemp("ssd")))
+    with Server.load_models(specs, cache, ServerOptions(port=0), ModelsOptions(max_loaded=1, keep_alive_s=NEVER)
+                            ).start() as server:
+        yield server
+
+
+def loaded(server) -> dict[str, bool]:
+    return {m["id"]: m["loaded"] for m in raw(server, "GET", "/v1/models")[1]["data"]}
+
+
+def test_each_name_and_alias_reaches_its_model_with_a_single_models_output(fleet, oracles):
+    assert loaded(fleet) == {"llama": False, "qwen": False, "broken": False}  # loaded on demand
+    messages = ask("harbours")
+    expected = {name: oracles[name].chat(messages, max_tokens=8).text for name in oracles}
+    client = openai_client(fleet)
+    for requested, name in (("llama", "llama"), ("qwen", "qwen")):
+        reply = client.chat.completions.create(model=requested, messages=messages, max_tokens=8)
+        assert (reply.model, reply.choices[0].message.content) == (name, expected[name])
+        response = client.responses.create(model=requested, input=messages[1]["content"],
+                                           instructions=messages[0]["content"], max_output_tokens=8)
+        assert (response.model, response.output_text) == (name, expected[name])
+    for requested, name in (("claude-haiku-4-5", "qwen"), ("claude-sonnet-4-5", "llama")):
+        message = anthropic_client(fleet).messages.create(model=requested, max_tokens=8, system=messages[0]["content"],
+                                                          messages=messages[1:])
+        assert (message.model, message.content[0].text) == (name, expected[name])
+    status, body, _ = raw(fleet, "POST", "/v1/chat/completions", {"model": "gpt-4o", "messages": messages})
+    assert status == 404 and "'llama', 'qwen', 'broken'" in body["error"]["message"]
+    status, body, _ = raw(fleet, "POST", "/v1/messages", {"model": "gpt-4o", "max_tokens": 4, "messages": messages[1:]})
+    assert status == 404 and body["error"]["type"] == "not_found_error"
+
+
+def test_two_loaded_models_serve_side_by_side_and_a_broken_one_fails_alone(fleet):
+    client = openai_client(fleet)
+    done = {}
+
+    def long_llama():
+        stream = client.chat.completions.create(model="llama", messages=ask("rivers"), max_tokens=40, stream=True)
+        done["llama_text"] = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+        done["llama"] = time.monotonic()
+
+    thread = threading.Thread(target=long_llama)
+    thread.start()
+    llama = fleet.registry.slot("llama")
+    assert wait_for(lambda: llama.state == "loaded" and llama.backend.thread.open_requests == 1)
+    client.chat.completions.create(model="qwen", messages=ask("rivers"), max_tokens=4)
+    done["qwen"] = time.monotonic()
+    status, body, _ = raw(fleet, "POST", "/v1/chat/completions", {"model": "broken", "messages": ask("x")})
+    assert status == 500 and "could not be loaded" in body["error"]["message"]
+    assert llama.backend.thread.open_requests == 1  # the llama's stream is still going
+    thread.join(30)
+    assert done["qwen"] < done["llama"] and done["llama_text"]
+    assert loaded(fleet)["broken"] is False
+    stats = raw(fleet, "GET", "/v1/cache/stats")[1]["models"]
+    assert stats["broken"]["state"] == "failed" and "No safetensors" in stats["broken"]["error"]
+
+
+def test_an_idle_model_unloads_after_its_keep_alive_and_models_shows_it(fleet):
+    openai_client(fleet).chat.completions.create(model="qwen", messages=ask("bridges"), max_tokens=2)
+    assert loaded(fleet)["qwen"] is True
+    assert wait_for(lambda: loaded(fleet)["qwen"] is False, timeout=10)
+    stats = raw(fleet, "GET", "/v1/cache/stats")[1]["models"]["qwen"]
+    assert stats["unloads"] >= 1 and stats["idle_s"] >= 2
+    metrics = raw(fleet, "GET", "/metrics")[1]
+    assert 'mlxkv_model_loaded{model="qwen"} 0' in metrics and 'mlxkv_model_unloads_total{model="qwen"}' in metrics
+
+
+def test_alternating_under_max_loaded_one_reloads_and_the_cache_comes_back_from_ssd(one_at_a_time, caplog):
+    client = openai_client(one_at_a_time)
+    messages = ask("the tides") + [{"role": "assistant", "content": "They rise and fall."},
+                                   {"role": "user", "content": "Why twice a day?"}]
+    first = client.chat.completions.create(model="llama", messages=messages, max_tokens=4)
+    client.chat.completions.create(model="qwen", messages=messages, max_tokens=4)
+    assert loaded(one_at_a_time) == {"llama": False, "qwen": True}
+    with caplog.at_level(logging.INFO, logger="mlxkv.server.access"):
+        again = client.chat.completions.create(model="llama", messages=messages, max_tokens=4)
+    assert loaded(one_at_a_time) == {"llama": True, "qwen": False}
+    assert again.choices[0].message.content == first.choices[0].message.content
+    block = CACHE["block_size"]
+    assert again.usage.prompt_tokens_details.cached_tokens == (first.usage.prompt_tokens - 1) // block * block
+    assert "from SSD" in caplog.text
+    stats = raw(one_at_a_time, "GET", "/v1/cache/stats")[1]["models"]["llama"]
+    assert (stats["loads"], stats["unloads"]) == (2, 1) and stats["cached_tokens"]["disk"] > 0
