@@ -149,7 +149,7 @@ async def count_tokens(request: Request):
 
 async def messages(request: Request):
     body = await parse_body(request, MessagesRequest)
-    backend = await routed(request, body.model)
+    backend = await routed(request, body.model, body.stream)
     tools = template_tools(body.tools, body.tool_choice)
     tokens = await off_loop(backend.chat_tokens, template_messages(body), tools)
     max_tokens = backend.reply_limit(tokens, body.max_tokens, anthropic=True)

@@ -24,6 +24,7 @@ from starlette.routing import Route
 
 from mlxkv.server import anthropic_api, openai_api, responses_api
 from mlxkv.server.api_errors import ApiError, is_anthropic_path
+from mlxkv.server.loading_stream import LoadPending, loading_stream
 from mlxkv.server.model_registry import LOADED
 from mlxkv.server.model_stats import model_lines, model_stats
 from mlxkv.server.response_store import ResponseStore
@@ -58,6 +59,8 @@ def endpoint(fn: Callable[[Request], Awaitable[Response]]):
     async def run(request: Request) -> Response:
         try:
             response = await fn(request)
+        except LoadPending as pending:  # a stream whose model loads first: it opens now
+            response = loading_stream(request, fn, pending.task)
         except ApiError as e:
             request.state.error = e.message  # for the access log
             response = error_response(request.url.path, e)

@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 from mlxkv.errors import MlxkvError
 from mlxkv.server.api_errors import ApiError
+from mlxkv.server.loading_stream import LoadPending
 from mlxkv.server.model_names import ModelNames
 from mlxkv.server.model_registry import FAILED, LOADED, UNLOADED, ModelRegistry, ModelSlot
 from mlxkv.server.model_specs import ModelSpec
@@ -80,6 +81,11 @@ class ModelRouter:
         finally:
             if queued:
                 self.waiting -= 1
+
+    def is_loaded(self, requested: str) -> bool:
+        """Whether `requested` names a loaded model; an unknown name counts as loaded (its 404 is at once)."""
+        name = self.names.resolve(requested)
+        return name is None or self.registry.slot(name).state == LOADED
 
     def release(self, slot: ModelSlot) -> None:
         """The request's response has been sent (or it failed): the model may go idle."""
@@ -176,10 +182,17 @@ class ModelRouter:
         return True
 
 
-async def routed(request, requested: str):
+async def routed(request, requested: str, stream: bool = False):
     """The backend of the model a request names, leased until its response has been sent
-    (http_app's ModelLeases releases it)."""
-    slot = await request.app.state.models.acquire(requested)
-    request.state.model_slot = slot
+    (http_app's ModelLeases releases it). A stream whose model must load first opens at once
+    (loading_stream.py): LoadPending carries the load to the endpoint, which calls the
+    handler again once the model is leased."""
+    router = request.app.state.models
+    slot = getattr(request.state, "model_slot", None)
+    if slot is None:
+        if stream and not router.is_loaded(requested):
+            raise LoadPending(asyncio.get_running_loop().create_task(router.acquire(requested)))
+        slot = await router.acquire(requested)
+        request.state.model_slot = slot
     request.state.backend = slot.backend
     return slot.backend

@@ -126,7 +126,7 @@ def usage(stats) -> dict:
 
 async def chat_completions(request: Request):
     body = await parse_body(request, ChatRequest)
-    backend = await routed(request, body.model)
+    backend = await routed(request, body.model, body.stream)
     tools = body.tools or None
     if body.tool_choice == "none":
         tools = None
@@ -145,7 +145,7 @@ async def chat_completions(request: Request):
 
 async def completions(request: Request):
     body = await parse_body(request, CompletionRequest)
-    backend = await routed(request, body.model)
+    backend = await routed(request, body.model, body.stream)
     if isinstance(body.prompt, str):
         tokens = await off_loop(backend.text_tokens, body.prompt)
     else:

@@ -66,7 +66,7 @@ async def responses(request: Request):
             raise ApiError(400, f"no stored response {body.previous_response_id!r} (responses are kept in "
                                 "memory, the newest first, when sent with store)", param="previous_response_id")
     tools = template_tools(body.tools, body.tool_choice)
-    backend = await routed(request, body.model)
+    backend = await routed(request, body.model, body.stream)
     tokens = await off_loop(backend.chat_tokens, system + history + new, tools)
     max_tokens = backend.reply_limit(tokens, body.max_output_tokens, param="input")
     temperature = request.app.state.temperature if body.temperature is None else body.temperature

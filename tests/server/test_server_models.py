@@ -21,6 +21,8 @@ from server_support import CACHE, anthropic_client, openai_client, raw, wait_for
 
 pytestmark = pytest.mark.slow
 STEP_S = 0.05  # the llama's steps are slowed this much, so its streams overlap the qwen's requests
+LOAD_S = 0.6  # the qwen's loads are slowed this much
+KEEPALIVE_S = 0.2
 
 
 def ask(topic: str) -> list[dict]:
@@ -28,8 +30,12 @@ def ask(topic: str) -> list[dict]:
             {"role": "user", "content": f"Tell me about {topic}, and why it matters to people who live there."}]
 
 
-def slow_llama(llama_dir: str):
+def slowed(llama_dir: str, qwen_dir: str):
+    """The llama's steps slowed; the qwen's load slowed, so a stream sees keep-alives while it loads."""
+
     def load(model, cache, report):
+        if model == qwen_dir:
+            time.sleep(LOAD_S)
         engine = load_engine(model, cache, report)
         if model == llama_dir:
             step = engine.loop.step
@@ -62,8 +68,8 @@ def fleet(dirs):
     """llama, qwen and a broken model; aliases for Claude Code's two names; idle models unload after 2 s."""
     specs = [ModelSpec("llama", dirs["llama"]), ModelSpec("qwen", dirs["qwen"]), ModelSpec("broken", dirs["broken"])]
     models = ModelsOptions(aliases=[("claude-haiku-*", "qwen"), ("claude-*", "llama")], keep_alive_s=2.0)
-    with Server.load_models(specs, CacheConfig(**CACHE), ServerOptions(port=0), models,
-                            load=slow_llama(dirs["llama"])).start() as server:
+    with Server.load_models(specs, CacheConfig(**CACHE), ServerOptions(port=0, keepalive_s=KEEPALIVE_S), models,
+                            load=slowed(dirs["llama"], dirs["qwen"])).start() as server:
         yield server
 
 
@@ -85,6 +91,10 @@ def test_each_name_and_alias_reaches_its_model_with_a_single_models_output(fleet
     assert loaded(fleet) == {"llama": False, "qwen": False, "broken": False}  # loaded on demand
     messages = ask("harbours")
     expected = {name: oracles[name].chat(messages, max_tokens=8).text for name in oracles}
+    # A stream opens while its model loads (pings first, then message_start): the client takes it.
+    with anthropic_client(fleet).messages.stream(model="claude-haiku-4-5", max_tokens=8, system=messages[0]["content"],
+                                                 messages=messages[1:]) as stream:
+        assert "".join(stream.text_stream) == expected["qwen"]
     client = openai_client(fleet)
     for requested, name in (("llama", "llama"), ("qwen", "qwen")):
         reply = client.chat.completions.create(model=requested, messages=messages, max_tokens=8)
@@ -135,6 +145,10 @@ def test_an_idle_model_unloads_after_its_keep_alive_and_models_shows_it(fleet):
     assert stats["unloads"] >= 1 and stats["idle_s"] >= 2
     metrics = raw(fleet, "GET", "/metrics")[1]
     assert 'mlxkv_model_loaded{model="qwen"} 0' in metrics and 'mlxkv_model_unloads_total{model="qwen"}' in metrics
+    # Its next stream opens at once: keep-alives while it loads, then the reply.
+    status, text, _ = raw(fleet, "POST", "/v1/chat/completions",
+                          {"model": "qwen", "messages": ask("bridges"), "max_tokens": 2, "stream": True})
+    assert status == 200 and text.startswith(": keep-alive\n\n") and text.endswith("data: [DONE]\n\n")
 
 
 def test_alternating_under_max_loaded_one_reloads_and_the_cache_comes_back_from_ssd(one_at_a_time, caplog):
