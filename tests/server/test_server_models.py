@@ -30,12 +30,12 @@ def ask(topic: str) -> list[dict]:
             {"role": "user", "content": f"Tell me about {topic}, and why it matters to people who live there."}]
 
 
-def slowed(llama_dir: str, qwen_dir: str):
+def slowed(llama_dir: str, qwen_dir: str, qwen_load_s: float = 0.0):
     """The llama's steps slowed; the qwen's load slowed, so a stream sees keep-alives while it loads."""
 
     def load(model, cache, report):
         if model == qwen_dir:
-            time.sleep(LOAD_S)
+            time.sleep(qwen_load_s)
         engine = load_engine(model, cache, report)
         if model == llama_dir:
             step = engine.loop.step
@@ -69,7 +69,7 @@ def fleet(dirs):
     specs = [ModelSpec("llama", dirs["llama"]), ModelSpec("qwen", dirs["qwen"]), ModelSpec("broken", dirs["broken"])]
     models = ModelsOptions(aliases=[("claude-haiku-*", "qwen"), ("claude-*", "llama")], keep_alive_s=2.0)
     with Server.load_models(specs, CacheConfig(**CACHE), ServerOptions(port=0, keepalive_s=KEEPALIVE_S), models,
-                            load=slowed(dirs["llama"], dirs["qwen"])).start() as server:
+                            load=slowed(dirs["llama"], dirs["qwen"], LOAD_S)).start() as server:
         yield server
 
 
@@ -78,8 +78,8 @@ def one_at_a_time(dirs, tmp_path_factory):
     """--max-loaded 1 with an SSD tier: each switch unloads the other model."""
     specs = [ModelSpec("llama", dirs["llama"]), ModelSpec("qwen", dirs["qwen"])]
     cache = CacheConfig(**CACHE, disk_tier=str(tmp_path_factory.mktemp("ssd")))
-    with Server.load_models(specs, cache, ServerOptions(port=0), ModelsOptions(max_loaded=1, keep_alive_s=NEVER)
-                            ).start() as server:
+    with Server.load_models(specs, cache, ServerOptions(port=0), ModelsOptions(max_loaded=1, keep_alive_s=NEVER),
+                            load=slowed(dirs["llama"], dirs["qwen"])).start() as server:
         yield server
 
 
@@ -167,3 +167,24 @@ def test_alternating_under_max_loaded_one_reloads_and_the_cache_comes_back_from_
     assert "from SSD" in caplog.text
     stats = raw(one_at_a_time, "GET", "/v1/cache/stats")[1]["models"]["llama"]
     assert (stats["loads"], stats["unloads"]) == (2, 1) and stats["cached_tokens"]["disk"] > 0
+
+
+def test_a_model_with_an_open_stream_is_never_unloaded_the_other_model_waits(one_at_a_time):
+    client = openai_client(one_at_a_time)
+    client.chat.completions.create(model="llama", messages=ask("glaciers"), max_tokens=1)
+    llama, done = one_at_a_time.registry.slot("llama"), {}
+
+    def long_llama():
+        stream = client.chat.completions.create(model="llama", messages=ask("glaciers"), max_tokens=30, stream=True)
+        chunks = [c for c in stream if c.choices]
+        done["finish"] = chunks[-1].choices[0].finish_reason
+        done["llama"] = time.monotonic()
+
+    thread = threading.Thread(target=long_llama)
+    thread.start()
+    assert wait_for(lambda: llama.state == "loaded" and llama.backend.thread.open_requests == 1)
+    client.chat.completions.create(model="qwen", messages=ask("glaciers"), max_tokens=2)  # waits for the stream
+    done["qwen"] = time.monotonic()
+    thread.join(30)
+    assert done["finish"] == "length" and done["llama"] < done["qwen"]
+    assert loaded(one_at_a_time) == {"llama": False, "qwen": True}
