@@ -89,6 +89,7 @@ def loaded(server) -> dict[str, bool]:
 
 def test_each_name_and_alias_reaches_its_model_with_a_single_models_output(fleet, oracles):
     assert loaded(fleet) == {"llama": False, "qwen": False, "broken": False}  # loaded on demand
+    assert "  model llama: unloaded (" in fleet.startup_line()
     messages = ask("harbours")
     expected = {name: oracles[name].chat(messages, max_tokens=8).text for name in oracles}
     # A stream opens while its model loads (pings first, then message_start): the client takes it.
@@ -158,8 +159,9 @@ def test_alternating_under_max_loaded_one_reloads_and_the_cache_comes_back_from_
     first = client.chat.completions.create(model="llama", messages=messages, max_tokens=4)
     client.chat.completions.create(model="qwen", messages=messages, max_tokens=4)
     assert loaded(one_at_a_time) == {"llama": False, "qwen": True}
-    with caplog.at_level(logging.INFO, logger="mlxkv.server.access"):
+    with caplog.at_level(logging.INFO, logger="mlxkv.server"):
         again = client.chat.completions.create(model="llama", messages=messages, max_tokens=4)
+    assert "model qwen: unloading (to make room for llama)" in caplog.text and "model llama: loaded in" in caplog.text
     assert loaded(one_at_a_time) == {"llama": True, "qwen": False}
     assert again.choices[0].message.content == first.choices[0].message.content
     block = CACHE["block_size"]
