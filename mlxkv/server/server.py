@@ -207,20 +207,8 @@ class Server:
         self._threads.discard(thread)
 
     def _cache_for(self, spec: ModelSpec) -> CacheConfig:
-        """The server's cache flags with the model's own options (--models file) on top."""
-        cache = dataclasses.replace(self.cache)
-        if spec.kv_bits is not None:
-            group = cache.kv_format.group_size if cache.kv_format is not None else cache.kv_group_size
-            cache = dataclasses.replace(cache, kv_format=KVFormat(spec.kv_bits, group), kv_bits=None,
-                                        kv_group_size=DEFAULT_KV_GROUP_SIZE)
-        if spec.speculative is not None:
-            cache = dataclasses.replace(cache, speculative=spec.speculative,
-                                        draft_model=spec.draft_model or cache.draft_model)
-        if spec.context is not None:
-            cache = dataclasses.replace(cache, num_blocks=-(-spec.context // cache.block_size))
-        elif self.models.memory_budget is not None and cache.num_blocks is None:
-            cache = dataclasses.replace(cache, memory_budget_bytes=self._pool_bytes(spec))
-        return cache
+        budget = self.models.memory_budget is not None
+        return model_cache(self.cache, spec, self._pool_bytes(spec) if budget else None)
 
     def _pool_bytes(self, spec: ModelSpec) -> int:
         """Under --memory-budget, a model's pool: its share of the budget less its weights."""
@@ -310,6 +298,22 @@ class Server:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def model_cache(cache: CacheConfig, spec: ModelSpec, pool_bytes: int | None = None) -> CacheConfig:
+    """The server's cache flags with the model's own options (--models file) on top;
+    `pool_bytes`: its pool's share of --memory-budget."""
+    if spec.kv_bits is not None:
+        group = cache.kv_format.group_size if cache.kv_format is not None else cache.kv_group_size
+        cache = dataclasses.replace(cache, kv_format=KVFormat(spec.kv_bits, group), kv_bits=None,
+                                    kv_group_size=DEFAULT_KV_GROUP_SIZE)
+    if spec.speculative is not None:
+        cache = dataclasses.replace(cache, speculative=spec.speculative, draft_model=spec.draft_model or cache.draft_model)
+    if spec.context is not None:
+        return dataclasses.replace(cache, num_blocks=-(-spec.context // cache.block_size))
+    if pool_bytes is not None and cache.num_blocks is None:
+        return dataclasses.replace(cache, memory_budget_bytes=pool_bytes)
+    return dataclasses.replace(cache)
 
 
 def _load_progress(name: str):

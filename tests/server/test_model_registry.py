@@ -133,3 +133,14 @@ def test_models_file(tmp_path):
         path.write_text(text)
         with pytest.raises(MlxkvError, match=message):
             read_models_file(str(path))
+
+
+def test_a_models_own_options_land_in_its_cache_config():
+    from mlxkv.config import CacheConfig
+    from mlxkv.server.server import model_cache
+
+    base = CacheConfig(block_size=16, disk_tier="/ssd")
+    cache = model_cache(base, ModelSpec("a", "a", kv_bits=8, speculative="lookup", context=1000))
+    assert (cache.kv_format.bits, cache.speculative, cache.num_blocks, cache.disk_tier) == (8, "lookup", 63, "/ssd")
+    assert cache.engine_config().pool.kv_format.bits == 8 and base.kv_format is None  # the server's is unchanged
+    assert model_cache(base, ModelSpec("b", "b"), pool_bytes=1 << 30).memory_budget_bytes == 1 << 30
