@@ -20,6 +20,7 @@ from mlxkv.chat import prompting
 from mlxkv.engine.limits import RequestLimits
 from mlxkv.engine.records import is_last
 from mlxkv.errors import MlxkvError
+from mlxkv.models.embedding import CHAT, model_kind
 from mlxkv.server.api_errors import ApiError
 from mlxkv.host.engine_thread import EngineThread
 from mlxkv.server.image_parts import fetch_image_urls
@@ -59,6 +60,7 @@ class ModelInfo:
     tiers: str = ""  # the cache's tiers, for the start-up line
     vision: object = None  # a VisionModel: its processor and image token (read-only) build image prompts
     nbytes: int = 0  # the weights and the pool's budget: what the model holds in memory at most
+    kind: str = CHAT  # or "embedding" (models/embedding.py): which requests it serves
 
 
 def short_name(model: str) -> str:
@@ -97,7 +99,8 @@ def _model_info(name: str, engine) -> ModelInfo:
     model = getattr(core.loaded, "model", None)
     vision = model if isinstance(model, VisionModel) else None
     return ModelInfo(name, core.tokenizer, core.limits, core.loaded.max_context, log_path,
-                     block_size, ", ".join(tiers), vision, _footprint(core))
+                     block_size, ", ".join(tiers), vision, _footprint(core),
+                     model_kind(getattr(core.loaded, "config", {}) or {}))
 
 
 class RecordReader:

@@ -22,7 +22,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
-from mlxkv.server import anthropic_api, openai_api, responses_api
+from mlxkv.server import anthropic_api, embeddings_api, openai_api, responses_api
 from mlxkv.server.api_errors import ApiError, is_anthropic_path
 from mlxkv.server.loading_stream import LoadPending, loading_stream
 from mlxkv.server.model_registry import LOADED
@@ -261,6 +261,7 @@ def build_app(router, counters, config: AppConfig | None = None) -> Starlette:
         Route("/v1/cache/stats", endpoint(cache_stats)),
         Route("/v1/chat/completions", endpoint(openai_api.chat_completions), methods=["POST"]),
         Route("/v1/completions", endpoint(openai_api.completions), methods=["POST"]),
+        Route("/v1/embeddings", endpoint(embeddings_api.embeddings), methods=["POST"]),
         Route("/v1/responses", endpoint(responses_api.responses), methods=["POST"]),
         Route("/v1/messages", endpoint(anthropic_api.messages), methods=["POST"]),
         Route("/v1/messages/count_tokens", endpoint(anthropic_api.count_tokens), methods=["POST"]),

@@ -5,12 +5,17 @@ side, and a model that fails to load leaves the others serving."""
 
 from __future__ import annotations
 
+import base64
 import json
+import shutil
 import logging
 import threading
 import time
 
+import mlx.core as mx
+import numpy as np
 import pytest
+from mlx_lm import load as mlx_lm_load
 
 from mlxkv.config import CacheConfig
 from mlxkv.engine.engine import Engine
@@ -54,7 +59,11 @@ def slowed(llama_dir: str, qwen_dir: str, qwen_load_s: float = 0.0):
 def dirs(model_dirs, tmp_path_factory):
     broken = tmp_path_factory.mktemp("broken")
     (broken / "config.json").write_text(json.dumps({"model_type": "no-such-family"}))
-    return {"llama": model_dirs["llama"], "qwen": model_dirs["qwen2"], "broken": str(broken)}
+    embed = tmp_path_factory.mktemp("models") / "embed"  # the tiny qwen2 as a bare model: an embedding model's config
+    shutil.copytree(model_dirs["qwen2"], embed)
+    config = json.loads((embed / "config.json").read_text())
+    (embed / "config.json").write_text(json.dumps({**config, "architectures": ["Qwen2Model"]}))
+    return {"llama": model_dirs["llama"], "qwen": model_dirs["qwen2"], "broken": str(broken), "embed": str(embed)}
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +75,8 @@ def oracles(dirs):
 @pytest.fixture(scope="module")
 def fleet(dirs):
     """llama, qwen and a broken model; aliases for Claude Code's two names; idle models unload after 2 s."""
-    specs = [ModelSpec("llama", dirs["llama"]), ModelSpec("qwen", dirs["qwen"]), ModelSpec("broken", dirs["broken"])]
+    specs = [ModelSpec("llama", dirs["llama"]), ModelSpec("qwen", dirs["qwen"]), ModelSpec("broken", dirs["broken"]),
+             ModelSpec("embed", dirs["embed"])]
     models = ModelsOptions(aliases=[("claude-haiku-*", "qwen"), ("claude-*", "llama")], keep_alive_s=2.0)
     with Server.load_models(specs, CacheConfig(**CACHE), ServerOptions(port=0, keepalive_s=KEEPALIVE_S), models,
                             load=slowed(dirs["llama"], dirs["qwen"], LOAD_S)).start() as server:
@@ -88,7 +98,7 @@ def loaded(server) -> dict[str, bool]:
 
 
 def test_each_name_and_alias_reaches_its_model_with_a_single_models_output(fleet, oracles):
-    assert loaded(fleet) == {"llama": False, "qwen": False, "broken": False}  # loaded on demand
+    assert loaded(fleet) == {"llama": False, "qwen": False, "broken": False, "embed": False}  # loaded on demand
     assert "  model llama: unloaded (" in fleet.startup_line()
     messages = ask("harbours")
     expected = {name: oracles[name].chat(messages, max_tokens=8).text for name in oracles}
@@ -108,7 +118,7 @@ def test_each_name_and_alias_reaches_its_model_with_a_single_models_output(fleet
                                                           messages=messages[1:])
         assert (message.model, message.content[0].text) == (name, expected[name])
     status, body, _ = raw(fleet, "POST", "/v1/chat/completions", {"model": "gpt-4o", "messages": messages})
-    assert status == 404 and "'llama', 'qwen', 'broken'" in body["error"]["message"]
+    assert status == 404 and "'llama', 'qwen', 'broken', 'embed'" in body["error"]["message"]
     status, body, _ = raw(fleet, "POST", "/v1/messages", {"model": "gpt-4o", "max_tokens": 4, "messages": messages[1:]})
     assert status == 404 and body["error"]["type"] == "not_found_error"
 
@@ -190,3 +200,22 @@ def test_a_model_with_an_open_stream_is_never_unloaded_the_other_model_waits(one
     thread.join(30)
     assert done["finish"] == "length" and done["llama"] < done["qwen"]
     assert loaded(one_at_a_time) == {"llama": False, "qwen": True}
+
+
+def test_embeddings_equal_mlx_lms_last_hidden_state_batched_or_not(fleet, dirs):
+    texts = ["a short one", "a somewhat longer text about harbours and boats at dawn", "x"]
+    model, tokenizer = mlx_lm_load(dirs["embed"])
+    expected = []
+    for text in texts:  # each alone, straight through mlx-lm's model class
+        last = model.model(mx.array([tokenizer.encode(text)]))[0, -1].astype(mx.float32)
+        expected.append(np.array(last / mx.linalg.norm(last)))
+    client = openai_client(fleet)
+    batch = client.embeddings.create(model="embed", input=texts)
+    assert [d.index for d in batch.data] == [0, 1, 2] and batch.model == "embed"
+    np.testing.assert_allclose(np.array([d.embedding for d in batch.data]), np.stack(expected), atol=1e-5)
+    one = client.embeddings.create(model="embed", input=texts[1], encoding_format="base64", dimensions=8)
+    got = np.frombuffer(base64.b64decode(one.data[0].embedding), dtype="<f4") if isinstance(one.data[0].embedding, str) \
+        else np.array(one.data[0].embedding)
+    np.testing.assert_allclose(got, expected[1][:8] / np.linalg.norm(expected[1][:8]), atol=1e-5)
+    status, body, _ = raw(fleet, "POST", "/v1/embeddings", {"model": "llama", "input": "hi"})
+    assert status == 400 and "is a chat model" in body["error"]["message"]
