@@ -44,5 +44,9 @@ class ModelNames:
 
     def unknown(self, requested: str) -> str:
         """The 404's message: what was asked, and what exists."""
-        return (f"no model {requested!r} here; this server has {', '.join(repr(n) for n in self.names)} "
-                "(add --alias PATTERN=NAME or --default-model NAME to serve other names)")
+        served = ", ".join(repr(n) for n in self.names)
+        if self.default is not None:  # only /v1/models/{id} names no model then
+            return f"no model {requested!r} here; this server has {served} (and answers other names with " \
+                   f"{self.default!r})"
+        return f"no model {requested!r} here; this server has {served} (add --alias PATTERN=NAME or " \
+               "--default-model NAME to serve other names)"
