@@ -105,7 +105,7 @@ class ModelRouter:
     async def _load(self, slot: ModelSlot, victims: list[ModelSlot]) -> None:
         for victim in victims:
             await self._unload(victim, "to make room for " + slot.name)
-        log.info("model %s: loading %s", slot.name, slot.spec.source)
+        log.info("model %s: load started", slot.name)
         begin = time.monotonic()
         try:
             backend, footprint = await asyncio.to_thread(self._start, slot.spec)
