@@ -275,6 +275,6 @@ def build_app(router, counters, config: AppConfig | None = None) -> Starlette:
     app.state.keepalive = config.keepalive_s
     app.state.responses = ResponseStore()
     app.add_middleware(ApiKey, key=config.api_key)
-    app.add_middleware(ModelLeases, router=router)
     app.add_middleware(AccessLog)
+    app.add_middleware(ModelLeases, router=router)  # outermost: the access line is not held up by a release
     return app
