@@ -235,6 +235,9 @@ class ServingBackend:
         the room the context and the pool leave. Only a prompt that does not
         fit by itself is a 400, in the wording each API's clients recognise
         (Claude Code compacts its conversation on Anthropic's)."""
+        if self.info.kind != CHAT:  # every generating endpoint asks for its reply's room: refused here
+            raise ApiError(400, f"model {self.info.name!r} is an {self.info.kind} model: it serves /v1/embeddings, "
+                                "not replies", param="model")
         limits = self.info.limits
         n = len(tokens)
         if not n:

@@ -220,6 +220,9 @@ def test_embeddings_equal_mlx_lms_last_hidden_state_batched_or_not(fleet, dirs):
     np.testing.assert_allclose(got, expected[1][:8] / np.linalg.norm(expected[1][:8]), atol=1e-5)
     status, body, _ = raw(fleet, "POST", "/v1/embeddings", {"model": "llama", "input": "hi"})
     assert status == 400 and "is a chat model" in body["error"]["message"]
+    status, body, _ = raw(fleet, "POST", "/v1/messages", {"model": "embed", "max_tokens": 4,
+                                                          "messages": [{"role": "user", "content": "hi"}]})
+    assert status == 400 and "is an embedding model" in body["error"]["message"]
 
 
 def test_a_stop_during_a_load_lets_it_finish_then_closes_it_with_nothing_half_written(dirs, tmp_path, monkeypatch):
