@@ -131,13 +131,14 @@ class Server:
         self.port = self.socket.getsockname()[1]
         self.cache, self._load, self.models = cache or CacheConfig(), load, models or ModelsOptions()
         self.metrics = ServerMetrics()
-        self._threads: set[EngineThread] = set()  # every engine thread started, loaded or still loading
-        if specs is None:
-            specs = [ModelSpec(short_name(name), name)]
-        keep = self.models.keep_alive(len(specs))
-        specs = unique([with_keep_alive(spec, keep) for spec in specs])
-        default = self.models.default_model or (specs[0].name if len(specs) == 1 else None)
+        # Every engine thread started, loaded or still loading: each is closed with the server.
+        self._threads: set[EngineThread] = set() if thread is None else {thread}
         try:
+            if specs is None:
+                specs = [ModelSpec(short_name(name), name)]
+            keep = self.models.keep_alive(len(specs))
+            specs = unique([with_keep_alive(spec, keep) for spec in specs])
+            default = self.models.default_model or (specs[0].name if len(specs) == 1 else None)
             self.names = ModelNames([spec.name for spec in specs], self.models.aliases, default)
             self.registry = ModelRegistry(specs, LoadLimits(self.models.max_loaded, self.models.memory_budget),
                                           estimate=self._estimate)
