@@ -172,7 +172,7 @@ WORKLOADS = (Workload(), Workload(sessions=12, turns=3))
 class Switch:
     """Two models behind one server under --max-loaded 1 (the bench model under two names)."""
 
-    context_words: int = 3000  # about 4k tokens on the bench model's tokenizer
+    context_words: int = 2000  # about 4k tokens on the bench model's tokenizer (3000 words are 6k)
     reply_tokens: int = 8
 
 
