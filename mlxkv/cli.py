@@ -13,7 +13,8 @@ import os
 import sys
 import warnings
 
-from mlxkv.cli_flags import REMOTE_TIER_ENV, add_cache_flags, cache_config, number, persistent_cache_config
+from mlxkv.cli_flags import (REMOTE_TIER_ENV, add_cache_flags, add_models_flags, cache_config, number,
+                             persistent_cache_config)
 from mlxkv.errors import MlxkvError, MlxkvWarning, warning_text
 
 
@@ -50,7 +51,10 @@ def _add_chat(sub) -> None:
 
 def _add_serve(sub) -> None:
     p = sub.add_parser("serve", help="an OpenAI- and Anthropic-compatible server on one shared KV pool")
-    add_cache_flags(p)
+    add_cache_flags(p, 'a model to serve: [NAME=]SOURCE, SOURCE a directory, GGUF file, Hugging Face id, '
+                       '"demo" (default) or "tiny"; repeat it to serve several, loaded on demand',
+                    many_models=True)
+    add_models_flags(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: this machine only)")
     p.add_argument("--port", type=number(int, 0, 65535), default=8000)
     p.add_argument("--api-key", default=None, help="require this key (default: $MLXKV_API_KEY, else none)")
@@ -155,8 +159,29 @@ def cmd_serve(args) -> int:
                             args.max_body_mb << 20, args.max_tokens, args.temp, reply_cap=args.reply_cap,
                             max_image_pixels=args.max_image_pixels, max_images=args.max_images,
                             allow_image_urls=args.allow_image_urls)
-    Server.load(args.model, persistent_cache_config(args), options).serve_forever()
+    specs, models = served_models(args)
+    Server.load_models(specs, persistent_cache_config(args), options, models).serve_forever()
     return 0
+
+
+def served_models(args):
+    """The models --model and --models name, and how they share the server (flags over the file)."""
+    from mlxkv.server.backend import short_name
+    from mlxkv.server.model_specs import alias_flag, model_flag
+    from mlxkv.server.models_file import ModelsFile, read_models_file
+    from mlxkv.server.server import ModelsOptions
+
+    file = read_models_file(args.models) if args.models else ModelsFile()
+    specs = file.specs + [model_flag(text, short_name) for text in args.model or []]
+    if not specs:
+        specs = [model_flag("demo", short_name)]
+    models = ModelsOptions(
+        aliases=[alias_flag(text) for text in args.alias] + file.aliases,
+        default_model=args.default_model or file.default_model,
+        max_loaded=args.max_loaded or file.max_loaded,
+        memory_budget=args.memory_budget or file.memory_budget,
+        keep_alive_s=args.keep_alive if args.keep_alive is not None else file.keep_alive_s)
+    return specs, models
 
 
 def cmd_chat(args) -> int:

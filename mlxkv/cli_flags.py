@@ -35,9 +35,12 @@ def number(kind: type, low: float, high: float | None = None):
     return parse
 
 
-def add_cache_flags(p: argparse.ArgumentParser, model_help: str | None = None) -> None:
-    p.add_argument("--model", default="demo" if model_help is None else None,
-                   help=model_help or 'model directory, GGUF file, Hugging Face id, "demo" (default) or "tiny"')
+def add_cache_flags(p: argparse.ArgumentParser, model_help: str | None = None, *, many_models: bool = False) -> None:
+    if many_models:  # mlxkv serve: --model [NAME=]SOURCE, repeated
+        p.add_argument("--model", action="append", default=None, metavar="[NAME=]SOURCE", help=model_help)
+    else:
+        p.add_argument("--model", default="demo" if model_help is None else None,
+                       help=model_help or 'model directory, GGUF file, Hugging Face id, "demo" (default) or "tiny"')
     p.add_argument("--block-size", type=int, default=defaults.DEFAULT_BLOCK_SIZE, help="tokens per KV block (power of two)")
     p.add_argument("--num-blocks", type=int, default=None, help="KV pool size in blocks (default: a share of memory)")
     p.add_argument("--no-prefix-cache", action="store_true", help="do not share blocks between prompts")
@@ -119,3 +122,40 @@ def persistent_cache_config(args):
     if not args.no_disk_tier and args.disk_tier is None:
         config.disk_tier = str(default_disk_tier_dir())
     return config
+
+
+def add_models_flags(p: argparse.ArgumentParser) -> None:
+    """mlxkv serve's flags for several models (docs/server.md, "Several models")."""
+    p.add_argument("--models", default=None, metavar="FILE",
+                   help="a TOML file of models, their options and aliases (docs/server.md)")
+    p.add_argument("--alias", action="append", default=[], metavar="PATTERN=NAME",
+                   help="serve request model names matching the shell pattern with model NAME, "
+                        "e.g. 'claude-haiku-*=small' (repeat; the first match wins, exact names first)")
+    p.add_argument("--default-model", default=None, metavar="NAME",
+                   help="serve names that match no model or alias with NAME (default: 404; one model: it)")
+    p.add_argument("--max-loaded", type=number(int, 1), default=None, metavar="N",
+                   help="models loaded at once; the least recently used idle one is unloaded first")
+    p.add_argument("--memory-budget", type=_checked(models_value("size")), default=None, metavar="SIZE",
+                   help="bytes of weights plus KV pools the loaded models may take, e.g. 24GB")
+    p.add_argument("--keep-alive", type=_checked(models_value("duration")), default=None, metavar="DURATION",
+                   help="unload a model idle this long: 30s, 5m (default with several models), 0 at once, "
+                        "-1 never (default with one)")
+
+
+def models_value(kind: str):
+    from mlxkv.server import model_specs
+
+    return getattr(model_specs, kind)
+
+
+def _checked(parse):
+    """An argparse type from a parser raising MlxkvError: argparse's one-line error."""
+    from mlxkv.errors import MlxkvError
+
+    def run(text: str):
+        try:
+            return parse(text)
+        except MlxkvError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    return run

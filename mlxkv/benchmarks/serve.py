@@ -168,11 +168,56 @@ def _play(start_server, w: Workload) -> Measured:
 WORKLOADS = (Workload(), Workload(sessions=12, turns=3))
 
 
-def run_serve_benchmark(model: str | None = None, workloads: tuple[Workload, ...] = WORKLOADS) -> list[dict]:
+@dataclass
+class Switch:
+    """Two models behind one server under --max-loaded 1 (the bench model under two names)."""
+
+    context_words: int = 2000  # about 4k tokens on the bench model's tokenizer (3000 words are 6k)
+    reply_tokens: int = 8
+
+
+RELOAD_GOAL = 0.5
+
+
+def run_serve_benchmark(model: str | None = None, workloads: tuple[Workload, ...] = WORKLOADS,
+                        switch: Switch | None = Switch()) -> list[dict]:
     from mlxkv.benchmarks.engine import bench_model_path
 
     path = str(model or bench_model_path())
-    return [r for w in workloads for r in _rows(path, w, tagged=len(workloads) > 1)]
+    rows = [r for w in workloads for r in _rows(path, w, tagged=len(workloads) > 1)]
+    return rows + ([] if switch is None else _switch_rows(path, switch))
+
+
+def _switch_rows(path: str, w: Switch) -> list[dict]:
+    """A conversation's turn cold (its model's load included), the switch to the other model
+    (an unload and a load), then the same turn after its model came back: its prefix from the SSD tier."""
+    ssd = tempfile.mkdtemp(prefix="mlxkv-bench-switch-")
+    port = _free_port()
+    argv = [sys.executable, "-m", "mlxkv.cli", "serve", "--model", f"a={path}", "--model", f"b={path}",
+            "--max-loaded", "1", "--disk-tier", ssd, "--port", str(port)]
+    chat = [{"role": "system", "content": "You are a coding agent. " + _words(w.context_words, 5)},
+            {"role": "user", "content": "Where is the cache block written?"}]
+    try:
+        server = _Process(argv, port, "b")  # its warm-up loads b: a is cold
+        try:
+            server.model = "a"
+            _, cold = _turn(server, chat, w.reply_tokens)
+            server.model = "b"
+            _, switch = _turn(server, [{"role": "user", "content": "hi"}], 1)
+            server.model = "a"
+            _, reload = _turn(server, chat, w.reply_tokens)
+        finally:
+            server.stop()
+    finally:
+        shutil.rmtree(ssd, ignore_errors=True)
+    extra = dict(model=os.path.basename(path))
+    note = f"a {w.context_words}-word conversation; the other model loaded between the turns (--max-loaded 1)"
+    return [
+        row("TTFT after unload and reload", "s", reload, cold, "the same turn cold, load included", "<= 0.5",
+            reload <= RELOAD_GOAL * cold, note, **extra),
+        row("model switch (unload, load, 1 token)", "s", switch, cold, "the cold turn", "report", True,
+            "a one-token request to the other model", **extra),
+    ]
 
 
 def _rows(path: str, w: Workload, tagged: bool) -> list[dict]:

@@ -18,6 +18,7 @@ from starlette.responses import JSONResponse, StreamingResponse
 
 from mlxkv.server.api_errors import ApiError
 from mlxkv.server.image_parts import image_from_source
+from mlxkv.server.model_router import routed
 from mlxkv.server.http_support import SSE_HEADERS, Lenient, new_id, off_loop, parse_body, sse, until_disconnect
 from mlxkv.server.prompt_heads import strip_head_blocks
 from mlxkv.server.reply_stream import Reply
@@ -140,15 +141,15 @@ def usage(stats) -> dict:
 
 
 async def count_tokens(request: Request):
-    backend = request.app.state.backend
     body = await parse_body(request, CountRequest)
+    backend = await routed(request, body.model)
     tokens = await off_loop(backend.chat_tokens, template_messages(body), template_tools(body.tools, body.tool_choice))
     return JSONResponse({"input_tokens": len(tokens)})
 
 
 async def messages(request: Request):
-    backend = request.app.state.backend
     body = await parse_body(request, MessagesRequest)
+    backend = await routed(request, body.model, body.stream)
     tools = template_tools(body.tools, body.tool_choice)
     tokens = await off_loop(backend.chat_tokens, template_messages(body), tools)
     max_tokens = backend.reply_limit(tokens, body.max_tokens, anthropic=True)

@@ -20,6 +20,7 @@ from mlxkv.chat import prompting
 from mlxkv.engine.limits import RequestLimits
 from mlxkv.engine.records import is_last
 from mlxkv.errors import MlxkvError
+from mlxkv.models.embedding import CHAT, model_kind
 from mlxkv.server.api_errors import ApiError
 from mlxkv.host.engine_thread import EngineThread
 from mlxkv.server.image_parts import fetch_image_urls
@@ -58,6 +59,8 @@ class ModelInfo:
     block_size: int = 16
     tiers: str = ""  # the cache's tiers, for the start-up line
     vision: object = None  # a VisionModel: its processor and image token (read-only) build image prompts
+    nbytes: int = 0  # the weights and the pool's budget: what the model holds in memory at most
+    kind: str = CHAT  # or "embedding" (models/embedding.py): which requests it serves
 
 
 def short_name(model: str) -> str:
@@ -68,6 +71,15 @@ def short_name(model: str) -> str:
     if path.is_file():
         return path.stem
     return model
+
+
+def _footprint(core) -> int:
+    """Bytes of the weights and of the pool at its budget (a stand-in core may lack them: 0)."""
+    from mlx.utils import tree_flatten
+
+    model, layout = getattr(core.loaded, "model", None), core.kv_layout
+    weights = 0 if model is None else sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    return weights + core.block_pool.budget * getattr(layout, "bytes_per_block", 0)
 
 
 def _model_info(name: str, engine) -> ModelInfo:
@@ -86,8 +98,9 @@ def _model_info(name: str, engine) -> ModelInfo:
         tiers.append(f"remote tier {redact(config.remote_tier)}")
     model = getattr(core.loaded, "model", None)
     vision = model if isinstance(model, VisionModel) else None
-    return ModelInfo(short_name(name), core.tokenizer, core.limits, core.loaded.max_context, log_path,
-                     block_size, ", ".join(tiers), vision)
+    return ModelInfo(name, core.tokenizer, core.limits, core.loaded.max_context, log_path,
+                     block_size, ", ".join(tiers), vision, _footprint(core),
+                     model_kind(getattr(core.loaded, "config", {}) or {}))
 
 
 class RecordReader:
@@ -142,16 +155,19 @@ class ServingBackend:
     def __init__(self, thread: EngineThread, name: str, *, max_open: int = DEFAULT_MAX_OPEN,
                  default_max_tokens: int = DEFAULT_MAX_TOKENS, reply_ids_kept: int = DEFAULT_KEPT,
                  reply_cap: int | None = None, image_limits: tuple[int, int] = (MAX_IMAGE_PIXELS, MAX_IMAGES),
-                 allow_image_urls: bool = False):
+                 allow_image_urls: bool = False, display_name: str | None = None,
+                 metrics: ServerMetrics | None = None, on_reply=None):
         self.thread = thread
         self.image_limits = image_limits  # (pixels per image, images per request)
         self.allow_image_urls = allow_image_urls
         self.max_open = max_open
         self.default_max_tokens = default_max_tokens
         self.reply_cap = reply_cap
-        self.metrics = ServerMetrics()
+        self.metrics = metrics or ServerMetrics()  # a server of several models shares one
+        self.on_reply = on_reply or (lambda stats: None)  # the model registry's per-model counts
         thread.wait_ready()
-        self.info = thread.call(lambda e: _model_info(name, e)).result()
+        shown = display_name or short_name(name)
+        self.info = thread.call(lambda e: _model_info(shown, e)).result()
         self.reply_ids = ReplyIds(reply_ids_kept, self.info.reply_log)
         self.created = int(time.time())  # /v1/models: when this model was loaded
         # When the server stops, open replies end here (monotonic time), each
@@ -219,6 +235,9 @@ class ServingBackend:
         the room the context and the pool leave. Only a prompt that does not
         fit by itself is a 400, in the wording each API's clients recognise
         (Claude Code compacts its conversation on Anthropic's)."""
+        if self.info.kind != CHAT:  # every generating endpoint asks for its reply's room: refused here
+            raise ApiError(400, f"model {self.info.name!r} is an {self.info.kind} model: it serves /v1/embeddings, "
+                                "not replies", param="model")
         limits = self.info.limits
         n = len(tokens)
         if not n:
@@ -255,6 +274,7 @@ class ServingBackend:
     def reply_ended(self, prompt: list[int], text: str, ids: list[int], stats) -> None:
         """A reply came to its end: count it, say where its prompt's reuse stopped, keep its ids."""
         self.metrics.reply_done(stats)
+        self.on_reply(stats)
         self.log_reuse(prompt, stats)
         if stats is not None and stats.constrained:
             log.debug("constrained reply: %d tokens, masks %.2f ms, %d tokens masked out",

@@ -8,6 +8,8 @@ would be bypassed more than used.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hmac
 import logging
 import time
@@ -20,8 +22,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
-from mlxkv.server import anthropic_api, openai_api, responses_api
+from mlxkv.server import anthropic_api, embeddings_api, openai_api, responses_api
 from mlxkv.server.api_errors import ApiError, is_anthropic_path
+from mlxkv.server.loading_stream import LoadPending, loading_stream
+from mlxkv.server.model_registry import LOADED
+from mlxkv.server.model_stats import model_lines, model_stats
 from mlxkv.server.response_store import ResponseStore
 from mlxkv.server.http_support import DEFAULT_MAX_BODY_BYTES, ClientGone
 
@@ -54,6 +59,8 @@ def endpoint(fn: Callable[[Request], Awaitable[Response]]):
     async def run(request: Request) -> Response:
         try:
             response = await fn(request)
+        except LoadPending as pending:  # a stream whose model loads first: it opens now
+            response = loading_stream(request, fn, pending.task)
         except ApiError as e:
             request.state.error = e.message  # for the access log
             response = error_response(request.url.path, e)
@@ -62,7 +69,7 @@ def endpoint(fn: Callable[[Request], Awaitable[Response]]):
         except Exception as e:
             log.exception("%s %s failed", request.method, request.url.path)
             response = error_response(request.url.path, ApiError(500, f"internal error: {type(e).__name__}: {e}"))
-        request.app.state.backend.request_done(request.url.path, response.status_code)
+        request.app.state.metrics.request_done(request.url.path, response.status_code)
         return response
 
     return run
@@ -88,6 +95,36 @@ class ApiKey:
         if auth[:7].lower() == "bearer ":
             given = given or auth[7:].strip()
         return hmac.compare_digest(given.encode(), self.key.encode())
+
+
+class ModelLeases:
+    """ASGI middleware: a request's model (model_router.routed) is released once its
+    response has been sent, a stream's last event too, or the request failed."""
+
+    def __init__(self, app, router):
+        self.app, self.router = app, router
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            slot = scope.get("state", {}).get("model_slot")
+            if slot is not None:
+                self.router.release(slot)
+
+
+def _keep_alive(router):
+    """The lifespan: idle models are unloaded while the server runs."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        task = asyncio.get_running_loop().create_task(router.reap_forever())
+        try:
+            yield
+        finally:
+            task.cancel()
+
+    return lifespan
 
 
 class AccessLog:
@@ -124,8 +161,18 @@ def _reply_fields(reply) -> str:
         return f" prompt={reply.prompt_len} cancelled" if reply.cancelled else f" prompt={reply.prompt_len}"
     s = reply.stats
     cached = sum(s.cached_tokens.values())
-    return (f" prompt={s.prompt_tokens} cached={cached}{_image_fields(reply.prompt, cached)} ttft={s.ttft_s:.2f}s "
-            f"out={s.generation_tokens}")
+    return (f" prompt={s.prompt_tokens} cached={cached}{_tier_fields(s.cached_tokens)}"
+            f"{_image_fields(reply.prompt, cached)} ttft={s.ttft_s:.2f}s out={s.generation_tokens}")
+
+
+# How the access log names the tiers a prompt's reuse came from beyond the pool.
+TIER_WORDS = {"memory": "memory", "disk": "SSD", "remote": "remote"}
+
+
+def _tier_fields(cached_tokens: dict) -> str:
+    """" (40 from SSD)": the cached tokens that came from a tier, not the pool (after a restart or reload)."""
+    parts = [f"{n} from {TIER_WORDS.get(tier, tier)}" for tier, n in cached_tokens.items() if tier != "pool" and n]
+    return f" ({', '.join(parts)})" if parts else ""
 
 
 def _image_fields(prompt, cached: int) -> str:
@@ -137,46 +184,63 @@ def _image_fields(prompt, cached: int) -> str:
 
 async def root(request: Request) -> Response:
     """Clients probe the base URL (Claude Code sends HEAD / first)."""
-    return PlainTextResponse(f"mlxkv serve: {request.app.state.backend.info.name}\n")
+    return PlainTextResponse(f"mlxkv serve: {', '.join(request.app.state.models.registry.names)}\n")
 
 
 async def health(request: Request) -> Response:
-    backend = request.app.state.backend
-    ok = backend.thread.alive
-    return JSONResponse({"status": "ok" if ok else "engine stopped", "model": backend.info.name},
-                        status_code=200 if ok else 503)
+    """ok while every loaded model's engine thread runs; 503 once one has stopped."""
+    registry = request.app.state.models.registry
+    loaded = registry.loaded()
+    ok = all(slot.backend.thread.alive for slot in loaded)
+    body = {"status": "ok" if ok else "engine stopped"}
+    if len(registry.names) == 1:
+        body["model"] = registry.names[0]
+    else:
+        body["models"] = {name: slot.state for name, slot in registry.slots.items()}
+    return JSONResponse(body, status_code=200 if ok else 503)
 
 
-def _model_card(backend) -> dict:
-    info = backend.info
-    return {"id": info.name, "object": "model", "created": backend.created, "owned_by": "mlxkv",
-            "context_length": info.max_context}
+def _model_card(slot, created: int) -> dict:
+    info = None if slot.backend is None else slot.backend.info
+    return {"id": slot.name, "object": "model", "created": getattr(slot.backend, "created", created),
+            "owned_by": "mlxkv", "context_length": None if info is None else info.max_context,
+            "loaded": slot.state == LOADED, "state": slot.state}
 
 
 async def models(request: Request) -> Response:
-    return JSONResponse({"object": "list", "data": [_model_card(request.app.state.backend)]})
+    registry, created = request.app.state.models.registry, request.app.state.created
+    return JSONResponse({"object": "list", "data": [_model_card(s, created) for s in registry.slots.values()]})
 
 
 async def model(request: Request) -> Response:
-    backend = request.app.state.backend
+    router = request.app.state.models
     wanted = request.path_params["model_id"]
-    if wanted != backend.info.name:
-        raise ApiError(404, f"no model {wanted!r} here; this server has {backend.info.name!r} "
-                            "(and answers requests for any model name with it)", param="model")
-    return JSONResponse(_model_card(backend))
+    if wanted not in router.registry.slots:
+        raise ApiError(404, router.names.unknown(wanted), param="model")
+    return JSONResponse(_model_card(router.registry.slot(wanted), request.app.state.created))
 
 
 async def cache_stats(request: Request) -> Response:
-    return JSONResponse(request.app.state.backend.stats())
+    """One model: its engine's stats, as before, and "models"; several: "models" alone."""
+    registry = request.app.state.models.registry
+    per_model = {name: model_stats(registry, slot) for name, slot in registry.slots.items()}
+    if len(per_model) == 1:
+        slot = next(iter(registry.slots.values()))
+        return JSONResponse({**(slot.backend.stats() if slot.backend is not None else {}), "models": per_model})
+    return JSONResponse({"models": per_model})
 
 
 async def metrics(request: Request) -> Response:
-    backend = request.app.state.backend
-    stats = backend.stats()  # as the engine thread last published it
-    text = backend.metrics.render(backend.thread.open_requests, stats.get("pool"), stats.get("speculative"),
-                                  tiers=stats.get("connector"), structured=stats.get("structured"),
-                                  encoder=stats.get("encoder_cache"))
-    return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+    registry = request.app.state.models.registry
+    loaded = registry.loaded()
+    one = loaded[0] if len(registry.names) == 1 and loaded else None
+    stats = one.backend.stats() if one is not None else {}  # as the engine thread last published it
+    open_requests = sum(s.backend.thread.open_requests for s in loaded)
+    text = request.app.state.metrics.render(open_requests, stats.get("pool"), stats.get("speculative"),
+                                            tiers=stats.get("connector"), structured=stats.get("structured"),
+                                            encoder=stats.get("encoder_cache"))
+    rows = {name: model_stats(registry, slot) for name, slot in registry.slots.items()}
+    return PlainTextResponse(text + "\n".join(model_lines(rows)) + "\n", media_type="text/plain; version=0.0.4")
 
 
 async def _http_error(request: Request, exc: HTTPException) -> Response:
@@ -185,7 +249,8 @@ async def _http_error(request: Request, exc: HTTPException) -> Response:
     return error_response(request.url.path, ApiError(exc.status_code, message))
 
 
-def build_app(backend, config: AppConfig | None = None) -> Starlette:
+def build_app(router, counters, config: AppConfig | None = None) -> Starlette:
+    """`router`: a ModelRouter over the served models; `counters`: the server's ServerMetrics."""
     config = config or AppConfig()
     routes = [
         Route("/", endpoint(root), methods=["GET", "HEAD"]),
@@ -196,16 +261,20 @@ def build_app(backend, config: AppConfig | None = None) -> Starlette:
         Route("/v1/cache/stats", endpoint(cache_stats)),
         Route("/v1/chat/completions", endpoint(openai_api.chat_completions), methods=["POST"]),
         Route("/v1/completions", endpoint(openai_api.completions), methods=["POST"]),
+        Route("/v1/embeddings", endpoint(embeddings_api.embeddings), methods=["POST"]),
         Route("/v1/responses", endpoint(responses_api.responses), methods=["POST"]),
         Route("/v1/messages", endpoint(anthropic_api.messages), methods=["POST"]),
         Route("/v1/messages/count_tokens", endpoint(anthropic_api.count_tokens), methods=["POST"]),
     ]
-    app = Starlette(routes=routes, exception_handlers={HTTPException: _http_error})
-    app.state.backend = backend
+    app = Starlette(routes=routes, exception_handlers={HTTPException: _http_error}, lifespan=_keep_alive(router))
+    app.state.models = router
+    app.state.metrics = counters
+    app.state.created = int(time.time())
     app.state.max_body_bytes = config.max_body_bytes
     app.state.temperature = config.temperature
     app.state.keepalive = config.keepalive_s
     app.state.responses = ResponseStore()
     app.add_middleware(ApiKey, key=config.api_key)
     app.add_middleware(AccessLog)
+    app.add_middleware(ModelLeases, router=router)  # outermost: the access line is not held up by a release
     return app

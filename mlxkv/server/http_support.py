@@ -27,15 +27,9 @@ class Lenient(BaseModel):
 
 async def parse_body(request: Request, model: type[BaseModel]) -> BaseModel:
     """The request's JSON as `model`; 413 over the size limit, 400 for anything malformed."""
-    limit = request.app.state.max_body_bytes
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise ApiError(413, f"request body is {int(declared)} bytes, over the server's limit of {limit}")
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise ApiError(413, f"request body is over the server's limit of {limit} bytes")
+    body = getattr(request.state, "body", None)  # read before: a stream's handler runs again once its model loaded
+    if body is None:
+        body = request.state.body = await _read_body(request)
     try:
         data = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -46,6 +40,19 @@ async def parse_body(request: Request, model: type[BaseModel]) -> BaseModel:
         return model.model_validate(data)
     except ValidationError as e:
         raise ApiError(400, validation_message(e)) from None
+
+
+async def _read_body(request: Request) -> bytes:
+    limit = request.app.state.max_body_bytes
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise ApiError(413, f"request body is {int(declared)} bytes, over the server's limit of {limit}")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise ApiError(413, f"request body is over the server's limit of {limit} bytes")
+    return bytes(body)
 
 
 async def off_loop(fn, *args):

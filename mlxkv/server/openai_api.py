@@ -16,6 +16,7 @@ from starlette.responses import JSONResponse, StreamingResponse
 
 from mlxkv.server.api_errors import ApiError
 from mlxkv.server.image_parts import image_from_url
+from mlxkv.server.model_router import routed
 from mlxkv.server.http_support import SSE_HEADERS, Lenient, new_id, now, off_loop, parse_body, sse, until_disconnect
 from mlxkv.server.reply_stream import Reply, WholeReply
 from mlxkv.server.structured_options import chat_grammar
@@ -124,8 +125,8 @@ def usage(stats) -> dict:
 
 
 async def chat_completions(request: Request):
-    backend = request.app.state.backend
     body = await parse_body(request, ChatRequest)
+    backend = await routed(request, body.model, body.stream)
     tools = body.tools or None
     if body.tool_choice == "none":
         tools = None
@@ -143,8 +144,8 @@ async def chat_completions(request: Request):
 
 
 async def completions(request: Request):
-    backend = request.app.state.backend
     body = await parse_body(request, CompletionRequest)
+    backend = await routed(request, body.model, body.stream)
     if isinstance(body.prompt, str):
         tokens = await off_loop(backend.text_tokens, body.prompt)
     else:
@@ -161,7 +162,7 @@ async def completions(request: Request):
 def start(request: Request, tokens: list[int], max_tokens: int | None, body: _Sampling,
           tools: list | None, param: str) -> Reply:
     """Queue the request (max_tokens cut to the room left) and start reading its reply."""
-    backend = request.app.state.backend
+    backend = request.state.backend
     max_tokens = backend.reply_limit(tokens, max_tokens, param=param)
     grammar = chat_grammar(body, backend.info.tokenizer)  # a 400 if it does not compile
     handle = backend.submit(tokens, max_tokens=max_tokens, **body.options(request.app.state.temperature),

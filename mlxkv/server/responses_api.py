@@ -21,6 +21,7 @@ from starlette.responses import JSONResponse
 
 from mlxkv.server.api_errors import ApiError
 from mlxkv.server.http_support import Lenient, new_id, now, off_loop, parse_body, sse, until_disconnect
+from mlxkv.server.model_router import routed
 from mlxkv.server.openai_api import KEEPALIVE_LINE, event_stream
 from mlxkv.server.reply_stream import Reply
 from mlxkv.server.responses_input import input_messages, template_tools
@@ -55,7 +56,7 @@ def usage(stats) -> dict:
 
 
 async def responses(request: Request):
-    backend, store = request.app.state.backend, request.app.state.responses
+    store = request.app.state.responses
     body = await parse_body(request, ResponsesRequest)
     system, new = input_messages(body.instructions, body.input)
     history: list[dict] = []
@@ -65,6 +66,7 @@ async def responses(request: Request):
             raise ApiError(400, f"no stored response {body.previous_response_id!r} (responses are kept in "
                                 "memory, the newest first, when sent with store)", param="previous_response_id")
     tools = template_tools(body.tools, body.tool_choice)
+    backend = await routed(request, body.model, body.stream)
     tokens = await off_loop(backend.chat_tokens, system + history + new, tools)
     max_tokens = backend.reply_limit(tokens, body.max_output_tokens, param="input")
     temperature = request.app.state.temperature if body.temperature is None else body.temperature

@@ -8,6 +8,7 @@ calling thread (the CLI) or on a thread of its own (tests, benchmarks).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import ipaddress
 import logging
 import os
@@ -15,15 +16,21 @@ import socket
 import threading
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import uvicorn
 
-from mlxkv.config import CacheConfig
+from mlxkv.config import DEFAULT_KV_GROUP_SIZE, CacheConfig
 from mlxkv.errors import MlxkvError, MlxkvWarning
-from mlxkv.server.backend import DEFAULT_MAX_OPEN, DEFAULT_MAX_TOKENS, ServingBackend
+from mlxkv.kv_format import KVFormat
+from mlxkv.server.backend import DEFAULT_MAX_OPEN, DEFAULT_MAX_TOKENS, ServingBackend, short_name
 from mlxkv.host.engine_thread import EngineThread, load_engine
 from mlxkv.server.http_app import KEEPALIVE_S, AppConfig, build_app
+from mlxkv.server.metrics import ServerMetrics
+from mlxkv.server.model_names import ModelNames
+from mlxkv.server.model_registry import LoadLimits, ModelRegistry
+from mlxkv.server.model_router import ModelRouter
+from mlxkv.server.model_specs import NEVER, ModelSpec, unique, weights_estimate, with_keep_alive
 from mlxkv.server.http_support import DEFAULT_MAX_BODY_BYTES
 from mlxkv.server.reply_ids import DEFAULT_KEPT
 from mlxkv.vision.images import MAX_IMAGE_PIXELS
@@ -37,6 +44,9 @@ API_KEY_ENV = "MLXKV_API_KEY"
 # so it never has to cancel a handler (a traceback per stream, no final event).
 GRACEFUL_SHUTDOWN_S = 5.0
 STOP_MARGIN_S = 3.0
+# Several models: an idle one is unloaded after this (Ollama's default); one model never is.
+DEFAULT_KEEP_ALIVE_S = 300.0
+MIN_POOL_BYTES = 16 << 20  # a pool's least share of --memory-budget, whatever the weights take
 
 
 @dataclass
@@ -92,25 +102,56 @@ def warn_if_exposed(host: str, api_key: str | None) -> None:
                                    f"anyone who can reach it can use it (set --api-key or {API_KEY_ENV})"))
 
 
-class Server:
-    """A model served over HTTP until `close()`: `Server.load(model, cache)`,
-    or `Server(thread, name)` around an engine thread already started."""
+@dataclass
+class ModelsOptions:
+    """How several models share the server (docs/server.md, "Several models")."""
 
-    def __init__(self, thread: EngineThread, name: str, options: ServerOptions | None = None,
-                 sock: socket.socket | None = None):
+    aliases: list[tuple[str, str]] = field(default_factory=list)  # (shell pattern, model name), in order
+    default_model: str | None = None  # serves names that match nothing (one model: that one)
+    max_loaded: int | None = None
+    memory_budget: int | None = None  # bytes of weights plus pools
+    keep_alive_s: float | None = None  # None: 5 minutes when several models are served, never for one
+
+    def keep_alive(self, models: int) -> float:
+        if self.keep_alive_s is not None:
+            return self.keep_alive_s
+        return DEFAULT_KEEP_ALIVE_S if models > 1 else NEVER
+
+
+class Server:
+    """Models served over HTTP until `close()`: `Server.load(model, cache)` for one,
+    `Server.load_models(specs, cache)` for several (loaded on demand), or
+    `Server(thread, name)` around one engine thread already started."""
+
+    def __init__(self, thread: EngineThread | None, name: str | None = None, options: ServerOptions | None = None,
+                 sock: socket.socket | None = None, *, specs: list[ModelSpec] | None = None,
+                 cache: CacheConfig | None = None, models: ModelsOptions | None = None, load=load_engine):
         o = self.options = options or ServerOptions()
-        self.engine = thread
         self.socket = sock or bind(o.host, o.port)
         self.port = self.socket.getsockname()[1]
+        self.cache, self._load, self.models = cache or CacheConfig(), load, models or ModelsOptions()
+        self.metrics = ServerMetrics()
+        # Every engine thread started, loaded or still loading: each is closed with the server.
+        self._threads: set[EngineThread] = set() if thread is None else {thread}
         try:
-            self.backend = ServingBackend(thread, name, max_open=o.max_open, default_max_tokens=o.max_tokens,
-                                          reply_ids_kept=o.reply_ids_kept, reply_cap=o.reply_cap,
-                                          image_limits=(o.max_image_pixels, o.max_images),
-                                          allow_image_urls=o.allow_image_urls)
+            if specs is None:
+                specs = [ModelSpec(short_name(name), name)]
+            keep = self.models.keep_alive(len(specs))
+            specs = unique([with_keep_alive(spec, keep) for spec in specs])
+            default = self.models.default_model or (specs[0].name if len(specs) == 1 else None)
+            self.names = ModelNames([spec.name for spec in specs], self.models.aliases, default)
+            self.registry = ModelRegistry(specs, LoadLimits(self.models.max_loaded, self.models.memory_budget),
+                                          estimate=self._estimate)
+            self.router = ModelRouter(self.registry, self.names, self._start, self._stop)
+            if thread is not None:
+                self._adopt(self.registry.slot(specs[0].name), thread)
+            elif len(specs) == 1:  # one model loads before serving, as it always has: a bad one fails at once
+                self._adopt(self.registry.slot(specs[0].name), None)
         except BaseException:
             self._close_engine()
             raise
-        app = build_app(self.backend, AppConfig(o.api_key, o.max_body_bytes, o.temperature, o.keepalive_s))
+        app = build_app(self.router, self.metrics, AppConfig(o.api_key, o.max_body_bytes, o.temperature,
+                                                             o.keepalive_s))
         config = uvicorn.Config(app, log_config=None, access_log=False,
                                 timeout_graceful_shutdown=o.shutdown_grace_s + STOP_MARGIN_S)
         self.uvicorn = _Uvicorn(config, self._stopping)
@@ -118,12 +159,82 @@ class Server:
 
     @classmethod
     def load(cls, model: str, cache: CacheConfig, options: ServerOptions | None = None, *,
-             load=load_engine) -> Server:
+             load=load_engine, models: ModelsOptions | None = None) -> Server:
         """Bind first (a port in use fails at once), then load `model` on its engine thread."""
+        return cls.load_models([ModelSpec(short_name(model), model)], cache, options, models, load=load)
+
+    @classmethod
+    def load_models(cls, specs: list[ModelSpec], cache: CacheConfig, options: ServerOptions | None = None,
+                    models: ModelsOptions | None = None, *, load=load_engine) -> Server:
+        """Bind first; one model loads now, several at their first requests."""
         options = options or ServerOptions()
         warn_if_exposed(options.host, options.api_key)
         sock = bind(options.host, options.port)
-        return cls(EngineThread(model, cache, load=load).start(), model, options, sock)
+        return cls(None, options=options, sock=sock, specs=specs, cache=cache, models=models, load=load)
+
+    # -- one model's engine, started and stopped (the router calls these on worker threads) ----
+
+    def _adopt(self, slot, thread: EngineThread | None) -> None:
+        begin = time.monotonic()
+        self.registry.loading(slot)
+        backend, footprint = self._start(slot.spec, thread)
+        self.registry.loaded_as(slot, backend, footprint, time.monotonic() - begin)
+
+    def _start(self, spec: ModelSpec, thread: EngineThread | None = None) -> tuple[ServingBackend, int]:
+        if thread is None:
+            thread = EngineThread(spec.source, self._cache_for(spec), load=self._load,
+                                  on_event=_load_progress(spec.name))
+            thread.start()
+        self._threads.add(thread)
+        o, slot = self.options, self.registry.slot(spec.name)
+        try:
+            backend = ServingBackend(thread, spec.source, max_open=o.max_open, default_max_tokens=o.max_tokens,
+                                     reply_ids_kept=o.reply_ids_kept, reply_cap=o.reply_cap,
+                                     image_limits=(o.max_image_pixels, o.max_images),
+                                     allow_image_urls=o.allow_image_urls, display_name=spec.name,
+                                     metrics=self.metrics, on_reply=lambda stats: self.registry.reply_done(slot, stats))
+        except BaseException:
+            self._stop_thread(thread)
+            raise
+        return backend, backend.info.nbytes
+
+    def _stop(self, backend: ServingBackend) -> None:
+        """Unload: the engine closes, and its cached blocks and checkpoints finish going to the tiers."""
+        backend.close()
+        self._stop_thread(backend.thread)
+
+    def _stop_thread(self, thread) -> None:
+        thread.close()
+        self._threads.discard(thread)
+
+    def _cache_for(self, spec: ModelSpec) -> CacheConfig:
+        budget = self.models.memory_budget is not None
+        return model_cache(self.cache, spec, self._pool_bytes(spec) if budget else None)
+
+    def _pool_bytes(self, spec: ModelSpec) -> int:
+        """Under --memory-budget, a model's pool: its share of the budget less its weights."""
+        count = len(self.registry.specs)
+        share = self.models.memory_budget // max(1, min(count, self.models.max_loaded or count))
+        return max(share - weights_estimate(spec.source), MIN_POOL_BYTES)
+
+    def _estimate(self, spec: ModelSpec) -> int:
+        """A model's bytes before its first load (afterwards the registry knows them)."""
+        if self.models.memory_budget is None:
+            return 0
+        return weights_estimate(spec.source) + self._pool_bytes(spec)
+
+    # -- the server ---------------------------------------------------------------------
+
+    @property
+    def backend(self) -> ServingBackend | None:
+        """The first loaded model's backend (one model: its own)."""
+        loaded = self.registry.loaded()
+        return loaded[0].backend if loaded else None
+
+    @property
+    def engine(self) -> EngineThread | None:
+        backend = self.backend
+        return None if backend is None else backend.thread
 
     @property
     def url(self) -> str:
@@ -131,16 +242,24 @@ class Server:
         return f"http://{'[' + host + ']' if ':' in host else host}:{self.port}"
 
     def startup_line(self) -> str:
-        info = self.backend.info
-        context = "" if info.max_context is None else f", context {info.max_context} tokens"
-        return f"mlxkv serve: {self.url} (model {info.name}{context}; cache: {info.tiers})"
+        if len(self.registry.names) == 1 and self.backend is not None:
+            info = self.backend.info
+            context = "" if info.max_context is None else f", context {info.max_context} tokens"
+            return f"mlxkv serve: {self.url} (model {info.name}{context}; cache: {info.tiers})"
+        lines = [f"mlxkv serve: {self.url} ({len(self.registry.names)} models, loaded on demand)"]
+        for slot in self.registry.slots.values():
+            pin = ", pinned" if slot.spec.pin else ""
+            lines.append(f"  model {slot.name}: {slot.state} ({slot.spec.source}{pin})")
+        return "\n".join(lines)
 
     def _stopping(self) -> None:
         """On the event loop, as uvicorn begins to stop: open replies end at the grace period's end."""
-        open_requests = self.engine.open_requests
+        loaded = self.registry.loaded()
+        open_requests = sum(slot.backend.thread.open_requests for slot in loaded)
         if open_requests:
             log.info("stopping: %d open requests get %.0f s to finish", open_requests, self.options.shutdown_grace_s)
-        self.backend.stop_at = time.monotonic() + self.options.shutdown_grace_s
+        for slot in loaded:
+            slot.backend.stop_at = time.monotonic() + self.options.shutdown_grace_s
 
     def serve_forever(self) -> None:
         """Serve on this thread until interrupted (Ctrl-C), then close."""
@@ -166,10 +285,13 @@ class Server:
         self._close_engine()
 
     def _close_engine(self) -> None:
-        backend = getattr(self, "backend", None)
-        if backend is not None:
-            backend.close()
-        self.engine.close()  # finishes the SSD tier's writes
+        """Every model's engine closes (the SSD tier's writes finish), a load still running too:
+        its thread finishes loading, then closes with nothing written half."""
+        router = getattr(self, "router", None)
+        if router is not None:
+            router.close()
+        for thread in list(getattr(self, "_threads", ())):
+            self._stop_thread(thread)
         self.socket.close()
 
     def __enter__(self) -> Server:
@@ -177,6 +299,33 @@ class Server:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def model_cache(cache: CacheConfig, spec: ModelSpec, pool_bytes: int | None = None) -> CacheConfig:
+    """The server's cache flags with the model's own options (--models file) on top;
+    `pool_bytes`: its pool's share of --memory-budget."""
+    if spec.kv_bits is not None:
+        group = cache.kv_format.group_size if cache.kv_format is not None else cache.kv_group_size
+        cache = dataclasses.replace(cache, kv_format=KVFormat(spec.kv_bits, group), kv_bits=None,
+                                    kv_group_size=DEFAULT_KV_GROUP_SIZE)
+    if spec.speculative is not None:
+        cache = dataclasses.replace(cache, speculative=spec.speculative, draft_model=spec.draft_model or cache.draft_model)
+    if spec.context is not None:
+        return dataclasses.replace(cache, num_blocks=-(-spec.context // cache.block_size))
+    if pool_bytes is not None and cache.num_blocks is None:
+        return dataclasses.replace(cache, memory_budget_bytes=pool_bytes)
+    return dataclasses.replace(cache)
+
+
+def _load_progress(name: str):
+    """An engine thread's load progress, in the log (on the engine thread: it only logs)."""
+
+    def on_event(event) -> None:
+        if event.kind == "progress":
+            log.info("model %s: %s%s", name, event.text,
+                     "" if event.fraction is None else f" ({event.fraction:.0%})")
+
+    return on_event
 
 
 class _Uvicorn(uvicorn.Server):

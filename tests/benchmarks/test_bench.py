@@ -163,11 +163,12 @@ def test_an_unwritable_report_is_a_one_line_error_before_any_benchmark(tmp_path,
 @pytest.mark.slow
 def test_serve_benchmark_rows(llama_dir):
     """Both servers in their own processes at a tiny size: rows are well formed, replies agree."""
-    from mlxkv.benchmarks.serve import Workload, run_serve_benchmark
+    from mlxkv.benchmarks.serve import Switch, Workload, run_serve_benchmark
 
     rows = run_serve_benchmark(llama_dir, (Workload(sessions=2, turns=2, system_words=60, tool_words=10,
-                                                    reply_tokens=4),))
-    assert [r["name"] for r in rows] == ["agent wall time", "median warm TTFT", "median TTFT after restart"]
+                                                    reply_tokens=4),), Switch(context_words=300, reply_tokens=2))
+    assert [r["name"] for r in rows] == ["agent wall time", "median warm TTFT", "median TTFT after restart",
+                                         "TTFT after unload and reload", "model switch (unload, load, 1 token)"]
     for row in rows:
         assert KEYS <= row.keys() and row["ours"] > 0 and row["baseline"] > 0, row
     assert rows[0]["first_replies_identical"]
