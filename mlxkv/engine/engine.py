@@ -198,6 +198,7 @@ class Engine:
             sink, self.tokenizer.detokenizer, should_stop,
             speculative=speculative and self.core.speculates and not images,
             grammar=None if grammar is None else self.core.structured.matcher(grammar),
+            image_spans=tuple(prompt.spans) if images else (),
         )
         if images:
             # Made at the row's first forward, on this thread, once its prefix hit is known.

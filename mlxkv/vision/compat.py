@@ -75,9 +75,15 @@ def rope_index(model, input_ids, grid):
     return language.get_rope_index(input_ids, grid)
 
 
+def _embedding(model):
+    """The language model's token embedding (Idefics3's sits on the language model itself)."""
+    language = model.language_model
+    return getattr(language, "model", language).embed_tokens
+
+
 def embed_tokens(model, input_ids):
     """The language model's token embedding (text positions of any row)."""
-    return model.language_model.model.embed_tokens(input_ids)
+    return _embedding(model)(input_ids)
 
 
 def attention_module(model):
@@ -124,7 +130,8 @@ def processor_settings(processor) -> dict:
 
 def vision_features(model, pixel_values, grid):
     """What get_input_embeddings merges in for one image: Qwen's vision tower output for its pixel
-    rows and grid, Gemma 3's projected tower output for its [1, C, H, W] pixels (grid None)."""
+    rows and grid, Gemma 3's projected tower output for its [1, C, H, W] pixels (grid None).
+    (Tiled families: tile_features.)"""
     if grid is None:
         hidden, _, _ = model.vision_tower(pixel_values.transpose(0, 2, 3, 1).astype(_embed_dtype(model)),
                                           output_hidden_states=True)
@@ -134,7 +141,24 @@ def vision_features(model, pixel_values, grid):
 
 
 def _embed_dtype(model):
-    return model.language_model.model.embed_tokens.weight.dtype
+    return _embedding(model).weight.dtype
+
+
+def global_image_token_id(processor) -> int | None:
+    """The token before a tiled image's last tile, its global view (SmolVLM, Idefics3); None for
+    families that do not tile: there one run of placeholder tokens is one image."""
+    token = getattr(processor, "global_image_token", None) or getattr(processor, "global_image_tag", None)
+    if token is None:
+        return None
+    return processor.tokenizer.convert_tokens_to_ids(token)
+
+
+def tile_features(model, input_ids, pixel_values, pixel_mask):
+    """A tiled image's merged features [n, D]: `input_ids` its n placeholder tokens alone, its tiles'
+    [1, T, C, H, W] pixels and [1, T, H, W] mask. get_input_embeddings puts the tower's output at
+    every placeholder, so its embeddings of an all-placeholder prompt are the image's features."""
+    features = model.get_input_embeddings(input_ids, pixel_values, pixel_attention_mask=pixel_mask)
+    return features.inputs_embeds[0]
 
 
 def input_embeddings_from_features(model, input_ids, pixel_values, features, **image_inputs):

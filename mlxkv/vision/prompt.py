@@ -16,7 +16,7 @@ import numpy as np
 
 from mlxkv.errors import MlxkvError
 from mlxkv.vision import compat
-from mlxkv.vision.image_keys import ImageSpan, image_hash
+from mlxkv.vision.image_keys import ImageSpan, image_hash, image_token_counts
 from mlxkv.vision.images import MAX_IMAGE_PIXELS, image_parts, is_image_part, load_image
 from mlxkv.vision.model import RowInputs, VisionModel
 
@@ -31,14 +31,18 @@ class VisionPrompt:
     spans: list[ImageSpan]
     pixel_values: np.ndarray
     grid: np.ndarray | None  # per image (t, h, w); None for families without one
+    # A tiled family's [1, T, H, W] pixel_attention_mask (pixels [1, T, C, H, W], T tiles of all images);
+    # its image's span runs from its first placeholder to its last, one run of placeholders a tile.
+    pixel_mask: np.ndarray | None = None
+    tiles: list[int] | None = None  # per image, its tiles (tiled families)
 
     @property
     def image_tokens(self) -> int:
-        return sum(s.length for s in self.spans)
+        return image_token_counts(self.spans, 0)[0]
 
     def cached_image_tokens(self, cached: int) -> int:
         """Image tokens within the first `cached` tokens (a prefix hit's)."""
-        return sum(max(0, min(s.end, cached) - s.start) for s in self.spans)
+        return image_token_counts(self.spans, cached)[1]
 
     # A prompt is read as its ids wherever ids go (limits, replies, logs); only the engine looks further.
     def __len__(self) -> int:
@@ -53,12 +57,15 @@ class VisionPrompt:
     def row_inputs(self, model: VisionModel, num_computed: int = 0) -> RowInputs:
         """The language model's inputs: the vision tower's output merged in, M-RoPE positions.
         With `num_computed` tokens already cached past every image, no image is embedded."""
+        model.encoder_cache.count_prompt(*image_token_counts(self.spans, num_computed))
         ids = mx.array([self.tokens])
         grid = None if self.grid is None else mx.array(self.grid)
         if num_computed >= max(s.end for s in self.spans):
             embeds, (positions, deltas) = compat.embed_tokens(model.vlm, ids), compat.rope_index(model.vlm, ids, grid)
         else:
             extra = {} if grid is None else {"image_grid_thw": grid}
+            if self.pixel_mask is not None:
+                extra = {"pixel_attention_mask": mx.array(self.pixel_mask)}
             features = mx.concatenate([self._features(model, k) for k in range(len(self.spans))])
             embeds, positions, deltas = compat.input_embeddings_from_features(
                 model.vlm, ids, mx.array(self.pixel_values), features, **extra)
@@ -72,14 +79,31 @@ class VisionPrompt:
         digest = self.spans[k].digest
         features = model.encoder_cache.get(digest)
         if features is None:
-            sizes = [1] * len(self.spans) if self.grid is None else [int(np.prod(g)) for g in self.grid]
-            rows = np.cumsum([0] + sizes)
-            pixels = mx.array(self.pixel_values[rows[k] : rows[k + 1]])
-            grid = None if self.grid is None else mx.array(self.grid[k : k + 1])
-            features = compat.vision_features(model.vlm, pixels, grid)
+            a, b = _pixel_rows(self, k)
+            if self.pixel_mask is not None:
+                span = self.tokens[self.spans[k].start : self.spans[k].end]
+                ids = mx.full((1, span.count(model.image_token_id)), model.image_token_id)
+                features = compat.tile_features(model.vlm, ids, mx.array(self.pixel_values[:, a:b]),
+                                                mx.array(self.pixel_mask[:, a:b]))
+            else:
+                pixels = mx.array(self.pixel_values[a:b])
+                grid = None if self.grid is None else mx.array(self.grid[k : k + 1])
+                features = compat.vision_features(model.vlm, pixels, grid)
             mx.eval(features)
             model.encoder_cache.put(digest, features)
         return features
+
+
+def _pixel_rows(prompt: VisionPrompt, k: int) -> tuple[int, int]:
+    """Image k's rows of pixel_values: its grid's patches, its tiles, or one image."""
+    if prompt.grid is not None:
+        sizes = [int(np.prod(g)) for g in prompt.grid]
+    elif prompt.tiles is not None:
+        sizes = prompt.tiles
+    else:
+        sizes = [1] * len(prompt.spans)
+    rows = np.cumsum([0] + sizes)
+    return int(rows[k]), int(rows[k + 1])
 
 
 def vision_prompt(model, messages: list[dict], max_pixels: int = MAX_IMAGE_PIXELS,
@@ -99,10 +123,13 @@ def vision_prompt(model, messages: list[dict], max_pixels: int = MAX_IMAGE_PIXEL
     grid = inputs.get("image_grid_thw")
     grid = None if grid is None else np.asarray(grid)
     tokens = np.asarray(inputs["input_ids"])[0].tolist()
-    spans = _spans(tokens, model.image_token_id, pixels, grid, compat.processor_settings(processor))
+    mask = inputs.get("pixel_attention_mask")
+    mask = None if mask is None else np.asarray(mask)
+    groups = _images(tokens, model.image_token_id, compat.global_image_token_id(processor))
+    spans = _spans(groups, pixels, grid, mask, compat.processor_settings(processor))
     if len(spans) != len(images):
         raise MlxkvError(f"messages: {len(images)} images became {len(spans)} image spans in the prompt")
-    return VisionPrompt(tokens, spans, pixels, grid)
+    return VisionPrompt(tokens, spans, pixels, grid, mask, None if mask is None else [len(g) for g in groups])
 
 
 def _template_messages(messages: list[dict]) -> list[dict]:
@@ -116,17 +143,49 @@ def _template_messages(messages: list[dict]) -> list[dict]:
     return out
 
 
-def _spans(tokens: list[int], image_token: int, pixels: np.ndarray, grid, settings: dict) -> list[ImageSpan]:
-    """Each run of placeholder tokens, keyed by its own image's pixels and grid."""
+def _runs(tokens: list[int], image_token: int) -> list[tuple[int, int]]:
+    """(start, length) of each run of placeholder tokens."""
     runs, start = [], None
-    for i, t in enumerate(tokens + [None]):
+    for i, t in enumerate(list(tokens) + [None]):
         if t == image_token and start is None:
             start = i
         elif t != image_token and start is not None:
             runs.append((start, i - start))
             start = None
-    rows = [int(np.prod(g)) for g in grid] if grid is not None else [len(pixels) // max(1, len(runs))] * len(runs)
+    return runs
+
+
+def _images(tokens: list[int], image_token: int, global_token: int | None) -> list[list[tuple[int, int]]]:
+    """Each image's runs of placeholders: one run, or a tiled image's tiles, the last after its
+    global-view token."""
+    runs = _runs(tokens, image_token)
+    if global_token is None:
+        return [[run] for run in runs]
+    images, tiles = [], []
+    for start, n in runs:
+        tiles.append((start, n))
+        if start > 0 and tokens[start - 1] == global_token:
+            images.append(tiles)
+            tiles = []
+    return images + ([tiles] if tiles else [])
+
+
+def _spans(images: list[list[tuple[int, int]]], pixels: np.ndarray, grid, mask, settings: dict) -> list[ImageSpan]:
+    """Each image's span, first placeholder to last, keyed by its own pixels and grid (or tiles' mask)."""
+    if grid is not None:
+        rows = [int(np.prod(g)) for g in grid]
+    elif mask is not None:
+        rows = [len(tiles) for tiles in images]
+    else:
+        rows = [len(pixels) // max(1, len(images))] * len(images)
     bounds = np.cumsum([0] + rows)
-    return [ImageSpan(s, n, image_hash(pixels[bounds[k] : bounds[k + 1]], None if grid is None else grid[k],
-                                       settings))
-            for k, (s, n) in enumerate(runs)]
+    spans = []
+    for k, tiles in enumerate(images):
+        a, b = bounds[k], bounds[k + 1]
+        start, end = tiles[0][0], tiles[-1][0] + tiles[-1][1]
+        if mask is not None:
+            digest = image_hash(pixels[:, a:b], mask[:, a:b], settings)
+        else:
+            digest = image_hash(pixels[a:b], None if grid is None else grid[k], settings)
+        spans.append(ImageSpan(start, end - start, digest))
+    return spans

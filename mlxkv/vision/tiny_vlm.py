@@ -19,7 +19,7 @@ from mlxkv.errors import MlxkvError
 from mlxkv.models.tiny import SPECIAL_TOKENS, _tokenizer, random_weights
 from mlxkv.vision import compat
 
-VISION_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "gemma3")
+VISION_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "gemma3", "smolvlm")
 QWEN_VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 # Qwen2-VL's template, cut to what the tests send: text and image parts.
 QWEN_VL_TEMPLATE = (
@@ -131,6 +131,39 @@ GEMMA3_PREPROCESSOR = {
     "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "do_pan_and_scan": False,
     "image_seq_length": GEMMA3_IMAGE_TOKENS,
 }
+SMOLVLM_TILE_TOKENS = 4  # image_seq_len: (56 / 14)^2 patches a tile, pixel-shuffled by 2 x 2
+SMOLVLM_TILE = 56  # pixels a tile's side (max_image_size); an image is resized to at most 112 first
+SMOLVLM_VISION_TOKENS = (["<fake_token_around_image>", "<image>", "<global-img>", "<end_of_utterance>"]
+                         + [f"<row_{r}_col_{c}>" for r in range(1, 5) for c in range(1, 5)])
+
+
+def smolvlm_config(vocab_size: int, ids: dict[str, int], hidden: int = 64, layers: int = 2, seed: int = 0,
+                   **_) -> dict:
+    """SmolVLM: Idefics3's model class; an image is cut into tiles plus a global view, each tile's
+    SigLIP output pixel-shuffled into SMOLVLM_TILE_TOKENS placeholder tokens."""
+    text = {"model_type": "llama", "hidden_size": hidden, "num_hidden_layers": layers,
+            "intermediate_size": 2 * hidden, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "rms_norm_eps": 1e-5, "vocab_size": vocab_size, "rope_theta": 10000.0,
+            "max_position_embeddings": 4096}
+    return {
+        "model_type": "smolvlm", "architectures": ["SmolVLMForConditionalGeneration"], "text_config": text,
+        "vision_config": {"model_type": "smolvlm_vision", "num_hidden_layers": 1, "hidden_size": 32,
+                          "intermediate_size": 64, "num_attention_heads": 2, "patch_size": 14,
+                          "image_size": SMOLVLM_TILE},
+        "scale_factor": 2, "image_token_id": ids["<image>"], "vocab_size": vocab_size, "pad_token_id": 0,
+        "eos_token_id": [SPECIAL_TOKENS.index("<|im_end|>")],
+        "mlxkv_tiny_model": {"family": "smolvlm", "hidden_size": hidden, "num_layers": layers, "seed": seed},
+    }
+
+
+SMOLVLM_TEMPLATE = QWEN_VL_TEMPLATE.replace("<|vision_start|><|image_pad|><|vision_end|>", "<image>")
+SMOLVLM_PREPROCESSOR = {
+    "image_processor_type": "SmolVLMImageProcessor", "processor_class": "SmolVLMProcessor",
+    "do_convert_rgb": True, "do_image_splitting": True, "do_normalize": True, "do_pad": True,
+    "do_rescale": True, "do_resize": True, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+    "max_image_size": {"longest_edge": SMOLVLM_TILE}, "resample": 1, "rescale_factor": 1 / 255,
+    "size": {"longest_edge": 2 * SMOLVLM_TILE},
+}
 # family -> (vision tokens, config, template, preprocessor, processor class, tokenizer extras)
 _FAMILIES = {
     "qwen2_vl": (QWEN_VISION_TOKENS, qwen2_vl_config, QWEN_VL_TEMPLATE, PREPROCESSOR, "Qwen2VLProcessor", {}),
@@ -139,6 +172,10 @@ _FAMILIES = {
     "gemma3": (GEMMA3_VISION_TOKENS, gemma3_config, GEMMA3_TEMPLATE, GEMMA3_PREPROCESSOR, "Gemma3Processor",
                {"extra_special_tokens": {"image_token": "<image_soft_token>", "boi_token": "<start_of_image>",
                                          "eoi_token": "<end_of_image>"}}),
+    "smolvlm": (SMOLVLM_VISION_TOKENS, smolvlm_config, SMOLVLM_TEMPLATE, SMOLVLM_PREPROCESSOR, "SmolVLMProcessor",
+                {"extra_special_tokens": {"image_token": "<image>", "fake_image_token": "<fake_token_around_image>",
+                                          "global_image_token": "<global-img>",
+                                          "end_of_utterance_token": "<end_of_utterance>"}}),
 }
 
 
@@ -169,6 +206,8 @@ def write_tiny_vlm(path: str | Path, family: str = "qwen2_vl", seed: int = 0, vo
              "preprocessor_config.json": preprocessor, "chat_template.json": {"chat_template": template}}
     if family == "gemma3":  # mlx-vlm's Gemma3Processor reads its image count from here
         files["processor_config.json"] = {"image_seq_length": GEMMA3_IMAGE_TOKENS, "processor_class": processor_class}
+    if family == "smolvlm":  # and SmolVLMProcessor its tokens per tile
+        files["processor_config.json"] = {"image_seq_len": SMOLVLM_TILE_TOKENS, "processor_class": processor_class}
     for name, content in files.items():
         (path / name).write_text(json.dumps(content, indent=2, sort_keys=True) + "\n")
     return path

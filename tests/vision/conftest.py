@@ -51,3 +51,10 @@ def qwen2_vl(qwen2_vl_dir):
     """(model, processor) as mlx-vlm loads them."""
     return compat.load(str(qwen2_vl_dir))
 
+
+
+@pytest.fixture(scope="session")
+def smolvlm_dir(tmp_path_factory):
+    from mlxkv.vision.tiny_vlm import write_tiny_vlm
+
+    return write_tiny_vlm(tmp_path_factory.mktemp("models") / "smolvlm", "smolvlm")

@@ -75,3 +75,29 @@ def test_per_image_features_merge_to_what_get_input_embeddings_computes(family, 
     assert compat.processor_settings(processor)  # the settings that key an image's hash
     caches = compat.make_cache(model)
     assert caches is None or len(caches) == len(compat.language_model(model).layers)
+
+
+def test_a_tiled_images_features_from_its_tiles_merge_to_what_get_input_embeddings_computes(smolvlm_dir):
+    """SmolVLM: each image is tiles plus a global view; tile_features of one image's tiles, merged
+    back for both images, equal mlx-vlm's own embeddings of the whole prompt."""
+    model, processor = compat.load(str(smolvlm_dir))
+    images = [make_image(seed=1), make_image(56, 56, seed=2)]
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "image"}, {"type": "text", "text": "Hi"}]}]
+    inputs = compat.prepare_inputs(processor, compat.render_chat(processor, messages), images)
+    ids, pixels, mask = inputs["input_ids"], inputs["pixel_values"], inputs["pixel_attention_mask"]
+    whole, *_ = compat.input_embeddings(model, ids, pixels, pixel_attention_mask=mask)
+    image_token, global_token = compat.vision_token_id(model), compat.global_image_token_id(processor)
+    tokens = ids.tolist()[0]
+    ends = [i for i in range(1, len(tokens)) if tokens[i - 1] == global_token]  # each image's last tile
+    assert len(ends) == 2 and tokens[ends[0]] == image_token
+    # A tile is a run of placeholders after a <row_r_col_c> or global token: count them per image.
+    runs = [i for i in range(1, len(tokens)) if tokens[i] == image_token and tokens[i - 1] != image_token]
+    tiles = [sum(r <= ends[0] for r in runs), sum(r > ends[0] for r in runs)]
+    per_tile = processor.image_seq_len
+    bounds = [0, tiles[0], tiles[0] + tiles[1]]
+    features = mx.concatenate([compat.tile_features(model, mx.full((1, tiles[k] * per_tile), image_token),
+                                                    pixels[:, bounds[k]:bounds[k + 1]], mask[:, bounds[k]:bounds[k + 1]])
+                               for k in range(2)])
+    merged, *_ = compat.input_embeddings_from_features(model, ids, pixels, features, pixel_attention_mask=mask)
+    assert mx.allclose(merged, whole, atol=1e-4).item()
+    assert tiles[0] > 1  # the first image was cut into tiles

@@ -16,7 +16,7 @@ BS = 4
 N = 8  # tokens per reply
 
 
-@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl", "gemma3"])
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl", "gemma3", "smolvlm"])
 def engine(request):
     # Chunks of 8 split the images (12 and 16 tokens): both language models are causal over them in mlx-vlm.
     path = request.getfixturevalue(f"{request.param}_dir")
@@ -64,7 +64,10 @@ def test_images_in_two_turns_and_the_next_turn_hits_the_first(engine):
 
 
 def test_a_different_image_at_the_same_place_hits_only_the_text_before_it(engine):
-    a, b = make_image(seed=5), make_image(seed=6)
+    # b differs from a in its lower right corner alone: a tiled image's first tile is the same in both.
+    a = make_image(seed=5)
+    b = a.copy()
+    b.paste(make_image(40, 30, seed=6), (72, 54))
     engine.chat([_user(a, "What is it?")], max_tokens=N)
     other = [_user(b, "What is it?")]
     result = engine.chat(other, max_tokens=N)
