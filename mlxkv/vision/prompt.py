@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
+from mlxkv.chat.context_window import fit_messages
 from mlxkv.errors import MlxkvError
 from mlxkv.vision import compat
 from mlxkv.vision.image_keys import ImageSpan, image_hash, image_token_counts
@@ -130,6 +131,31 @@ def vision_prompt(model, messages: list[dict], max_pixels: int = MAX_IMAGE_PIXEL
     if len(spans) != len(images):
         raise MlxkvError(f"messages: {len(images)} images became {len(spans)} image spans in the prompt")
     return VisionPrompt(tokens, spans, pixels, grid, mask, None if mask is None else [len(g) for g in groups])
+
+
+def fitted_vision_prompt(model, messages: list[dict], limit: int) -> tuple[VisionPrompt, int]:
+    """The prompt of the newest turns that fit in `limit` tokens, and how many messages were left
+    out (chat/context_window.py). Turns are left out whole, so an image is in the prompt with all
+    its tokens or not at all. A chat that cannot fit is returned whole, for the request check."""
+    prompt = vision_prompt(model, messages)
+    if len(prompt) <= limit:
+        return prompt, 0
+    built = {id(messages): prompt}
+
+    def measure(m: list[dict]) -> int:
+        if id(m) not in built:
+            built[id(m)] = vision_prompt(model, m)
+        return len(built[id(m)])
+
+    # Where the window's steps fall: a message's text tokens plus its images' (known from the whole prompt).
+    images = iter(span.length for span in prompt.spans)
+    encode = model.processor.tokenizer.encode
+    counts = {}
+    for m in messages:
+        parts = m["content"] if isinstance(m.get("content"), list) else [{"type": "text", "text": m.get("content")}]
+        counts[id(m)] = sum(next(images) if is_image_part(p) else len(encode(p.get("text") or "")) for p in parts)
+    kept, left_out = fit_messages(messages, limit, measure, count=lambda m: counts[id(m)])
+    return built[id(kept)], left_out
 
 
 def _template_messages(messages: list[dict]) -> list[dict]:
