@@ -203,7 +203,7 @@ class Engine:
         )
         if images:
             # Made at the row's first forward, on this thread, once its prefix hit is known.
-            self.model.rows.attach(request, lambda computed: prompt.row_inputs(self.model, computed))
+            self.model.rows.attach(request, lambda computed, first: prompt.row_inputs(self.model, computed, first))
         return request
 
     def _prepare(

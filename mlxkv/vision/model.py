@@ -25,6 +25,7 @@ import mlx.nn as nn
 
 from mlxkv.vision import compat
 from mlxkv.vision.encoder_cache import EncoderCache
+from mlxkv.vision.rope_deltas import RopeDeltas
 
 log = logging.getLogger(__name__)
 
@@ -33,9 +34,10 @@ log = logging.getLogger(__name__)
 class RowInputs:
     """What the language model takes for a prompt with images, beyond its ids."""
 
-    embeds: mx.array  # [L, D]: the prompt's embeddings, images merged in
+    embeds: mx.array  # [L, D]: the prompt's embeddings, images merged in (none: from_position on is text)
     positions: mx.array  # [3, L]: M-RoPE (t, h, w) positions of the prompt
     delta: int  # rope_delta: a position after the prompt is its index plus this
+    from_position: int = 0  # the first position these inputs serve (past every image: the rest is text)
 
 
 class VisionRows:
@@ -45,18 +47,23 @@ class VisionRows:
     known: a hit past every image needs no image features (vision/prompt.py)."""
 
     def __init__(self):
-        self._rows: dict[int, RowInputs | Callable[[int], RowInputs]] = {}
+        self._rows: dict[int, tuple[Callable[[int, bool], RowInputs], RowInputs | None]] = {}
 
-    def attach(self, request, make: Callable[[int], RowInputs]) -> None:
-        """`make(num_computed)` gives the inputs; they are kept while `request` lives (a
-        preempted request resumes with them)."""
-        self._rows[request.request_id] = make
+    def attach(self, request, make: Callable[[int, bool], RowInputs]) -> None:
+        """`make(num_computed, first)` gives the inputs; they are kept while `request` lives (a
+        preempted request resumes with them, or with new ones if its hit is now shorter than
+        they serve: its blocks past the last image were evicted meanwhile)."""
+        self._rows[request.request_id] = (make, None)
         weakref.finalize(request, self._rows.pop, request.request_id, None)
 
     def get(self, request_id: int, num_computed: int = 0) -> RowInputs | None:
-        row = self._rows.get(request_id)
-        if callable(row):
-            row = self._rows[request_id] = row(num_computed)
+        entry = self._rows.get(request_id)
+        if entry is None:
+            return None
+        make, row = entry
+        if row is None or num_computed < row.from_position:
+            row = make(num_computed, row is None)
+            self._rows[request_id] = (make, row)
         return row
 
     def __len__(self) -> int:
@@ -67,7 +74,7 @@ class VisionModel(nn.Module):
     def __init__(self, vlm, processor):
         super().__init__()
         self.vlm = vlm
-        self._extras = _Extras(processor, VisionRows(), EncoderCache())
+        self._extras = _Extras(processor, VisionRows(), EncoderCache(), RopeDeltas())
 
     @property
     def processor(self):
@@ -80,6 +87,10 @@ class VisionModel(nn.Module):
     @property
     def encoder_cache(self) -> EncoderCache:
         return self._extras.encoder_cache
+
+    @property
+    def rope_deltas(self) -> RopeDeltas:
+        return self._extras.rope_deltas
 
     @property
     def layers(self):
@@ -129,12 +140,13 @@ class VisionModel(nn.Module):
 
 
 class _Extras:
-    """The processor, the rows and the encoder cache: held outside nn.Module's parameter tree."""
+    """The processor, the rows, the encoder cache and the rope deltas: outside nn.Module's parameter tree."""
 
-    def __init__(self, processor, rows: VisionRows, encoder_cache: EncoderCache):
+    def __init__(self, processor, rows: VisionRows, encoder_cache: EncoderCache, rope_deltas: RopeDeltas):
         self.processor = processor
         self.rows = rows
         self.encoder_cache = encoder_cache
+        self.rope_deltas = rope_deltas
 
 
 def _text_positions(offsets: list[int], n: int) -> mx.array:

@@ -20,6 +20,7 @@ from mlxkv.vision import compat
 from mlxkv.vision.image_keys import ImageSpan, image_hash, image_token_counts
 from mlxkv.vision.images import MAX_IMAGE_PIXELS, image_parts, is_image_part, load_image
 from mlxkv.vision.model import RowInputs, VisionModel
+from mlxkv.vision.rope_deltas import prefix_key
 
 MAX_IMAGES = 16  # the default images per request
 
@@ -55,25 +56,35 @@ class VisionPrompt:
     def __iter__(self):
         return iter(self.tokens)
 
-    def row_inputs(self, model: VisionModel, num_computed: int = 0) -> RowInputs:
+    def row_inputs(self, model: VisionModel, num_computed: int = 0, first: bool = True) -> RowInputs:
         """The language model's inputs: the vision tower's output merged in, M-RoPE positions.
-        With `num_computed` tokens already cached past every image, no image is embedded."""
-        model.encoder_cache.count_prompt(*image_token_counts(self.spans, num_computed))
+        With `num_computed` tokens already cached past every image, the rest is text: its
+        embeddings are its tokens' and its positions its indices plus the prompt's delta, so only
+        that delta is needed (rope_deltas.py), and no image is embedded. A request's `first`
+        inputs count its image tokens in the stats (a resumed one's do not again)."""
+        if first:
+            model.encoder_cache.count_prompt(*image_token_counts(self.spans, num_computed))
+        last = max(s.end for s in self.spans)
+        key = prefix_key(self.tokens, last, self.grid)
         ids = mx.array([self.tokens])
         grid = None if self.grid is None else mx.array(self.grid)
-        if num_computed >= max(s.end for s in self.spans):
-            embeds, (positions, deltas) = compat.embed_tokens(model.vlm, ids), compat.rope_index(model.vlm, ids, grid)
-        else:
-            extra = {} if grid is None else {"image_grid_thw": grid}
-            if self.pixel_mask is not None:
-                extra = {"pixel_attention_mask": mx.array(self.pixel_mask)}
-            features = mx.concatenate([self._features(model, k) for k in range(len(self.spans))])
-            embeds, positions, deltas = compat.input_embeddings_from_features(
-                model.vlm, ids, mx.array(self.pixel_values), features, **extra)
+        if num_computed >= last:
+            delta = model.rope_deltas.get(key)
+            if delta is None:
+                delta = _delta(compat.rope_index(model.vlm, ids, grid)[1])
+                model.rope_deltas.put(key, delta)
+            width = compat.embed_tokens(model.vlm, ids[:, :1]).shape[-1]
+            return RowInputs(mx.zeros((0, width)), mx.zeros((3, 0), mx.int32), delta, from_position=last)
+        extra = {} if grid is None else {"image_grid_thw": grid}
+        if self.pixel_mask is not None:
+            extra = {"pixel_attention_mask": mx.array(self.pixel_mask)}
+        features = mx.concatenate([self._features(model, k) for k in range(len(self.spans))])
+        embeds, positions, deltas = compat.input_embeddings_from_features(
+            model.vlm, ids, mx.array(self.pixel_values), features, **extra)
         if positions is None:
             positions = mx.broadcast_to(mx.arange(len(self.tokens))[None, None], (3, 1, len(self.tokens)))
-        delta = 0 if deltas is None else int(mx.array(deltas).reshape(-1)[0].item())
-        return RowInputs(embeds[0], positions[:, 0], delta)
+        model.rope_deltas.put(key, _delta(deltas))
+        return RowInputs(embeds[0], positions[:, 0], _delta(deltas))
 
     def _features(self, model: VisionModel, k: int) -> mx.array:
         """Image k's vision tower output: from the encoder cache, or computed and kept there."""
@@ -93,6 +104,11 @@ class VisionPrompt:
             mx.eval(features)
             model.encoder_cache.put(digest, features)
         return features
+
+
+def _delta(deltas) -> int:
+    """mlx-vlm's rope_deltas as one int (None: a family with plain positions)."""
+    return 0 if deltas is None else int(mx.array(deltas).reshape(-1)[0].item())
 
 
 def _pixel_rows(prompt: VisionPrompt, k: int) -> tuple[int, int]:

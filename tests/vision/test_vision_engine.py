@@ -63,6 +63,20 @@ def test_images_in_two_turns_and_the_next_turn_hits_the_first(engine):
     assert again.stats.cached_tokens["pool"] >= len(reply.prompt_tokens) // BS * BS
 
 
+def test_a_text_turn_after_the_images_takes_their_rope_delta_from_the_last_turn(engine, monkeypatch):
+    """A hit past every image leaves only text to compute: its positions are its indices plus the
+    prompt's delta, kept from the turn before (vision/rope_deltas.py), not recomputed by mlx-vlm."""
+    a = make_image(seed=10)
+    first = [_user(a, "Describe it.")]
+    reply = engine.chat(first, max_tokens=N)
+    second = first + [{"role": "assistant", "content": reply.text}, _user("And now, in more words?")]
+    calls = []
+    monkeypatch.setattr(compat, "rope_index", lambda *args: calls.append(args) or (None, None))
+    again = engine.chat(second, max_tokens=N)
+    assert calls == [] and again.stats.cached_image_tokens == again.stats.image_tokens
+    assert again.tokens == _mlx_vlm(engine, second, [a])
+
+
 def test_a_different_image_at_the_same_place_hits_only_the_text_before_it(engine):
     # b differs from a in its lower right corner alone: a tiled image's first tile is the same in both.
     a = make_image(seed=5)
