@@ -66,24 +66,32 @@ class VisionPrompt:
             model.encoder_cache.count_prompt(*image_token_counts(self.spans, num_computed))
         last = max(s.end for s in self.spans)
         key = prefix_key(self.tokens, last, self.grid)
-        ids = mx.array([self.tokens])
-        grid = None if self.grid is None else mx.array(self.grid)
         if num_computed >= last:
-            delta = model.rope_deltas.get(key)
-            if delta is None:
-                delta = _delta(compat.rope_index(model.vlm, ids, grid)[1])
-                model.rope_deltas.put(key, delta)
-            width = compat.embed_tokens(model.vlm, ids[:, :1]).shape[-1]
-            return RowInputs(mx.zeros((0, width)), mx.zeros((3, 0), mx.int32), delta, from_position=last)
-        extra = {} if grid is None else {"image_grid_thw": grid}
+            return self._text_inputs(model, key, last)
+        inputs = self._image_inputs(model)
+        model.rope_deltas.put(key, inputs.delta)
+        return inputs
+
+    def _text_inputs(self, model: VisionModel, key: bytes, last: int) -> RowInputs:
+        """Inputs of a row whose uncomputed tokens all follow its last image: its delta alone."""
+        delta = model.rope_deltas.get(key)
+        if delta is None:  # not seen in this process (a hit from the SSD tier after a restart)
+            grid = None if self.grid is None else mx.array(self.grid)
+            delta = _delta(compat.rope_index(model.vlm, mx.array([self.tokens]), grid)[1])
+            model.rope_deltas.put(key, delta)
+        width = compat.embed_tokens(model.vlm, mx.array([self.tokens[:1]])).shape[-1]
+        return RowInputs(mx.zeros((0, width)), mx.zeros((3, 0), mx.int32), delta, from_position=last)
+
+    def _image_inputs(self, model: VisionModel) -> RowInputs:
+        """The whole prompt's embeddings, its images' features merged in, and its positions."""
+        extra = {} if self.grid is None else {"image_grid_thw": mx.array(self.grid)}
         if self.pixel_mask is not None:
             extra = {"pixel_attention_mask": mx.array(self.pixel_mask)}
         features = mx.concatenate([self._features(model, k) for k in range(len(self.spans))])
         embeds, positions, deltas = compat.input_embeddings_from_features(
-            model.vlm, ids, mx.array(self.pixel_values), features, **extra)
+            model.vlm, mx.array([self.tokens]), mx.array(self.pixel_values), features, **extra)
         if positions is None:
             positions = mx.broadcast_to(mx.arange(len(self.tokens))[None, None], (3, 1, len(self.tokens)))
-        model.rope_deltas.put(key, _delta(deltas))
         return RowInputs(embeds[0], positions[:, 0], _delta(deltas))
 
     def _features(self, model: VisionModel, k: int) -> mx.array:
