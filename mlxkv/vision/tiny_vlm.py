@@ -19,7 +19,7 @@ from mlxkv.errors import MlxkvError
 from mlxkv.models.tiny import SPECIAL_TOKENS, _tokenizer, random_weights
 from mlxkv.vision import compat
 
-VISION_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "gemma3", "smolvlm")
+VISION_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "gemma3", "smolvlm", "idefics3")
 QWEN_VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 # Qwen2-VL's template, cut to what the tests send: text and image parts.
 QWEN_VL_TEMPLATE = (
@@ -156,6 +156,16 @@ def smolvlm_config(vocab_size: int, ids: dict[str, int], hidden: int = 64, layer
     }
 
 
+def idefics3_config(vocab_size: int, ids: dict[str, int], hidden: int = 64, layers: int = 2, seed: int = 0,
+                    **_) -> dict:
+    """Idefics3: SmolVLM's model class and tiling, its own processor (mlx-vlm's Idefics3Processor)."""
+    config = smolvlm_config(vocab_size, ids, hidden, layers, seed)
+    config.update(model_type="idefics3", architectures=["Idefics3ForConditionalGeneration"])
+    config["vision_config"]["model_type"] = "idefics3_vision"
+    config["mlxkv_tiny_model"]["family"] = "idefics3"
+    return config
+
+
 SMOLVLM_TEMPLATE = QWEN_VL_TEMPLATE.replace("<|vision_start|><|image_pad|><|vision_end|>", "<image>")
 SMOLVLM_PREPROCESSOR = {
     "image_processor_type": "SmolVLMImageProcessor", "processor_class": "SmolVLMProcessor",
@@ -164,6 +174,8 @@ SMOLVLM_PREPROCESSOR = {
     "max_image_size": {"longest_edge": SMOLVLM_TILE}, "resample": 1, "rescale_factor": 1 / 255,
     "size": {"longest_edge": 2 * SMOLVLM_TILE},
 }
+IDEFICS3_PREPROCESSOR = {**SMOLVLM_PREPROCESSOR, "image_processor_type": "Idefics3ImageProcessor",
+                         "processor_class": "Idefics3Processor"}
 # family -> (vision tokens, config, template, preprocessor, processor class, tokenizer extras)
 _FAMILIES = {
     "qwen2_vl": (QWEN_VISION_TOKENS, qwen2_vl_config, QWEN_VL_TEMPLATE, PREPROCESSOR, "Qwen2VLProcessor", {}),
@@ -176,6 +188,8 @@ _FAMILIES = {
                 {"extra_special_tokens": {"image_token": "<image>", "fake_image_token": "<fake_token_around_image>",
                                           "global_image_token": "<global-img>",
                                           "end_of_utterance_token": "<end_of_utterance>"}}),
+    "idefics3": (SMOLVLM_VISION_TOKENS, idefics3_config, SMOLVLM_TEMPLATE, IDEFICS3_PREPROCESSOR, "Idefics3Processor",
+                 {}),
 }
 
 
@@ -206,7 +220,7 @@ def write_tiny_vlm(path: str | Path, family: str = "qwen2_vl", seed: int = 0, vo
              "preprocessor_config.json": preprocessor, "chat_template.json": {"chat_template": template}}
     if family == "gemma3":  # mlx-vlm's Gemma3Processor reads its image count from here
         files["processor_config.json"] = {"image_seq_length": GEMMA3_IMAGE_TOKENS, "processor_class": processor_class}
-    if family == "smolvlm":  # and SmolVLMProcessor its tokens per tile
+    if family in ("smolvlm", "idefics3"):  # and their processors their tokens per tile
         files["processor_config.json"] = {"image_seq_len": SMOLVLM_TILE_TOKENS, "processor_class": processor_class}
     for name, content in files.items():
         (path / name).write_text(json.dumps(content, indent=2, sort_keys=True) + "\n")

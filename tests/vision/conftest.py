@@ -58,3 +58,10 @@ def smolvlm_dir(tmp_path_factory):
     from mlxkv.vision.tiny_vlm import write_tiny_vlm
 
     return write_tiny_vlm(tmp_path_factory.mktemp("models") / "smolvlm", "smolvlm")
+
+
+@pytest.fixture(scope="session")
+def idefics3_dir(tmp_path_factory):
+    from mlxkv.vision.tiny_vlm import write_tiny_vlm
+
+    return write_tiny_vlm(tmp_path_factory.mktemp("models") / "idefics3", "idefics3", seed=2)
