@@ -51,6 +51,7 @@ def attach_image(text: str, typed_path: str) -> str:
     path = args[0] if len(args) == 1 else typed_path.strip()
     if not Path(path).expanduser().is_file():
         raise MlxkvError(f"/image: no such file: {path}")
+    path = str(Path(path).expanduser().absolute())  # the chat may be reopened from another directory
     lines = text.split("\n") if text else []
     leading = 0
     while leading < len(lines) and lines[leading].strip().startswith(COMMAND + " "):

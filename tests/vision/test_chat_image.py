@@ -35,7 +35,7 @@ def test_a_chat_with_an_image_command_replies_as_with_an_image_part(qwen2_vl_dir
         assert engine.generate(prompt, max_tokens=6).tokens == engine.chat(parts, max_tokens=6).tokens
 
 
-def test_attach_image_adds_a_quoted_image_line_after_the_leading_ones(tmp_path):
+def test_attach_image_adds_a_quoted_image_line_after_the_leading_ones(tmp_path, monkeypatch):
     from mlxkv.chat.image_command import attach_image
 
     (tmp_path / "a b.png").write_bytes(b"x")
@@ -49,6 +49,8 @@ def test_attach_image_adds_a_quoted_image_line_after_the_leading_ones(tmp_path):
     assert split_images(both) == ([spaced, str(tmp_path / "c.png")], "What are they?")
     with pytest.raises(MlxkvError, match="/image: no such file: /nowhere.png"):
         attach_image("hi", "/nowhere.png")
+    monkeypatch.chdir(tmp_path)
+    assert attach_image("", "c.png") == f"/image {tmp_path / 'c.png'}"  # kept absolute
 
 
 def test_the_cache_panel_names_an_images_tokens_and_whether_they_were_cached():
