@@ -194,8 +194,9 @@ _FAMILIES = {
 
 
 def write_tiny_vlm(path: str | Path, family: str = "qwen2_vl", seed: int = 0, vocab_size: int = 512,
-                   hidden: int = 64, layers: int = 2, **vision) -> Path:
-    """`vision`: the vision tower's shape (qwen2_vl: vision_depth, vision_dim), for benchmarks."""
+                   hidden: int = 64, layers: int = 2, max_pixels: int | None = None, **vision) -> Path:
+    """`vision`: the vision tower's shape (qwen2_vl: vision_depth, vision_dim), for benchmarks;
+    `max_pixels`: a Qwen processor's cap, so a benchmark's images take their real token counts."""
     if family not in VISION_FAMILIES:
         raise MlxkvError(f"no tiny vision model for {family!r}; one of {', '.join(VISION_FAMILIES)}")
     if not compat.available():
@@ -216,6 +217,8 @@ def write_tiny_vlm(path: str | Path, family: str = "qwen2_vl", seed: int = 0, vo
         "pad_token": "<|endoftext|>", "chat_template": template, "model_max_length": 4096,
         "clean_up_tokenization_spaces": False, "processor_class": processor_class, **extras,
     }
+    if max_pixels is not None:
+        preprocessor = {**preprocessor, "max_pixels": max_pixels}
     files = {"config.json": config, "tokenizer_config.json": tokenizer_config,
              "preprocessor_config.json": preprocessor, "chat_template.json": {"chat_template": template}}
     if family == "gemma3":  # mlx-vlm's Gemma3Processor reads its image count from here
