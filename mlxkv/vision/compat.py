@@ -128,15 +128,35 @@ def processor_settings(processor) -> dict:
     return {name: getattr(image_processor, name) for name in _PROCESSOR_SETTINGS if hasattr(image_processor, name)}
 
 
+def deepstack_layers(model) -> int:
+    """How many of the language model's first layers take deepstack features (Qwen3-VL: the vision
+    tower's middle layers' output, added to those layers' hidden states at image tokens); 0 for
+    families without."""
+    vision_config = getattr(model.config, "vision_config", None)
+    return len(getattr(vision_config, "deepstack_visual_indexes", None) or ())
+
+
+def deepstack_inputs(embeds: mx.array) -> dict:
+    """The language model's deepstack arguments of a forward, `embeds` [k, B, L, D] dense (zeros at
+    text positions, so adding them everywhere leaves text hidden states as they are)."""
+    k, b, n, d = embeds.shape
+    return {"visual_pos_masks": mx.ones((b, n), mx.bool_),
+            "deepstack_visual_embeds": [embeds[i].reshape(b * n, d) for i in range(k)]}
+
+
 def vision_features(model, pixel_values, grid):
     """What get_input_embeddings merges in for one image: Qwen's vision tower output for its pixel
     rows and grid, Gemma 3's projected tower output for its [1, C, H, W] pixels (grid None).
-    (Tiled families: tile_features.)"""
+    (Tiled families: tile_features.) Qwen3-VL's: [1 + k, n, D], its k deepstack layers' features
+    after the merged ones."""
     if grid is None:
         hidden, _, _ = model.vision_tower(pixel_values.transpose(0, 2, 3, 1).astype(_embed_dtype(model)),
                                           output_hidden_states=True)
         return model.multi_modal_projector(hidden)
     dtype = model.vision_tower.patch_embed.proj.weight.dtype
+    if deepstack_layers(model):
+        features, deepstack = model.vision_tower(pixel_values.astype(dtype), grid)
+        return mx.stack([features, *deepstack])
     return model.vision_tower(pixel_values.astype(dtype), grid, output_hidden_states=False)
 
 

@@ -38,6 +38,7 @@ class RowInputs:
     positions: mx.array  # [3, L]: M-RoPE (t, h, w) positions of the prompt
     delta: int  # rope_delta: a position after the prompt is its index plus this
     from_position: int = 0  # the first position these inputs serve (past every image: the rest is text)
+    deepstack: mx.array | None = None  # [k, L, D]: Qwen3-VL's features for its first k layers, zeros at text
 
 
 class VisionRows:
@@ -111,32 +112,36 @@ class VisionModel(nn.Module):
     def image_token_id(self) -> int | None:
         return compat.vision_token_id(self.vlm)
 
-    def __call__(self, tokens: mx.array, cache=None, inputs_embeds=None, position_ids=None):
+    def __call__(self, tokens: mx.array, cache=None, inputs_embeds=None, position_ids=None, **deepstack):
         if inputs_embeds is None:  # a text forward (the loader's probe): plain positions from the cache's offset
             offset = getattr(cache[0], "offset", 0) if cache else 0
             inputs_embeds = compat.embed_tokens(self.vlm, tokens)
             position_ids = _text_positions([int(offset)] * tokens.shape[0], tokens.shape[1])
         out = compat.language_model(self.vlm)(tokens, inputs_embeds=inputs_embeds, cache=cache,
-                                              position_ids=position_ids)
+                                              position_ids=position_ids, **deepstack)
         return compat.logits(out)
 
     def step_inputs(self, seqs, tokens: mx.array) -> dict:
         """inputs_embeds [B, L, D] and position_ids [3, B, L] of a forward of `tokens` for `seqs`."""
         n = tokens.shape[1]
         embeds = compat.embed_tokens(self.vlm, tokens)
-        rows_embeds, rows_positions = [], []
+        rows_embeds, rows_positions, rows_deepstack = [], [], []
         for i, seq in enumerate(seqs):
             start, row = seq.num_computed, self.rows.get(seq.request_id, seq.num_computed)
             if row is None:
                 rows_embeds.append(embeds[i])
                 rows_positions.append(_text_positions([start], n)[:, 0])
+                rows_deepstack.append(None)
                 continue
             known = max(0, min(n, row.embeds.shape[0] - start))  # of the prompt: precomputed
             after = mx.arange(start + known, start + n) + row.delta
             rows_embeds.append(mx.concatenate([row.embeds[start : start + known], embeds[i, known:]]))
             rows_positions.append(mx.concatenate(
                 [row.positions[:, start : start + known], mx.broadcast_to(after[None], (3, n - known))], axis=1))
-        return {"inputs_embeds": mx.stack(rows_embeds), "position_ids": mx.stack(rows_positions, axis=1)}
+            rows_deepstack.append(None if row.deepstack is None or known == 0
+                                  else mx.pad(row.deepstack[:, start : start + known], [(0, 0), (0, n - known), (0, 0)]))
+        inputs = {"inputs_embeds": mx.stack(rows_embeds), "position_ids": mx.stack(rows_positions, axis=1)}
+        return {**inputs, **_deepstack(rows_deepstack, n, embeds.shape[-1])}
 
 
 class _Extras:
@@ -147,6 +152,15 @@ class _Extras:
         self.rows = rows
         self.encoder_cache = encoder_cache
         self.rope_deltas = rope_deltas
+
+
+def _deepstack(rows: list, n: int, width: int) -> dict:
+    """The deepstack arguments of a step: none when no row has image tokens in it (text rows, decode)."""
+    present = [r for r in rows if r is not None]
+    if not present:
+        return {}
+    zeros = mx.zeros((present[0].shape[0], n, width), present[0].dtype)
+    return compat.deepstack_inputs(mx.stack([zeros if r is None else r for r in rows], axis=1))
 
 
 def _text_positions(offsets: list[int], n: int) -> mx.array:

@@ -87,12 +87,16 @@ class VisionPrompt:
         extra = {} if self.grid is None else {"image_grid_thw": mx.array(self.grid)}
         if self.pixel_mask is not None:
             extra = {"pixel_attention_mask": mx.array(self.pixel_mask)}
-        features = mx.concatenate([self._features(model, k) for k in range(len(self.spans))])
+        features = [self._features(model, k) for k in range(len(self.spans))]
+        deepstack = None
+        if compat.deepstack_layers(model.vlm):  # [1 + k, n, D] an image: merged features, then deepstack's
+            deepstack = _dense(self.tokens, model.image_token_id, mx.concatenate([f[1:] for f in features], axis=1))
+            features = [f[0] for f in features]
         embeds, positions, deltas = compat.input_embeddings_from_features(
-            model.vlm, mx.array([self.tokens]), mx.array(self.pixel_values), features, **extra)
+            model.vlm, mx.array([self.tokens]), mx.array(self.pixel_values), mx.concatenate(features), **extra)
         if positions is None:
             positions = mx.broadcast_to(mx.arange(len(self.tokens))[None, None], (3, 1, len(self.tokens)))
-        return RowInputs(embeds[0], positions[:, 0], _delta(deltas))
+        return RowInputs(embeds[0], positions[:, 0], _delta(deltas), deepstack=deepstack)
 
     def _features(self, model: VisionModel, k: int) -> mx.array:
         """Image k's vision tower output: from the encoder cache, or computed and kept there."""
@@ -112,6 +116,13 @@ class VisionPrompt:
             mx.eval(features)
             model.encoder_cache.put(digest, features)
         return features
+
+
+def _dense(tokens: list[int], image_token: int, features: mx.array) -> mx.array:
+    """[k, L, D]: deepstack `features` [k, n, D] at the prompt's n placeholder positions, zeros elsewhere."""
+    at = mx.array([i for i, t in enumerate(tokens) if t == image_token])
+    dense = mx.zeros((features.shape[0], len(tokens), features.shape[-1]), features.dtype)
+    return dense.at[:, at].add(features)
 
 
 def _delta(deltas) -> int:

@@ -19,7 +19,7 @@ from mlxkv.errors import MlxkvError
 from mlxkv.models.tiny import SPECIAL_TOKENS, _tokenizer, random_weights
 from mlxkv.vision import compat
 
-VISION_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "gemma3", "smolvlm", "idefics3")
+VISION_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "gemma3", "smolvlm", "idefics3", "qwen3_vl")
 QWEN_VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 # Qwen2-VL's template, cut to what the tests send: text and image parts.
 QWEN_VL_TEMPLATE = (
@@ -96,6 +96,39 @@ def qwen2_5_vl_config(vocab_size: int, ids: dict[str, int], hidden: int = 64, la
     }
     config["mlxkv_tiny_model"]["family"] = "qwen2_5_vl"
     return config
+
+
+def qwen3_vl_config(vocab_size: int, ids: dict[str, int], hidden: int = 64, layers: int = 2, seed: int = 0,
+                    **_) -> dict:
+    """Qwen3-VL: M-RoPE as Qwen2-VL, 16-pixel patches, and deepstack: the vision tower's middle
+    layers' output is added to the language model's first layers' hidden states at image tokens."""
+    base = qwen2_vl_config(vocab_size, ids, hidden, layers, seed)
+    head_dim = hidden // 4
+    half = head_dim // 2
+    section = [half - 2 * (half // 3), half // 3, half // 3]
+    text = {"model_type": "qwen3_vl_text", "hidden_size": hidden, "num_hidden_layers": layers,
+            "intermediate_size": 3 * hidden, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "head_dim": head_dim, "rms_norm_eps": 1e-6, "vocab_size": vocab_size, "rope_theta": 10000.0,
+            "max_position_embeddings": 4096, "tie_word_embeddings": False,
+            "rope_scaling": {"rope_type": "default", "mrope_section": section, "mrope_interleaved": True}}
+    return {
+        **{k: base[k] for k in ("image_token_id", "video_token_id", "vision_start_token_id",
+                                "vision_end_token_id", "bos_token_id", "eos_token_id")},
+        "model_type": "qwen3_vl", "architectures": ["Qwen3VLForConditionalGeneration"], "text_config": text,
+        "vocab_size": vocab_size, "tie_word_embeddings": False,
+        "vision_config": {"model_type": "qwen3_vl", "depth": 2, "hidden_size": 32, "intermediate_size": 64,
+                          "out_hidden_size": hidden, "num_heads": 2, "patch_size": 16, "spatial_merge_size": 2,
+                          "temporal_patch_size": 2, "in_channels": 3, "num_position_embeddings": 64,
+                          "deepstack_visual_indexes": [0]},
+        "mlxkv_tiny_model": {"family": "qwen3_vl", "hidden_size": hidden, "num_layers": layers, "seed": seed},
+    }
+
+
+QWEN3_VL_PREPROCESSOR = {**PREPROCESSOR, "image_processor_type": "Qwen3VLImageProcessor",
+                         "processor_class": "Qwen3VLProcessor", "patch_size": 16,
+                         # Small images stay small: 32x32 pixels per placeholder token.
+                         "min_pixels": 32 * 32 * 4, "max_pixels": 32 * 32 * 64,
+                         "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}
 
 
 GEMMA3_VISION_TOKENS = ["<start_of_image>", "<end_of_image>", "<image_soft_token>"]
@@ -181,6 +214,8 @@ _FAMILIES = {
     "qwen2_vl": (QWEN_VISION_TOKENS, qwen2_vl_config, QWEN_VL_TEMPLATE, PREPROCESSOR, "Qwen2VLProcessor", {}),
     "qwen2_5_vl": (QWEN_VISION_TOKENS, qwen2_5_vl_config, QWEN_VL_TEMPLATE, {**PREPROCESSOR,
                    "processor_class": "Qwen2_5_VLProcessor"}, "Qwen2_5_VLProcessor", {}),
+    "qwen3_vl": (QWEN_VISION_TOKENS, qwen3_vl_config, QWEN_VL_TEMPLATE, QWEN3_VL_PREPROCESSOR, "Qwen3VLProcessor",
+                 {}),
     "gemma3": (GEMMA3_VISION_TOKENS, gemma3_config, GEMMA3_TEMPLATE, GEMMA3_PREPROCESSOR, "Gemma3Processor",
                {"extra_special_tokens": {"image_token": "<image_soft_token>", "boi_token": "<start_of_image>",
                                          "eoi_token": "<end_of_image>"}}),

@@ -101,3 +101,20 @@ def test_a_tiled_images_features_from_its_tiles_merge_to_what_get_input_embeddin
     merged, *_ = compat.input_embeddings_from_features(model, ids, pixels, features, pixel_attention_mask=mask)
     assert mx.allclose(merged, whole, atol=1e-4).item()
     assert tiles[0] > 1  # the first image was cut into tiles
+
+
+def test_qwen3_vl_deepstack_features_per_image_equal_what_get_input_embeddings_computes(qwen3_vl_dir):
+    """Qwen3-VL's tower gives merged features and k deepstack layers' features; mlxkv keeps them per
+    image ([1 + k, n, D]) and adds the deepstack ones densely (zeros at text). Both must equal mlx-vlm's."""
+    model, processor = compat.load(str(qwen3_vl_dir))
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Hi"}]}]
+    inputs = compat.prepare_inputs(processor, compat.render_chat(processor, messages), [make_image()])
+    ids, pixels, grid = inputs["input_ids"], inputs["pixel_values"], inputs["image_grid_thw"]
+    features = model.get_input_embeddings(ids, pixels, image_grid_thw=grid)
+    assert compat.deepstack_layers(model) == len(features.deepstack_visual_embeds) == 1
+    ours = compat.vision_features(model, pixels, grid)
+    assert ours.shape[0] == 2 and mx.allclose(ours[1], features.deepstack_visual_embeds[0], atol=1e-5).item()
+    merged, *_ = compat.input_embeddings_from_features(model, ids, pixels, ours[0], image_grid_thw=grid)
+    assert mx.allclose(merged, features.inputs_embeds, atol=1e-5).item()
+    dense = compat.deepstack_inputs(mx.zeros((1, 1, ids.shape[1], ours.shape[-1])))
+    assert dense["visual_pos_masks"].shape == ids.shape and dense["deepstack_visual_embeds"][0].shape[0] == ids.shape[1]
