@@ -154,10 +154,11 @@ def vision_features(model, pixel_values, grid):
                                           output_hidden_states=True)
         return model.multi_modal_projector(hidden)
     dtype = model.vision_tower.patch_embed.proj.weight.dtype
-    if deepstack_layers(model):
-        features, deepstack = model.vision_tower(pixel_values.astype(dtype), grid)
-        return mx.stack([features, *deepstack])
-    return model.vision_tower(pixel_values.astype(dtype), grid, output_hidden_states=False)
+    out = model.vision_tower(pixel_values.astype(dtype), grid, output_hidden_states=False)
+    if not isinstance(out, tuple):
+        return out
+    features, deepstack = out  # Qwen3-VL's towers (Qwen3.5's too, its deepstack list empty)
+    return mx.stack([features, *deepstack]) if deepstack_layers(model) else features
 
 
 def _embed_dtype(model):
