@@ -174,6 +174,19 @@ def global_image_token_id(processor) -> int | None:
     return processor.tokenizer.convert_tokens_to_ids(token)
 
 
+def image_end_token_id(processor) -> int | None:
+    """The token after an image's last row of placeholders (Pixtral's, Mistral 3's [IMG_END]): its
+    rows, broken by [IMG_BREAK], are one image. None for families whose image is one run."""
+    return getattr(processor, "image_end_token_id", None)
+
+
+def placeholder_features(model, input_ids, pixel_values, **image_inputs):
+    """One image's merged features [n, D]: `input_ids` its n placeholder tokens alone. mlx-vlm's
+    get_input_embeddings puts the tower's projected output at every placeholder, so its embeddings of an
+    all-placeholder prompt are the image's features (Mistral 3's, with its `image_sizes`)."""
+    return model.get_input_embeddings(input_ids, pixel_values, **image_inputs).inputs_embeds[0]
+
+
 def tile_features(model, input_ids, pixel_values, pixel_mask):
     """A tiled image's merged features [n, D]: `input_ids` its n placeholder tokens alone, its tiles'
     [1, T, C, H, W] pixels and [1, T, H, W] mask. get_input_embeddings puts the tower's output at

@@ -37,6 +37,9 @@ class VisionPrompt:
     # its image's span runs from its first placeholder to its last, one run of placeholders a tile.
     pixel_mask: np.ndarray | None = None
     tiles: list[int] | None = None  # per image, its tiles (tiled families)
+    # Pixtral's (Mistral 3's) per image (h, w): its images are padded to the largest in pixel_values;
+    # an image's span is its rows of placeholders, broken by [IMG_BREAK] and ended by [IMG_END].
+    sizes: np.ndarray | None = None
 
     @property
     def image_tokens(self) -> int:
@@ -104,11 +107,15 @@ class VisionPrompt:
         features = model.encoder_cache.get(digest)
         if features is None:
             a, b = _pixel_rows(self, k)
+            span = self.tokens[self.spans[k].start : self.spans[k].end]
+            ids = mx.full((1, span.count(model.image_token_id)), model.image_token_id)
             if self.pixel_mask is not None:
-                span = self.tokens[self.spans[k].start : self.spans[k].end]
-                ids = mx.full((1, span.count(model.image_token_id)), model.image_token_id)
                 features = compat.tile_features(model.vlm, ids, mx.array(self.pixel_values[:, a:b]),
                                                 mx.array(self.pixel_mask[:, a:b]))
+            elif self.sizes is not None:
+                h, w = (int(x) for x in self.sizes[k])
+                features = compat.placeholder_features(model.vlm, ids, mx.array(self.pixel_values[k : k + 1, :, :h, :w]),
+                                                       image_sizes=mx.array([[h, w]]))
             else:
                 pixels = mx.array(self.pixel_values[a:b])
                 grid = None if self.grid is None else mx.array(self.grid[k : k + 1])
@@ -161,11 +168,15 @@ def vision_prompt(model, messages: list[dict], max_pixels: int = MAX_IMAGE_PIXEL
     tokens = np.asarray(inputs["input_ids"])[0].tolist()
     mask = inputs.get("pixel_attention_mask")
     mask = None if mask is None else np.asarray(mask)
-    groups = _images(tokens, model.image_token_id, compat.global_image_token_id(processor))
-    spans = _spans(groups, pixels, grid, mask, compat.processor_settings(processor))
+    sizes = inputs.get("image_sizes")
+    sizes = None if sizes is None else np.asarray(sizes)
+    groups = _images(tokens, model.image_token_id, compat.global_image_token_id(processor),
+                     compat.image_end_token_id(processor))
+    spans = _spans(groups, pixels, grid, mask, compat.processor_settings(processor), sizes)
     if len(spans) != len(images):
         raise MlxkvError(f"messages: {len(images)} images became {len(spans)} image spans in the prompt")
-    return VisionPrompt(tokens, spans, pixels, grid, mask, None if mask is None else [len(g) for g in groups])
+    return VisionPrompt(tokens, spans, pixels, grid, mask, None if mask is None else [len(g) for g in groups],
+                        sizes)
 
 
 def fitted_vision_prompt(model, messages: list[dict], limit: int) -> tuple[VisionPrompt, int]:
@@ -216,23 +227,28 @@ def _runs(tokens: list[int], image_token: int) -> list[tuple[int, int]]:
     return runs
 
 
-def _images(tokens: list[int], image_token: int, global_token: int | None) -> list[list[tuple[int, int]]]:
-    """Each image's runs of placeholders: one run, or a tiled image's tiles, the last after its
-    global-view token."""
+def _images(tokens: list[int], image_token: int, global_token: int | None,
+            end_token: int | None = None) -> list[list[tuple[int, int]]]:
+    """Each image's runs of placeholders: one run, a tiled image's tiles (the last after its
+    global-view token), or an image's rows (the last before its end token: Pixtral's [IMG_END])."""
     runs = _runs(tokens, image_token)
-    if global_token is None:
+    if global_token is None and end_token is None:
         return [[run] for run in runs]
     images, tiles = [], []
     for start, n in runs:
         tiles.append((start, n))
-        if start > 0 and tokens[start - 1] == global_token:
+        last = (start > 0 and tokens[start - 1] == global_token if global_token is not None
+                else start + n < len(tokens) and tokens[start + n] == end_token)
+        if last:
             images.append(tiles)
             tiles = []
     return images + ([tiles] if tiles else [])
 
 
-def _spans(images: list[list[tuple[int, int]]], pixels: np.ndarray, grid, mask, settings: dict) -> list[ImageSpan]:
-    """Each image's span, first placeholder to last, keyed by its own pixels and grid (or tiles' mask)."""
+def _spans(images: list[list[tuple[int, int]]], pixels: np.ndarray, grid, mask, settings: dict,
+           sizes=None) -> list[ImageSpan]:
+    """Each image's span, first placeholder to last, keyed by its own pixels and grid (or tiles' mask,
+    or its size: a padded image is keyed by its own pixels, not by the padding its neighbours set)."""
     if grid is not None:
         rows = [int(np.prod(g)) for g in grid]
     elif mask is not None:
@@ -246,6 +262,9 @@ def _spans(images: list[list[tuple[int, int]]], pixels: np.ndarray, grid, mask, 
         start, end = tiles[0][0], tiles[-1][0] + tiles[-1][1]
         if mask is not None:
             digest = image_hash(pixels[:, a:b], mask[:, a:b], settings)
+        elif sizes is not None:
+            h, w = (int(x) for x in sizes[k])
+            digest = image_hash(pixels[k, :, :h, :w], sizes[k], settings)
         else:
             digest = image_hash(pixels[a:b], None if grid is None else grid[k], settings)
         spans.append(ImageSpan(start, end - start, digest))

@@ -19,7 +19,7 @@ from mlxkv.errors import MlxkvError
 from mlxkv.models.tiny import SPECIAL_TOKENS, _tokenizer, random_weights
 from mlxkv.vision import compat
 
-VISION_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "gemma3", "smolvlm", "idefics3", "qwen3_vl")
+VISION_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "gemma3", "smolvlm", "idefics3", "qwen3_vl", "mistral3")
 QWEN_VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 # Qwen2-VL's template, cut to what the tests send: text and image parts.
 QWEN_VL_TEMPLATE = (
@@ -209,6 +209,37 @@ SMOLVLM_PREPROCESSOR = {
 }
 IDEFICS3_PREPROCESSOR = {**SMOLVLM_PREPROCESSOR, "image_processor_type": "Idefics3ImageProcessor",
                          "processor_class": "Idefics3Processor"}
+MISTRAL3_VISION_TOKENS = ["[IMG]", "[IMG_BREAK]", "[IMG_END]"]
+MISTRAL3_IMAGE_SIZE = 112  # longest edge; a placeholder per 28x28 pixels (14-pixel patches merged 2 x 2)
+
+
+def mistral3_config(vocab_size: int, ids: dict[str, int], hidden: int = 64, layers: int = 2, seed: int = 0,
+                    **_) -> dict:
+    """Mistral 3 (Mistral Small 3.x): a Pixtral tower with RoPE-2D, its patches merged 2 x 2; an image is
+    rows of `[IMG]` placeholders, each row ended by `[IMG_BREAK]`, the last by `[IMG_END]`; a Mistral."""
+    text = {"model_type": "mistral", "hidden_size": hidden, "num_hidden_layers": layers,
+            "intermediate_size": 2 * hidden, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+            "rms_norm_eps": 1e-5, "vocab_size": vocab_size, "rope_theta": 10000.0, "max_position_embeddings": 4096}
+    return {
+        "model_type": "mistral3", "architectures": ["Mistral3ForConditionalGeneration"], "text_config": text,
+        "vision_config": {"model_type": "pixtral", "num_hidden_layers": 1, "hidden_size": 32, "head_dim": 16,
+                          "intermediate_size": 64, "num_attention_heads": 2, "patch_size": 14,
+                          "image_size": MISTRAL3_IMAGE_SIZE},
+        "image_token_index": ids["[IMG]"], "spatial_merge_size": 2, "vision_feature_layer": -1,
+        "multimodal_projector_bias": False, "vocab_size": vocab_size, "pad_token_id": 0,
+        "eos_token_id": [SPECIAL_TOKENS.index("<|im_end|>")],
+        "mlxkv_tiny_model": {"family": "mistral3", "hidden_size": hidden, "num_layers": layers, "seed": seed},
+    }
+
+
+MISTRAL3_TEMPLATE = QWEN_VL_TEMPLATE.replace("<|vision_start|><|image_pad|><|vision_end|>", "[IMG]")
+MISTRAL3_PREPROCESSOR = {
+    "image_processor_type": "PixtralImageProcessor", "processor_class": "Mistral3Processor",
+    "size": {"longest_edge": MISTRAL3_IMAGE_SIZE}, "patch_size": {"height": 14, "width": 14},
+    "do_resize": True, "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
+    "do_convert_rgb": True, "image_mean": [0.48145466, 0.4578275, 0.40821073],
+    "image_std": [0.26862954, 0.26130258, 0.27577711],
+}
 # family -> (vision tokens, config, template, preprocessor, processor class, tokenizer extras)
 _FAMILIES = {
     "qwen2_vl": (QWEN_VISION_TOKENS, qwen2_vl_config, QWEN_VL_TEMPLATE, PREPROCESSOR, "Qwen2VLProcessor", {}),
@@ -216,6 +247,8 @@ _FAMILIES = {
                    "processor_class": "Qwen2_5_VLProcessor"}, "Qwen2_5_VLProcessor", {}),
     "qwen3_vl": (QWEN_VISION_TOKENS, qwen3_vl_config, QWEN_VL_TEMPLATE, QWEN3_VL_PREPROCESSOR, "Qwen3VLProcessor",
                  {}),
+    "mistral3": (MISTRAL3_VISION_TOKENS, mistral3_config, MISTRAL3_TEMPLATE, MISTRAL3_PREPROCESSOR,
+                 "Mistral3Processor", {}),
     "gemma3": (GEMMA3_VISION_TOKENS, gemma3_config, GEMMA3_TEMPLATE, GEMMA3_PREPROCESSOR, "Gemma3Processor",
                {"extra_special_tokens": {"image_token": "<image_soft_token>", "boi_token": "<start_of_image>",
                                          "eoi_token": "<end_of_image>"}}),
@@ -260,6 +293,10 @@ def write_tiny_vlm(path: str | Path, family: str = "qwen2_vl", seed: int = 0, vo
         files["processor_config.json"] = {"image_seq_length": GEMMA3_IMAGE_TOKENS, "processor_class": processor_class}
     if family in ("smolvlm", "idefics3"):  # and their processors their tokens per tile
         files["processor_config.json"] = {"image_seq_len": SMOLVLM_TILE_TOKENS, "processor_class": processor_class}
+    if family == "mistral3":  # its processor's placeholder tokens and patch merge
+        files["processor_config.json"] = {"image_token": "[IMG]", "image_break_token": "[IMG_BREAK]",
+                                          "image_end_token": "[IMG_END]", "patch_size": 14,
+                                          "spatial_merge_size": 2, "processor_class": processor_class}
     for name, content in files.items():
         (path / name).write_text(json.dumps(content, indent=2, sort_keys=True) + "\n")
     return path

@@ -73,3 +73,10 @@ def qwen3_vl_dir(tmp_path_factory):
 
     return write_tiny_vlm(tmp_path_factory.mktemp("models") / "qwen3_vl", "qwen3_vl", seed=3)
 
+
+
+@pytest.fixture(scope="session")
+def mistral3_dir(tmp_path_factory):
+    from mlxkv.vision.tiny_vlm import write_tiny_vlm
+
+    return write_tiny_vlm(tmp_path_factory.mktemp("models") / "mistral3", "mistral3", seed=5)
