@@ -17,7 +17,7 @@ from mlxkv.vision import compat
 log = logging.getLogger(__name__)
 
 # mlx-vlm families whose language model runs over mlxkv's pool with images (tests/vision).
-VISION_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "gemma3", "smolvlm", "idefics3", "qwen3_vl", "mistral3")
+VISION_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "gemma3", "smolvlm", "idefics3", "qwen3_vl", "mistral3", "pixtral")
 
 
 def checkpoint_config(path) -> dict | None:

@@ -19,7 +19,7 @@ from mlxkv.errors import MlxkvError
 from mlxkv.models.tiny import SPECIAL_TOKENS, _tokenizer, random_weights
 from mlxkv.vision import compat
 
-VISION_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "gemma3", "smolvlm", "idefics3", "qwen3_vl", "mistral3")
+VISION_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "gemma3", "smolvlm", "idefics3", "qwen3_vl", "mistral3", "pixtral")
 QWEN_VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 # Qwen2-VL's template, cut to what the tests send: text and image parts.
 QWEN_VL_TEMPLATE = (
@@ -232,6 +232,16 @@ def mistral3_config(vocab_size: int, ids: dict[str, int], hidden: int = 64, laye
     }
 
 
+def pixtral_config(vocab_size: int, ids: dict[str, int], hidden: int = 64, layers: int = 2, seed: int = 0,
+                   **_) -> dict:
+    """Pixtral: Mistral 3's tower and placeholder rows, a placeholder a patch (no merge)."""
+    config = mistral3_config(vocab_size, ids, hidden, layers, seed)
+    config.update(model_type="pixtral", architectures=["LlavaForConditionalGeneration"])
+    del config["spatial_merge_size"]
+    config["mlxkv_tiny_model"]["family"] = "pixtral"
+    return config
+
+
 MISTRAL3_TEMPLATE = QWEN_VL_TEMPLATE.replace("<|vision_start|><|image_pad|><|vision_end|>", "[IMG]")
 MISTRAL3_PREPROCESSOR = {
     "image_processor_type": "PixtralImageProcessor", "processor_class": "Mistral3Processor",
@@ -249,6 +259,9 @@ _FAMILIES = {
                  {}),
     "mistral3": (MISTRAL3_VISION_TOKENS, mistral3_config, MISTRAL3_TEMPLATE, MISTRAL3_PREPROCESSOR,
                  "Mistral3Processor", {}),
+    "pixtral": (MISTRAL3_VISION_TOKENS, pixtral_config, MISTRAL3_TEMPLATE,
+                {**MISTRAL3_PREPROCESSOR, "size": {"longest_edge": 56}, "processor_class": "PixtralProcessor"},
+                "PixtralProcessor", {}),
     "gemma3": (GEMMA3_VISION_TOKENS, gemma3_config, GEMMA3_TEMPLATE, GEMMA3_PREPROCESSOR, "Gemma3Processor",
                {"extra_special_tokens": {"image_token": "<image_soft_token>", "boi_token": "<start_of_image>",
                                          "eoi_token": "<end_of_image>"}}),
@@ -293,10 +306,11 @@ def write_tiny_vlm(path: str | Path, family: str = "qwen2_vl", seed: int = 0, vo
         files["processor_config.json"] = {"image_seq_length": GEMMA3_IMAGE_TOKENS, "processor_class": processor_class}
     if family in ("smolvlm", "idefics3"):  # and their processors their tokens per tile
         files["processor_config.json"] = {"image_seq_len": SMOLVLM_TILE_TOKENS, "processor_class": processor_class}
-    if family == "mistral3":  # its processor's placeholder tokens and patch merge
+    if family in ("mistral3", "pixtral"):  # their processors' placeholder tokens and patch merge
         files["processor_config.json"] = {"image_token": "[IMG]", "image_break_token": "[IMG_BREAK]",
                                           "image_end_token": "[IMG_END]", "patch_size": 14,
-                                          "spatial_merge_size": 2, "processor_class": processor_class}
+                                          "spatial_merge_size": 2 if family == "mistral3" else 1,
+                                          "processor_class": processor_class}
     for name, content in files.items():
         (path / name).write_text(json.dumps(content, indent=2, sort_keys=True) + "\n")
     return path

@@ -80,3 +80,10 @@ def mistral3_dir(tmp_path_factory):
     from mlxkv.vision.tiny_vlm import write_tiny_vlm
 
     return write_tiny_vlm(tmp_path_factory.mktemp("models") / "mistral3", "mistral3", seed=5)
+
+
+@pytest.fixture(scope="session")
+def pixtral_dir(tmp_path_factory):
+    from mlxkv.vision.tiny_vlm import write_tiny_vlm
+
+    return write_tiny_vlm(tmp_path_factory.mktemp("models") / "pixtral", "pixtral", seed=6)

@@ -16,7 +16,7 @@ BS = 4
 N = 8  # tokens per reply
 
 
-@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl", "gemma3", "smolvlm", "idefics3", "qwen3_vl", "mistral3"])
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl", "gemma3", "smolvlm", "idefics3", "qwen3_vl", "mistral3", "pixtral"])
 def engine(request):
     # Chunks of 8 split the images (12 and 16 tokens): both language models are causal over them in mlx-vlm.
     path = request.getfixturevalue(f"{request.param}_dir")
