@@ -18,8 +18,8 @@ import mlx.core as mx
 from mlxkv.errors import MlxkvError
 from mlxkv.models.tiny import SPECIAL_TOKENS, _tokenizer, random_weights
 from mlxkv.vision import compat
+from mlxkv.vision.families import SERVED as VISION_FAMILIES  # a tiny model of each
 
-VISION_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "gemma3", "smolvlm", "idefics3", "qwen3_vl", "mistral3", "pixtral")
 QWEN_VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 # Qwen2-VL's template, cut to what the tests send: text and image parts.
 QWEN_VL_TEMPLATE = (

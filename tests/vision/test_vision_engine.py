@@ -9,6 +9,7 @@ from mlxkv.config import CacheConfig
 from mlxkv.engine.engine import Engine
 from mlxkv.models.loader import load_model
 from mlxkv.vision import compat
+from mlxkv.vision.families import SERVED
 from mlxkv.vision.prompt import vision_prompt
 
 pytestmark = pytest.mark.slow  # a model to write, and mlx-vlm's generate beside ours
@@ -16,7 +17,7 @@ BS = 4
 N = 8  # tokens per reply
 
 
-@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl", "gemma3", "smolvlm", "idefics3", "qwen3_vl", "mistral3", "pixtral"])
+@pytest.fixture(scope="module", params=list(SERVED))
 def engine(request):
     # Chunks of 8 split the images (12 and 16 tokens): both language models are causal over them in mlx-vlm.
     path = request.getfixturevalue(f"{request.param}_dir")
