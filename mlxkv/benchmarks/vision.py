@@ -72,7 +72,8 @@ def run_vision_benchmark(rounds: int = 3, image_size: int = 448, hidden: int = 2
                 second = turns[r] = turn + [{"role": "assistant", "content": reply.text}, _user(SECOND_TURN)]
                 warm = engine.chat(second, max_tokens=REPLY)
                 shape = (warm.stats.image_tokens, len(warm.prompt_tokens), warm.stats.cached_tokens["pool"])
-                cases["second turn, warm"].append((warm.stats.ttft_s, _ttft(engine, second, salt=f"cold{r}", cold=True)))
+                cold = _ttft(engine, second, salt=f"cold{r}", cold=True)
+                cases["second turn, warm"].append((warm.stats.ttft_s, cold))
                 other = [{"role": "system", "content": f"Another conversation {r}."}, _user("Describe them.", *images)]
                 cold = _ttft(engine, other, salt=f"cold-other{r}", cold=True)
                 cases["new conversation, image from the encoder cache"].append(

@@ -138,8 +138,8 @@ class VisionModel(nn.Module):
             rows_embeds.append(mx.concatenate([row.embeds[start : start + known], embeds[i, known:]]))
             rows_positions.append(mx.concatenate(
                 [row.positions[:, start : start + known], mx.broadcast_to(after[None], (3, n - known))], axis=1))
-            rows_deepstack.append(None if row.deepstack is None or known == 0
-                                  else mx.pad(row.deepstack[:, start : start + known], [(0, 0), (0, n - known), (0, 0)]))
+            deepstack = None if row.deepstack is None or known == 0 else row.deepstack[:, start : start + known]
+            rows_deepstack.append(None if deepstack is None else mx.pad(deepstack, [(0, 0), (0, n - known), (0, 0)]))
         inputs = {"inputs_embeds": mx.stack(rows_embeds), "position_ids": mx.stack(rows_positions, axis=1)}
         return {**inputs, **_deepstack(rows_deepstack, n, embeds.shape[-1])}
 

@@ -114,8 +114,8 @@ class VisionPrompt:
                                                 mx.array(self.pixel_mask[:, a:b]))
             elif self.sizes is not None:
                 h, w = (int(x) for x in self.sizes[k])
-                features = compat.placeholder_features(model.vlm, ids, mx.array(self.pixel_values[k : k + 1, :, :h, :w]),
-                                                       image_sizes=mx.array([[h, w]]))
+                pixels = mx.array(self.pixel_values[k : k + 1, :, :h, :w])
+                features = compat.placeholder_features(model.vlm, ids, pixels, image_sizes=mx.array([[h, w]]))
             else:
                 pixels = mx.array(self.pixel_values[a:b])
                 grid = None if self.grid is None else mx.array(self.grid[k : k + 1])

@@ -124,6 +124,18 @@ def qwen3_vl_config(vocab_size: int, ids: dict[str, int], hidden: int = 64, laye
     }
 
 
+def qwen3_vl_moe_config(vocab_size: int, ids: dict[str, int], hidden: int = 64, layers: int = 2, seed: int = 0,
+                        **_) -> dict:
+    """Qwen3-VL's tower, positions and deepstack before a mixture-of-experts language model."""
+    config = qwen3_vl_config(vocab_size, ids, hidden, layers, seed)
+    config["text_config"].update(model_type="qwen3_vl_moe_text", num_experts=4, num_experts_per_tok=2,
+                                 decoder_sparse_step=1, mlp_only_layers=[], moe_intermediate_size=hidden)
+    config.update(model_type="qwen3_vl_moe", architectures=["Qwen3VLMoeForConditionalGeneration"])
+    config["vision_config"]["model_type"] = "qwen3_vl_moe"
+    config["mlxkv_tiny_model"]["family"] = "qwen3_vl_moe"
+    return config
+
+
 QWEN3_VL_PREPROCESSOR = {**PREPROCESSOR, "image_processor_type": "Qwen3VLImageProcessor",
                          "processor_class": "Qwen3VLProcessor", "patch_size": 16,
                          # Small images stay small: 32x32 pixels per placeholder token.
@@ -262,6 +274,8 @@ _FAMILIES = {
     "pixtral": (MISTRAL3_VISION_TOKENS, pixtral_config, MISTRAL3_TEMPLATE,
                 {**MISTRAL3_PREPROCESSOR, "size": {"longest_edge": 56}, "processor_class": "PixtralProcessor"},
                 "PixtralProcessor", {}),
+    "qwen3_vl_moe": (QWEN_VISION_TOKENS, qwen3_vl_moe_config, QWEN_VL_TEMPLATE,
+                     {**QWEN3_VL_PREPROCESSOR, "processor_class": "Qwen3VLProcessor"}, "Qwen3VLProcessor", {}),
     "gemma3": (GEMMA3_VISION_TOKENS, gemma3_config, GEMMA3_TEMPLATE, GEMMA3_PREPROCESSOR, "Gemma3Processor",
                {"extra_special_tokens": {"image_token": "<image_soft_token>", "boi_token": "<start_of_image>",
                                          "eoi_token": "<end_of_image>"}}),

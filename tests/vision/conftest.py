@@ -87,3 +87,10 @@ def pixtral_dir(tmp_path_factory):
     from mlxkv.vision.tiny_vlm import write_tiny_vlm
 
     return write_tiny_vlm(tmp_path_factory.mktemp("models") / "pixtral", "pixtral", seed=6)
+
+
+@pytest.fixture(scope="session")
+def qwen3_vl_moe_dir(tmp_path_factory):
+    from mlxkv.vision.tiny_vlm import write_tiny_vlm
+
+    return write_tiny_vlm(tmp_path_factory.mktemp("models") / "qwen3_vl_moe", "qwen3_vl_moe", seed=7)

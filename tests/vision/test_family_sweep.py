@@ -60,4 +60,5 @@ def test_a_family_whose_images_are_not_served_loads_its_text_half_with_one_line(
 def test_a_family_mlx_vlm_has_no_class_for_loads_as_text_with_one_line(tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="mlxkv.vision.loading"):
         assert load_vision_model(_checkpoint(tmp_path, "no_such_vlm"), "x", object) is None
-    assert [r.message for r in caplog.records] == ["x: mlx-vlm has no class for family 'no_such_vlm'; loading it as text"]
+    assert [r.message for r in caplog.records] == [
+        "x: mlx-vlm has no class for family 'no_such_vlm'; loading it as text"]
