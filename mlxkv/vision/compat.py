@@ -63,7 +63,11 @@ def input_embeddings(model, input_ids, pixel_values, **image_inputs):
     if "mask" in inspect.signature(model.get_input_embeddings).parameters:  # Gemma 3 merges with a padding mask
         image_inputs = {"mask": mx.ones(input_ids.shape, mx.int32), **image_inputs}
     features = model.get_input_embeddings(input_ids, pixel_values, **image_inputs)
-    return features.inputs_embeds, getattr(features, "position_ids", None), getattr(features, "rope_deltas", None)
+    positions, deltas = getattr(features, "position_ids", None), getattr(features, "rope_deltas", None)
+    if positions is None and image_inputs.get("image_grid_thw") is not None:
+        # GLM-4V keeps its M-RoPE positions inside its language model instead of returning them.
+        positions, deltas = rope_index(model, input_ids, image_inputs["image_grid_thw"])
+    return features.inputs_embeds, positions, deltas
 
 
 def rope_index(model, input_ids, grid):

@@ -262,6 +262,41 @@ MISTRAL3_PREPROCESSOR = {
     "do_convert_rgb": True, "image_mean": [0.48145466, 0.4578275, 0.40821073],
     "image_std": [0.26862954, 0.26130258, 0.27577711],
 }
+GLM4V_VISION_TOKENS = ["<|begin_of_image|>", "<|end_of_image|>", "<|image|>", "<|begin_of_video|>",
+                       "<|end_of_video|>", "<|video|>"]
+
+
+def glm4v_config(vocab_size: int, ids: dict[str, int], hidden: int = 64, layers: int = 2, seed: int = 0,
+                 **_) -> dict:
+    """GLM-4.1V/4.5V/4.6V: M-RoPE on half of each head, `<|image|>` x (h * w / 4 patches of 14 px)."""
+    text = {"model_type": "glm4v_text", "hidden_size": hidden, "num_hidden_layers": layers,
+            "intermediate_size": 2 * hidden, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "rms_norm_eps": 1e-5, "vocab_size": vocab_size, "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+            "max_position_embeddings": 4096, "pad_token_id": 0,
+            "rope_scaling": {"rope_type": "default", "mrope_section": [2, 1, 1]}}
+    return {
+        "model_type": "glm4v", "architectures": ["Glm4vForConditionalGeneration"], "text_config": text,
+        "vision_config": {"model_type": "glm4v", "depth": 1, "hidden_size": 32, "intermediate_size": 64,
+                          "num_heads": 2, "patch_size": 14, "image_size": 112, "out_hidden_size": hidden,
+                          "spatial_merge_size": 2, "temporal_patch_size": 2},
+        "image_token_id": ids["<|image|>"], "image_token_index": ids["<|image|>"],
+        "video_token_id": ids["<|video|>"], "video_token_index": ids["<|video|>"],
+        "vision_start_token_id": ids["<|begin_of_image|>"], "vision_end_token_id": ids["<|end_of_image|>"],
+        "hidden_size": hidden, "vocab_size": vocab_size, "pad_token_id": 0,
+        "eos_token_id": [SPECIAL_TOKENS.index("<|im_end|>")],
+        "mlxkv_tiny_model": {"family": "glm4v", "hidden_size": hidden, "num_layers": layers, "seed": seed},
+    }
+
+
+GLM4V_TEMPLATE = QWEN_VL_TEMPLATE.replace("<|vision_start|><|image_pad|><|vision_end|>",
+                                          "<|begin_of_image|><|image|><|end_of_image|>")
+GLM4V_PREPROCESSOR = {
+    "image_processor_type": "Glm4vImageProcessor", "processor_class": "Glm46VProcessor",
+    "size": {"shortest_edge": 28 * 28 * 4, "longest_edge": 28 * 28 * 64}, "patch_size": 14, "merge_size": 2,
+    "temporal_patch_size": 2, "do_resize": True, "do_rescale": True, "rescale_factor": 1 / 255,
+    "do_normalize": True, "do_convert_rgb": True, "image_mean": [0.48145466, 0.4578275, 0.40821073],
+    "image_std": [0.26862954, 0.26130258, 0.27577711],
+}
 # family -> (vision tokens, config, template, preprocessor, processor class, tokenizer extras)
 _FAMILIES = {
     "qwen2_vl": (QWEN_VISION_TOKENS, qwen2_vl_config, QWEN_VL_TEMPLATE, PREPROCESSOR, "Qwen2VLProcessor", {}),
@@ -276,6 +311,8 @@ _FAMILIES = {
                 "PixtralProcessor", {}),
     "qwen3_vl_moe": (QWEN_VISION_TOKENS, qwen3_vl_moe_config, QWEN_VL_TEMPLATE,
                      {**QWEN3_VL_PREPROCESSOR, "processor_class": "Qwen3VLProcessor"}, "Qwen3VLProcessor", {}),
+    "glm4v": (GLM4V_VISION_TOKENS, glm4v_config, GLM4V_TEMPLATE, GLM4V_PREPROCESSOR, "Glm46VProcessor",
+              {"extra_special_tokens": {"image_token": "<|image|>"}}),
     "gemma3": (GEMMA3_VISION_TOKENS, gemma3_config, GEMMA3_TEMPLATE, GEMMA3_PREPROCESSOR, "Gemma3Processor",
                {"extra_special_tokens": {"image_token": "<image_soft_token>", "boi_token": "<start_of_image>",
                                          "eoi_token": "<end_of_image>"}}),

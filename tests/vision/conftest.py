@@ -94,3 +94,10 @@ def qwen3_vl_moe_dir(tmp_path_factory):
     from mlxkv.vision.tiny_vlm import write_tiny_vlm
 
     return write_tiny_vlm(tmp_path_factory.mktemp("models") / "qwen3_vl_moe", "qwen3_vl_moe", seed=7)
+
+
+@pytest.fixture(scope="session")
+def glm4v_dir(tmp_path_factory):
+    from mlxkv.vision.tiny_vlm import write_tiny_vlm
+
+    return write_tiny_vlm(tmp_path_factory.mktemp("models") / "glm4v", "glm4v", seed=8)

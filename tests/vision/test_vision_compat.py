@@ -53,7 +53,7 @@ def test_attention_goes_through_a_module_mlxkv_can_route(qwen2_vl):
     assert hasattr(sys.modules[compat.attention_module(model)], "scaled_dot_product_attention")
 
 
-@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "gemma3"])
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "gemma3", "glm4v"])
 def test_per_image_features_merge_to_what_get_input_embeddings_computes(family, request):
     """The encoder cache keeps compat.vision_features per image; merged back they must equal mlx-vlm's own."""
     import numpy as np
@@ -64,7 +64,8 @@ def test_per_image_features_merge_to_what_get_input_embeddings_computes(family, 
     inputs = compat.prepare_inputs(processor, compat.render_chat(processor, messages), images)
     ids, pixels, grid = inputs["input_ids"], inputs["pixel_values"], inputs.get("image_grid_thw")
     extra = {} if grid is None else {"image_grid_thw": grid}
-    whole, *_ = compat.input_embeddings(model, ids, pixels, **extra)
+    whole, positions, _ = compat.input_embeddings(model, ids, pixels, **extra)
+    assert (positions is None) == (grid is None)  # M-RoPE families' positions (GLM-4V keeps them inside)
     sizes = [1, 1] if grid is None else [int(np.prod(g)) for g in np.array(grid)]
     bounds = np.cumsum([0] + sizes).tolist()
     features = mx.concatenate([compat.vision_features(model, pixels[bounds[k]:bounds[k + 1]],
