@@ -288,6 +288,20 @@ def glm4v_config(vocab_size: int, ids: dict[str, int], hidden: int = 64, layers:
     }
 
 
+def glm4v_moe_config(vocab_size: int, ids: dict[str, int], hidden: int = 64, layers: int = 2, seed: int = 0,
+                     **_) -> dict:
+    """GLM-4.5V/4.6V's MoE: GLM-4V's tower and positions before routed and shared experts (first layer dense)."""
+    config = glm4v_config(vocab_size, ids, hidden, layers, seed)
+    config["text_config"].update(
+        model_type="glm4v_moe_text", moe_intermediate_size=hidden, norm_topk_prob=True, n_group=1, topk_group=1,
+        head_dim=16, n_shared_experts=1, n_routed_experts=4, routed_scaling_factor=1.0, num_experts_per_tok=2,
+        first_k_dense_replace=1, use_qk_norm=False, attention_bias=True)
+    config.update(model_type="glm4v_moe", architectures=["Glm4vMoeForConditionalGeneration"])
+    config["vision_config"]["model_type"] = "glm4v_moe"
+    config["mlxkv_tiny_model"]["family"] = "glm4v_moe"
+    return config
+
+
 GLM4V_TEMPLATE = QWEN_VL_TEMPLATE.replace("<|vision_start|><|image_pad|><|vision_end|>",
                                           "<|begin_of_image|><|image|><|end_of_image|>")
 GLM4V_PREPROCESSOR = {
@@ -313,6 +327,8 @@ _FAMILIES = {
                      {**QWEN3_VL_PREPROCESSOR, "processor_class": "Qwen3VLProcessor"}, "Qwen3VLProcessor", {}),
     "glm4v": (GLM4V_VISION_TOKENS, glm4v_config, GLM4V_TEMPLATE, GLM4V_PREPROCESSOR, "Glm46VProcessor",
               {"extra_special_tokens": {"image_token": "<|image|>"}}),
+    "glm4v_moe": (GLM4V_VISION_TOKENS, glm4v_moe_config, GLM4V_TEMPLATE, GLM4V_PREPROCESSOR, "Glm46VProcessor",
+                  {"extra_special_tokens": {"image_token": "<|image|>"}}),
     "gemma3": (GEMMA3_VISION_TOKENS, gemma3_config, GEMMA3_TEMPLATE, GEMMA3_PREPROCESSOR, "Gemma3Processor",
                {"extra_special_tokens": {"image_token": "<image_soft_token>", "boi_token": "<start_of_image>",
                                          "eoi_token": "<end_of_image>"}}),

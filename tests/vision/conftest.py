@@ -101,3 +101,10 @@ def glm4v_dir(tmp_path_factory):
     from mlxkv.vision.tiny_vlm import write_tiny_vlm
 
     return write_tiny_vlm(tmp_path_factory.mktemp("models") / "glm4v", "glm4v", seed=8)
+
+
+@pytest.fixture(scope="session")
+def glm4v_moe_dir(tmp_path_factory):
+    from mlxkv.vision.tiny_vlm import write_tiny_vlm
+
+    return write_tiny_vlm(tmp_path_factory.mktemp("models") / "glm4v_moe", "glm4v_moe", seed=9)
