@@ -35,7 +35,7 @@ def build_model(config: dict):
     config.setdefault("text_config", {})
     config.setdefault("vision_config", {})
     model_config = arch.ModelConfig.from_dict(config)
-    model_config = update_module_configs(model_config, arch, config, ["text", "vision"])
+    model_config = update_module_configs(model_config, arch, config, ["text", "vision", "perceiver", "projector"])
     return arch.Model(model_config)
 
 

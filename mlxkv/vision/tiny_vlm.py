@@ -211,6 +211,24 @@ def idefics3_config(vocab_size: int, ids: dict[str, int], hidden: int = 64, laye
     return config
 
 
+IDEFICS2_IMAGE_TOKENS = 8  # the perceiver's latents: a fixed count an image (64 in real checkpoints)
+
+
+def idefics2_config(vocab_size: int, ids: dict[str, int], hidden: int = 64, layers: int = 2, seed: int = 0,
+                    **_) -> dict:
+    """Idefics2: SigLIP patches resampled by a perceiver to a fixed count of `<image>` tokens between
+    `<fake_token_around_image>`s (images not split: one run an image), a Mistral."""
+    config = smolvlm_config(vocab_size, ids, hidden, layers, seed)
+    config["text_config"]["model_type"] = "mistral"
+    config.update(model_type="idefics2", architectures=["Idefics2ForConditionalGeneration"])
+    config["vision_config"]["model_type"] = "idefics2"
+    config["perceiver_config"] = {"model_type": "idefics2", "num_key_value_heads": 2, "resampler_depth": 1,
+                                  "resampler_head_dim": 16, "resampler_n_heads": 2,
+                                  "resampler_n_latents": IDEFICS2_IMAGE_TOKENS}
+    config["mlxkv_tiny_model"]["family"] = "idefics2"
+    return config
+
+
 SMOLVLM_TEMPLATE = QWEN_VL_TEMPLATE.replace("<|vision_start|><|image_pad|><|vision_end|>", "<image>")
 SMOLVLM_PREPROCESSOR = {
     "image_processor_type": "SmolVLMImageProcessor", "processor_class": "SmolVLMProcessor",
@@ -329,6 +347,11 @@ _FAMILIES = {
               {"extra_special_tokens": {"image_token": "<|image|>"}}),
     "glm4v_moe": (GLM4V_VISION_TOKENS, glm4v_moe_config, GLM4V_TEMPLATE, GLM4V_PREPROCESSOR, "Glm46VProcessor",
                   {"extra_special_tokens": {"image_token": "<|image|>"}}),
+    "idefics2": (SMOLVLM_VISION_TOKENS, idefics2_config, SMOLVLM_TEMPLATE,
+                 {**SMOLVLM_PREPROCESSOR, "image_processor_type": "Idefics2ImageProcessor",
+                  "processor_class": "Idefics2Processor", "do_image_splitting": False,
+                  "size": {"shortest_edge": SMOLVLM_TILE, "longest_edge": SMOLVLM_TILE}},
+                 "Idefics2Processor", {}),
     "gemma3": (GEMMA3_VISION_TOKENS, gemma3_config, GEMMA3_TEMPLATE, GEMMA3_PREPROCESSOR, "Gemma3Processor",
                {"extra_special_tokens": {"image_token": "<image_soft_token>", "boi_token": "<start_of_image>",
                                          "eoi_token": "<end_of_image>"}}),
@@ -345,7 +368,7 @@ def write_tiny_vlm(path: str | Path, family: str = "qwen2_vl", seed: int = 0, vo
                    hidden: int = 64, layers: int = 2, max_pixels: int | None = None, **vision) -> Path:
     """`vision`: the vision tower's shape (qwen2_vl: vision_depth, vision_dim), for benchmarks;
     `max_pixels`: a Qwen processor's cap, so a benchmark's images take their real token counts."""
-    if family not in VISION_FAMILIES:
+    if family not in _FAMILIES:
         raise MlxkvError(f"no tiny vision model for {family!r}; one of {', '.join(VISION_FAMILIES)}")
     if not compat.available():
         raise MlxkvError(f"a tiny {family} needs mlx-vlm: pip install 'mlxkv[vision]'")
@@ -373,6 +396,8 @@ def write_tiny_vlm(path: str | Path, family: str = "qwen2_vl", seed: int = 0, vo
         files["processor_config.json"] = {"image_seq_length": GEMMA3_IMAGE_TOKENS, "processor_class": processor_class}
     if family in ("smolvlm", "idefics3"):  # and their processors their tokens per tile
         files["processor_config.json"] = {"image_seq_len": SMOLVLM_TILE_TOKENS, "processor_class": processor_class}
+    if family == "idefics2":
+        files["processor_config.json"] = {"image_seq_len": IDEFICS2_IMAGE_TOKENS, "processor_class": processor_class}
     if family in ("mistral3", "pixtral"):  # their processors' placeholder tokens and patch merge
         files["processor_config.json"] = {"image_token": "[IMG]", "image_break_token": "[IMG_BREAK]",
                                           "image_end_token": "[IMG_END]", "patch_size": 14,

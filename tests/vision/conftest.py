@@ -108,3 +108,10 @@ def glm4v_moe_dir(tmp_path_factory):
     from mlxkv.vision.tiny_vlm import write_tiny_vlm
 
     return write_tiny_vlm(tmp_path_factory.mktemp("models") / "glm4v_moe", "glm4v_moe", seed=9)
+
+
+@pytest.fixture(scope="session")
+def idefics2_dir(tmp_path_factory):
+    from mlxkv.vision.tiny_vlm import write_tiny_vlm
+
+    return write_tiny_vlm(tmp_path_factory.mktemp("models") / "idefics2", "idefics2", seed=10)
