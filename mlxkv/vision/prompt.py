@@ -170,8 +170,8 @@ def vision_prompt(model, messages: list[dict], max_pixels: int = MAX_IMAGE_PIXEL
     mask = None if mask is None else np.asarray(mask)
     sizes = inputs.get("image_sizes")
     sizes = None if sizes is None else np.asarray(sizes)
-    groups = _images(tokens, model.image_token_id, compat.global_image_token_id(processor),
-                     compat.image_end_token_id(processor))
+    groups = _even(_images(tokens, model.image_token_id, compat.global_image_token_id(processor),
+                           compat.image_end_token_id(processor)), len(images), mask)
     spans = _spans(groups, pixels, grid, mask, compat.processor_settings(processor), sizes)
     if len(spans) != len(images):
         raise MlxkvError(f"messages: {len(images)} images became {len(spans)} image spans in the prompt")
@@ -243,6 +243,15 @@ def _images(tokens: list[int], image_token: int, global_token: int | None,
             images.append(tiles)
             tiles = []
     return images + ([tiles] if tiles else [])
+
+
+def _even(groups: list, count: int, mask) -> list:
+    """Idefics2 with image splitting: each image is the same number of crops plus itself, a run of
+    placeholders each, with no token to tell where an image ends; its runs are then grouped evenly."""
+    if mask is None or len(groups) == count or count == 0 or len(groups) % count:
+        return groups
+    k = len(groups) // count
+    return [[run for group in groups[i * k : (i + 1) * k] for run in group] for i in range(count)]
 
 
 def _spans(images: list[list[tuple[int, int]]], pixels: np.ndarray, grid, mask, settings: dict,
