@@ -119,3 +119,25 @@ def test_qwen3_vl_deepstack_features_per_image_equal_what_get_input_embeddings_c
     assert mx.allclose(merged, features.inputs_embeds, atol=1e-5).item()
     dense = compat.deepstack_inputs(mx.zeros((1, 1, ids.shape[1], ours.shape[-1])))
     assert dense["visual_pos_masks"].shape == ids.shape and dense["deepstack_visual_embeds"][0].shape[0] == ids.shape[1]
+
+
+def test_mistral3_per_image_features_from_cropped_pixels_merge_to_what_get_input_embeddings_computes(mistral3_dir):
+    """Pixtral's processor pads a request's images to the largest; each image's features, from its own
+    pixels cropped to its image_sizes, merged back equal mlx-vlm's embeddings of the whole prompt."""
+    model, processor = compat.load(str(mistral3_dir))
+    images = [make_image(seed=1), make_image(56, 56, seed=2)]
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "image"}, {"type": "text", "text": "Hi"}]}]
+    inputs = compat.prepare_inputs(processor, compat.render_chat(processor, messages), images)
+    ids, pixels, sizes = inputs["input_ids"], inputs["pixel_values"], inputs["image_sizes"]
+    whole, *_ = compat.input_embeddings(model, ids, pixels, image_sizes=sizes)
+    end, image = compat.image_end_token_id(processor), compat.vision_token_id(model)
+    tokens = ids.tolist()[0]
+    assert tokens.count(end) == 2
+    cut = tokens.index(end)
+    counts = [tokens[:cut].count(image), tokens[cut:].count(image)]
+    features = []
+    for k, (h, w) in enumerate(sizes.tolist()):
+        features.append(compat.placeholder_features(model, mx.full((1, counts[k]), image),
+                                                    pixels[k : k + 1, :, :h, :w], image_sizes=mx.array([[h, w]])))
+    merged, *_ = compat.input_embeddings_from_features(model, ids, pixels, mx.concatenate(features), image_sizes=sizes)
+    assert mx.allclose(merged, whole, atol=1e-4).item()
