@@ -1,6 +1,6 @@
 """Images through mlxkv's engine: greedy tokens equal mlx-vlm's own generate, and the block keys
-hold each image's content. Tiny random-weight Qwen2-VL and Qwen2.5-VL (M-RoPE, placeholders by
-resolution; 2.5's vision tower windowed) and Gemma 3 (a fixed count of image tokens, a sliding-window layer beside a full one)."""
+hold each image's content. One tiny random-weight model per served family (vision/families.py's
+SERVED; docs/vision.md says how each one's positions and placeholders differ)."""
 
 import pytest
 from vision_cases import make_image
