@@ -9,7 +9,6 @@ refused with that line. A family mlx-vlm has no class for loads as text.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
 from pathlib import Path
@@ -70,5 +69,6 @@ def _text_half_or_refuse(name: str, family) -> None:
 
 def _has_text_class(family) -> bool:
     """Whether mlx-lm has a model class for `family` (its text half)."""
-    return isinstance(family, str) and family.isidentifier() and \
-        importlib.util.find_spec(f"mlx_lm.models.{family}") is not None
+    from mlxkv.models import compat as lm_compat
+
+    return isinstance(family, str) and lm_compat.has_model_class(family)

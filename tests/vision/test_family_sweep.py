@@ -50,11 +50,12 @@ def test_a_family_that_cannot_run_over_the_pool_is_refused_at_load_with_its_reas
     assert "\n" not in str(e.value)
 
 
-def test_a_family_whose_images_are_not_served_loads_its_text_half_with_one_line(tmp_path, caplog):
+@pytest.mark.parametrize("family", ["qwen3_5", "llava"])  # llava: mlx-lm's loader remaps it to mistral3
+def test_a_family_whose_images_are_not_served_loads_its_text_half_with_one_line(family, tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="mlxkv.vision.loading"):
-        assert load_vision_model(_checkpoint(tmp_path, "qwen3_5"), "q35", object) is None
+        assert load_vision_model(_checkpoint(tmp_path, family), "m", object) is None
     assert [r.message for r in caplog.records] == [
-        f"q35: images with 'qwen3_5' are not served ({families.RECURRENT_API}); loading its text half only"]
+        f"m: images with {family!r} are not served ({families.NOT_SERVED[family]}); loading its text half only"]
 
 
 def test_a_family_mlx_vlm_has_no_class_for_loads_as_text_with_one_line(tmp_path, caplog):
