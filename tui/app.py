@@ -121,6 +121,8 @@ class ChatApp(App[None]):
             yield SystemCommand("Delete chat", "Delete this conversation", screen.action_delete)
             yield SystemCommand("System prompt", "Set this conversation's system prompt",
                                 screen.action_system_prompt)
+            yield SystemCommand("Attach image", "Attach an image file to the next message (as /image PATH)",
+                                screen.action_attach_image)
             # Every chat by its title: the way to them on a terminal too
             # narrow for the chats list.
             for conversation in self.store.conversations():

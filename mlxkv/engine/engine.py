@@ -21,7 +21,7 @@ from mlxkv.models.loader import LoadedModel, load_named
 from mlxkv.system.wired import Device
 from mlxkv.vision.image_keys import keyed_root
 from mlxkv.vision.images import has_images
-from mlxkv.vision.prompt import VisionPrompt, vision_prompt
+from mlxkv.vision.prompt import VisionPrompt, fitted_vision_prompt, vision_prompt
 
 log = logging.getLogger(__name__)
 
@@ -99,12 +99,13 @@ class Engine:
         (context_window.py); otherwise nothing is left out, and the request
         check refuses a prompt that is too long.
         """
-        if has_images(messages):  # the chat app's `/image`: the whole chat, its images keyed by content
-            return vision_prompt(self.model, messages), 0
+        images = has_images(messages)  # the chat app's `/image`: its images keyed by content
         max_tokens = DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
         if not fit or not whole(max_tokens) or max_tokens < 1:  # a bad option is named by the request check
-            return self.apply_chat_template(messages), 0
+            return (vision_prompt(self.model, messages) if images else self.apply_chat_template(messages)), 0
         limit = self.limits.prompt_limit(max_tokens)
+        if images:  # whole turns are left out, so never part of an image
+            return fitted_vision_prompt(self.model, messages, limit)
         return prompting.fitted_chat_prompt(self.tokenizer, messages, limit, self.loaded.name)
 
     def prompt_tokens(self, prompt) -> list[int]:
@@ -198,10 +199,11 @@ class Engine:
             sink, self.tokenizer.detokenizer, should_stop,
             speculative=speculative and self.core.speculates and not images,
             grammar=None if grammar is None else self.core.structured.matcher(grammar),
+            image_spans=tuple(prompt.spans) if images else (),
         )
         if images:
             # Made at the row's first forward, on this thread, once its prefix hit is known.
-            self.model.rows.attach(request, lambda computed: prompt.row_inputs(self.model, computed))
+            self.model.rows.attach(request, lambda computed, first: prompt.row_inputs(self.model, computed, first))
         return request
 
     def _prepare(

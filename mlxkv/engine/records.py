@@ -35,6 +35,9 @@ class RequestStats:
     constrained: bool = False
     mask_s: float = 0.0
     masked_tokens: int = 0
+    # A prompt with images: its images' tokens, and how many of them its prefix hit covered.
+    image_tokens: int = 0
+    cached_image_tokens: int = 0
 
     @classmethod
     def unknown(cls, prompt_tokens: int, generation_tokens: int = 0) -> RequestStats:

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from mlxkv.cache.hashing import BlockHash
 from mlxkv.cache.sequence import Sequence
 from mlxkv.engine.records import RequestStats
+from mlxkv.vision.image_keys import image_token_counts
 
 
 class RequestState(enum.Enum):
@@ -56,6 +57,7 @@ class Request:
     should_stop: Callable[[], bool] | None = None
     speculative: bool = False  # its decode may take proposals (the engine speculates, it did not opt out)
     grammar: object | None = None  # its structured.RowMatcher: its tokens are masked to the grammar
+    image_spans: tuple = ()  # its images' vision.image_keys.ImageSpan: its stats count their tokens
     seq: Sequence | None = None
     state: RequestState = RequestState.WAITING
     stats: RequestStats | None = None  # from the first admission on; written here only
@@ -119,7 +121,9 @@ class Request:
         waited = now - self._waiting_since
         if self.stats is None:
             prompt = len(self.prompt)
-            self.stats = RequestStats(prompt, dict(seq.cached_tokens), prompt - seq.num_reused, queued_s=waited)
+            images, cached_images = image_token_counts(self.image_spans, seq.num_reused)
+            self.stats = RequestStats(prompt, dict(seq.cached_tokens), prompt - seq.num_reused, queued_s=waited,
+                                      image_tokens=images, cached_image_tokens=cached_images)
         else:
             self.stats.preempted_s += waited
         self.seq, self._waiting_output = seq, []  # its sequence holds them now (its prompt's tail)

@@ -9,6 +9,7 @@ downstream with a wrong answer.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import logging
 import sys
 from collections.abc import Callable
@@ -57,6 +58,15 @@ def model_classes(model_type: str):
 
     arch = importlib.import_module(f"mlx_lm.models.{MODEL_REMAPPING.get(model_type, model_type)}")
     return arch.Model, arch.ModelArgs
+
+
+def has_model_class(model_type: str) -> bool:
+    """Whether mlx-lm's loader has a class for `model_type` (after its remapping: llava -> mistral3),
+    without importing the module."""
+    from mlx_lm.utils import MODEL_REMAPPING  # deferred: pulls in transformers
+
+    name = MODEL_REMAPPING.get(model_type, model_type)
+    return name.isidentifier() and importlib.util.find_spec(f"mlx_lm.models.{name}") is not None
 
 
 def family_modules() -> list[str]:

@@ -29,6 +29,7 @@ from mlxkv.models.tiny_families import (  # noqa: F401  (RECURRENT_FAMILIES: the
 )
 from mlxkv.system.machine import physical_memory
 from mlxkv.system.paths import cache_root
+from mlxkv.vision.families import SERVED as VISION_SERVED
 
 # Gains for the projections that write back into the residual stream. At
 # 1/sqrt(fan_in) the stream stays dominated by the input token's embedding, so
@@ -357,7 +358,8 @@ def cached_tiny_model(name: str, spec: TinyModelSpec, log=None) -> Path:
 
 # CLI flag -> (TinyModelSpec field, help). Types and defaults come from the spec.
 _FLAGS = {
-    "--family": ("family", f"mlx-lm model family: {', '.join(FAMILIES)}; or qwen2_vl, qwen2_5_vl, gemma3 (the vision extra)"),
+    "--family": ("family", f"mlx-lm model family: {', '.join(FAMILIES)}; or a vision family (the vision extra): "
+                           f"{', '.join(VISION_SERVED)}"),
     "--layers": ("num_layers", "transformer layers"),
     "--hidden-size": ("hidden_size", "model width"),
     "--heads": ("num_heads", "attention (query) heads"),

@@ -17,7 +17,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 
 from mlxkv.server.api_errors import ApiError
-from mlxkv.server.image_parts import image_from_source
+from mlxkv.server.image_parts import image_from_source, image_usage
 from mlxkv.server.model_router import routed
 from mlxkv.server.http_support import SSE_HEADERS, Lenient, new_id, off_loop, parse_body, sse, until_disconnect
 from mlxkv.server.prompt_heads import strip_head_blocks
@@ -137,7 +137,7 @@ def template_tools(tools: list[Tool] | None, choice: dict | None) -> list[dict] 
 def usage(stats) -> dict:
     cached = sum(stats.cached_tokens.values())
     return {"input_tokens": stats.prompt_tokens - cached, "output_tokens": stats.generation_tokens,
-            "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}
+            "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0, **image_usage(stats)}
 
 
 async def count_tokens(request: Request):

@@ -21,6 +21,14 @@ from mlxkv.server.api_errors import ApiError
 IMAGE_MEDIA_TYPES = ("image/png", "image/jpeg", "image/gif", "image/webp")
 
 
+def image_usage(stats) -> dict:
+    """A usage object's image fields: the prompt's image tokens and how many of them were cached
+    (mlxkv's own, beside each API's cached count; none for a prompt without images)."""
+    if not getattr(stats, "image_tokens", 0):
+        return {}
+    return {"image_tokens": stats.image_tokens, "cached_image_tokens": stats.cached_image_tokens}
+
+
 def image_from_bytes(data: bytes, where: str) -> dict:
     return {"type": "image", "image": data, "where": where}
 

@@ -129,6 +129,9 @@ def _encoder_lines(stats: dict) -> list[str]:
     for key, help_text in (("hits", "images whose vision tower output came from the encoder cache"),
                            ("misses", "images the vision tower encoded")):
         lines += _metric(f"mlxkv_encoder_cache_{key}_total", "counter", help_text, [f" {stats.get(key, 0)}"])
+    for key, help_text in (("image_tokens", "image tokens in prompts"),
+                           ("cached_image_tokens", "image tokens a prefix hit served from the KV cache")):
+        lines += _metric(f"mlxkv_{key}_total", "counter", help_text, [f" {stats.get(key, 0)}"])
     return lines + _metric("mlxkv_encoder_cache_bytes", "gauge", "bytes of vision tower output kept",
                            [f" {stats.get('bytes', 0)}"])
 

@@ -15,7 +15,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 
 from mlxkv.server.api_errors import ApiError
-from mlxkv.server.image_parts import image_from_url
+from mlxkv.server.image_parts import image_from_url, image_usage
 from mlxkv.server.model_router import routed
 from mlxkv.server.http_support import SSE_HEADERS, Lenient, new_id, now, off_loop, parse_body, sse, until_disconnect
 from mlxkv.server.reply_stream import Reply, WholeReply
@@ -120,7 +120,7 @@ def usage(stats) -> dict:
         "prompt_tokens": stats.prompt_tokens,
         "completion_tokens": stats.generation_tokens,
         "total_tokens": stats.prompt_tokens + stats.generation_tokens,
-        "prompt_tokens_details": {"cached_tokens": cached},
+        "prompt_tokens_details": {"cached_tokens": cached, **image_usage(stats)},
     }
 
 

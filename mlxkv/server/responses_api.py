@@ -21,6 +21,7 @@ from starlette.responses import JSONResponse
 
 from mlxkv.server.api_errors import ApiError
 from mlxkv.server.http_support import Lenient, new_id, now, off_loop, parse_body, sse, until_disconnect
+from mlxkv.server.image_parts import image_usage
 from mlxkv.server.model_router import routed
 from mlxkv.server.openai_api import KEEPALIVE_LINE, event_stream
 from mlxkv.server.reply_stream import Reply
@@ -50,7 +51,7 @@ class ResponsesRequest(Lenient):
 
 def usage(stats) -> dict:
     cached = sum(stats.cached_tokens.values())
-    return {"input_tokens": stats.prompt_tokens, "input_tokens_details": {"cached_tokens": cached},
+    return {"input_tokens": stats.prompt_tokens, "input_tokens_details": {"cached_tokens": cached, **image_usage(stats)},
             "output_tokens": stats.generation_tokens, "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": stats.prompt_tokens + stats.generation_tokens}
 

@@ -35,7 +35,7 @@ def build_model(config: dict):
     config.setdefault("text_config", {})
     config.setdefault("vision_config", {})
     model_config = arch.ModelConfig.from_dict(config)
-    model_config = update_module_configs(model_config, arch, config, ["text", "vision"])
+    model_config = update_module_configs(model_config, arch, config, ["text", "vision", "perceiver", "projector"])
     return arch.Model(model_config)
 
 
@@ -63,7 +63,11 @@ def input_embeddings(model, input_ids, pixel_values, **image_inputs):
     if "mask" in inspect.signature(model.get_input_embeddings).parameters:  # Gemma 3 merges with a padding mask
         image_inputs = {"mask": mx.ones(input_ids.shape, mx.int32), **image_inputs}
     features = model.get_input_embeddings(input_ids, pixel_values, **image_inputs)
-    return features.inputs_embeds, getattr(features, "position_ids", None), getattr(features, "rope_deltas", None)
+    positions, deltas = getattr(features, "position_ids", None), getattr(features, "rope_deltas", None)
+    if positions is None and image_inputs.get("image_grid_thw") is not None:
+        # GLM-4V keeps its M-RoPE positions inside its language model instead of returning them.
+        positions, deltas = rope_index(model, input_ids, image_inputs["image_grid_thw"])
+    return features.inputs_embeds, positions, deltas
 
 
 def rope_index(model, input_ids, grid):
@@ -75,9 +79,15 @@ def rope_index(model, input_ids, grid):
     return language.get_rope_index(input_ids, grid)
 
 
+def _embedding(model):
+    """The language model's token embedding (Idefics3's sits on the language model itself)."""
+    language = model.language_model
+    return getattr(language, "model", language).embed_tokens
+
+
 def embed_tokens(model, input_ids):
     """The language model's token embedding (text positions of any row)."""
-    return model.language_model.model.embed_tokens(input_ids)
+    return _embedding(model)(input_ids)
 
 
 def attention_module(model):
@@ -122,19 +132,71 @@ def processor_settings(processor) -> dict:
     return {name: getattr(image_processor, name) for name in _PROCESSOR_SETTINGS if hasattr(image_processor, name)}
 
 
+def deepstack_layers(model) -> int:
+    """How many of the language model's first layers take deepstack features (Qwen3-VL: the vision
+    tower's middle layers' output, added to those layers' hidden states at image tokens); 0 for
+    families without."""
+    vision_config = getattr(model.config, "vision_config", None)
+    return len(getattr(vision_config, "deepstack_visual_indexes", None) or ())
+
+
+def deepstack_inputs(embeds: mx.array) -> dict:
+    """The language model's deepstack arguments of a forward, `embeds` [k, B, L, D] dense (zeros at
+    text positions, so adding them everywhere leaves text hidden states as they are)."""
+    k, b, n, d = embeds.shape
+    return {"visual_pos_masks": mx.ones((b, n), mx.bool_),
+            "deepstack_visual_embeds": [embeds[i].reshape(b * n, d) for i in range(k)]}
+
+
 def vision_features(model, pixel_values, grid):
     """What get_input_embeddings merges in for one image: Qwen's vision tower output for its pixel
-    rows and grid, Gemma 3's projected tower output for its [1, C, H, W] pixels (grid None)."""
+    rows and grid, Gemma 3's projected tower output for its [1, C, H, W] pixels (grid None).
+    (Tiled families: tile_features.) Qwen3-VL's: [1 + k, n, D], its k deepstack layers' features
+    after the merged ones."""
     if grid is None:
         hidden, _, _ = model.vision_tower(pixel_values.transpose(0, 2, 3, 1).astype(_embed_dtype(model)),
                                           output_hidden_states=True)
         return model.multi_modal_projector(hidden)
     dtype = model.vision_tower.patch_embed.proj.weight.dtype
-    return model.vision_tower(pixel_values.astype(dtype), grid, output_hidden_states=False)
+    out = model.vision_tower(pixel_values.astype(dtype), grid, output_hidden_states=False)
+    if not isinstance(out, tuple):
+        return out
+    features, deepstack = out  # Qwen3-VL's towers (Qwen3.5's too, its deepstack list empty)
+    return mx.stack([features, *deepstack]) if deepstack_layers(model) else features
 
 
 def _embed_dtype(model):
-    return model.language_model.model.embed_tokens.weight.dtype
+    return _embedding(model).weight.dtype
+
+
+def global_image_token_id(processor) -> int | None:
+    """The token before a tiled image's last tile, its global view (SmolVLM, Idefics3); None for
+    families that do not tile: there one run of placeholder tokens is one image."""
+    token = getattr(processor, "global_image_token", None) or getattr(processor, "global_image_tag", None)
+    if token is None:
+        return None
+    return processor.tokenizer.convert_tokens_to_ids(token)
+
+
+def image_end_token_id(processor) -> int | None:
+    """The token after an image's last row of placeholders (Pixtral's, Mistral 3's [IMG_END]): its
+    rows, broken by [IMG_BREAK], are one image. None for families whose image is one run."""
+    return getattr(processor, "image_end_token_id", None)
+
+
+def placeholder_features(model, input_ids, pixel_values, **image_inputs):
+    """One image's merged features [n, D]: `input_ids` its n placeholder tokens alone. mlx-vlm's
+    get_input_embeddings puts the tower's projected output at every placeholder, so its embeddings of an
+    all-placeholder prompt are the image's features (Mistral 3's, with its `image_sizes`)."""
+    return model.get_input_embeddings(input_ids, pixel_values, **image_inputs).inputs_embeds[0]
+
+
+def tile_features(model, input_ids, pixel_values, pixel_mask):
+    """A tiled image's merged features [n, D]: `input_ids` its n placeholder tokens alone, its tiles'
+    [1, T, C, H, W] pixels and [1, T, H, W] mask. get_input_embeddings puts the tower's output at
+    every placeholder, so its embeddings of an all-placeholder prompt are the image's features."""
+    features = model.get_input_embeddings(input_ids, pixel_values, pixel_attention_mask=pixel_mask)
+    return features.inputs_embeds[0]
 
 
 def input_embeddings_from_features(model, input_ids, pixel_values, features, **image_inputs):

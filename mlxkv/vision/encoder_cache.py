@@ -4,6 +4,10 @@ An image re-sent in a new conversation, or after its KV left every tier,
 is embedded from here without running the vision tower again. Keys are
 image hashes (image_keys.py), so two requests share an entry exactly when
 their preprocessed pixels, grid and processor settings are equal.
+
+Its stats also count the image tokens of the prompts that came through,
+and how many of them a prefix hit served from the KV cache (the other
+half of what an image costs): /v1/cache/stats and /metrics show both.
 """
 
 from __future__ import annotations
@@ -21,6 +25,13 @@ class EncoderCache:
         self.hits = 0
         self.misses = 0
         self.evictions = 0
+        self.image_tokens = 0
+        self.cached_image_tokens = 0
+
+    def count_prompt(self, image_tokens: int, cached_image_tokens: int) -> None:
+        """A prompt's image tokens, once per request (at its first forward, its hit known)."""
+        self.image_tokens += image_tokens
+        self.cached_image_tokens += cached_image_tokens
 
     def get(self, digest: bytes):
         features = self._entries.get(digest)
@@ -44,4 +55,5 @@ class EncoderCache:
 
     def stats(self) -> dict:
         return {"entries": len(self._entries), "bytes": self.nbytes, "budget_bytes": self.budget_bytes,
-                "hits": self.hits, "misses": self.misses, "evictions": self.evictions}
+                "hits": self.hits, "misses": self.misses, "evictions": self.evictions,
+                "image_tokens": self.image_tokens, "cached_image_tokens": self.cached_image_tokens}

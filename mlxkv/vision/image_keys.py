@@ -54,6 +54,11 @@ def image_hash(pixel_values, grid=None, settings: dict | None = None) -> bytes:
     return h.digest()
 
 
+def image_token_counts(spans, cached: int) -> tuple[int, int]:
+    """(image tokens, of them within the first `cached` tokens: a prefix hit's)."""
+    return (sum(s.length for s in spans), sum(max(0, min(s.end, cached) - s.start) for s in spans))
+
+
 def block_extras(spans: list[ImageSpan], block_size: int) -> dict[int, bytes]:
     """The extra key of each block an image overlaps: its images' (hash, offset), in prompt order."""
     extras: dict[int, bytes] = {}

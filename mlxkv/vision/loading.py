@@ -1,8 +1,10 @@
 """Loading a checkpoint with a vision tower: as a vision model when mlx-vlm is installed.
 
 Without the `vision` extra such a checkpoint loads as text-only through
-mlx-lm (one log line says so). Families mlxkv has not run over its pool
-with images load text-only too, with a log line naming the family.
+mlx-lm (one log line says so). A family mlxkv does not serve with images
+(families.py says why) loads its text half when mlx-lm has a class for it,
+with one log line naming the family and the reason; without one it is
+refused with that line. A family mlx-vlm has no class for loads as text.
 """
 
 from __future__ import annotations
@@ -13,11 +15,12 @@ from pathlib import Path
 
 from mlxkv.errors import MlxkvError, first_line
 from mlxkv.vision import compat
+from mlxkv.vision.families import NOT_SERVED, SERVED
 
 log = logging.getLogger(__name__)
 
 # mlx-vlm families whose language model runs over mlxkv's pool with images (tests/vision).
-VISION_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "gemma3")
+VISION_FAMILIES = SERVED
 
 
 def checkpoint_config(path) -> dict | None:
@@ -39,7 +42,7 @@ def load_vision_model(path, name: str, loaded_model_class):
         log.info("%s has a vision tower; loading its text half only (pip install 'mlxkv[vision]' for images)", name)
         return None
     if family not in VISION_FAMILIES:
-        log.info("%s: images with %r are not supported yet; loading its text half only", name, family)
+        _text_half_or_refuse(name, family)
         return None
     from mlxkv.models import compat as lm_compat
     from mlxkv.vision.model import VisionModel
@@ -51,3 +54,21 @@ def load_vision_model(path, name: str, loaded_model_class):
         log.debug("loading %s failed", name, exc_info=True)
         raise MlxkvError(f"could not load vision model {name!r}: {first_line(e)}") from None
     return loaded_model_class(VisionModel(vlm, processor), tokenizer, config, name)
+
+
+def _text_half_or_refuse(name: str, family) -> None:
+    """Log why `family`'s images are not served and let its text half load; raise if it has none."""
+    reason = NOT_SERVED.get(family)
+    if reason is None:
+        log.info("%s: mlx-vlm has no class for family %r; loading it as text", name, family)
+    elif _has_text_class(family):
+        log.info("%s: images with %r are not served (%s); loading its text half only", name, family, reason)
+    else:
+        raise MlxkvError(f"{name}: mlx-vlm family {family!r} cannot run over mlxkv's pool: {reason}")
+
+
+def _has_text_class(family) -> bool:
+    """Whether mlx-lm has a model class for `family` (its text half)."""
+    from mlxkv.models import compat as lm_compat
+
+    return isinstance(family, str) and lm_compat.has_model_class(family)

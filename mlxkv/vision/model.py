@@ -25,6 +25,7 @@ import mlx.nn as nn
 
 from mlxkv.vision import compat
 from mlxkv.vision.encoder_cache import EncoderCache
+from mlxkv.vision.rope_deltas import RopeDeltas
 
 log = logging.getLogger(__name__)
 
@@ -33,9 +34,11 @@ log = logging.getLogger(__name__)
 class RowInputs:
     """What the language model takes for a prompt with images, beyond its ids."""
 
-    embeds: mx.array  # [L, D]: the prompt's embeddings, images merged in
+    embeds: mx.array  # [L, D]: the prompt's embeddings, images merged in (none: from_position on is text)
     positions: mx.array  # [3, L]: M-RoPE (t, h, w) positions of the prompt
     delta: int  # rope_delta: a position after the prompt is its index plus this
+    from_position: int = 0  # the first position these inputs serve (past every image: the rest is text)
+    deepstack: mx.array | None = None  # [k, L, D]: Qwen3-VL's features for its first k layers, zeros at text
 
 
 class VisionRows:
@@ -45,18 +48,23 @@ class VisionRows:
     known: a hit past every image needs no image features (vision/prompt.py)."""
 
     def __init__(self):
-        self._rows: dict[int, RowInputs | Callable[[int], RowInputs]] = {}
+        self._rows: dict[int, tuple[Callable[[int, bool], RowInputs], RowInputs | None]] = {}
 
-    def attach(self, request, make: Callable[[int], RowInputs]) -> None:
-        """`make(num_computed)` gives the inputs; they are kept while `request` lives (a
-        preempted request resumes with them)."""
-        self._rows[request.request_id] = make
+    def attach(self, request, make: Callable[[int, bool], RowInputs]) -> None:
+        """`make(num_computed, first)` gives the inputs; they are kept while `request` lives (a
+        preempted request resumes with them, or with new ones if its hit is now shorter than
+        they serve: its blocks past the last image were evicted meanwhile)."""
+        self._rows[request.request_id] = (make, None)
         weakref.finalize(request, self._rows.pop, request.request_id, None)
 
     def get(self, request_id: int, num_computed: int = 0) -> RowInputs | None:
-        row = self._rows.get(request_id)
-        if callable(row):
-            row = self._rows[request_id] = row(num_computed)
+        entry = self._rows.get(request_id)
+        if entry is None:
+            return None
+        make, row = entry
+        if row is None or num_computed < row.from_position:
+            row = make(num_computed, row is None)
+            self._rows[request_id] = (make, row)
         return row
 
     def __len__(self) -> int:
@@ -67,7 +75,7 @@ class VisionModel(nn.Module):
     def __init__(self, vlm, processor):
         super().__init__()
         self.vlm = vlm
-        self._extras = _Extras(processor, VisionRows(), EncoderCache())
+        self._extras = _Extras(processor, VisionRows(), EncoderCache(), RopeDeltas())
 
     @property
     def processor(self):
@@ -80,6 +88,10 @@ class VisionModel(nn.Module):
     @property
     def encoder_cache(self) -> EncoderCache:
         return self._extras.encoder_cache
+
+    @property
+    def rope_deltas(self) -> RopeDeltas:
+        return self._extras.rope_deltas
 
     @property
     def layers(self):
@@ -100,41 +112,55 @@ class VisionModel(nn.Module):
     def image_token_id(self) -> int | None:
         return compat.vision_token_id(self.vlm)
 
-    def __call__(self, tokens: mx.array, cache=None, inputs_embeds=None, position_ids=None):
+    def __call__(self, tokens: mx.array, cache=None, inputs_embeds=None, position_ids=None, **deepstack):
         if inputs_embeds is None:  # a text forward (the loader's probe): plain positions from the cache's offset
             offset = getattr(cache[0], "offset", 0) if cache else 0
             inputs_embeds = compat.embed_tokens(self.vlm, tokens)
             position_ids = _text_positions([int(offset)] * tokens.shape[0], tokens.shape[1])
         out = compat.language_model(self.vlm)(tokens, inputs_embeds=inputs_embeds, cache=cache,
-                                              position_ids=position_ids)
+                                              position_ids=position_ids, **deepstack)
         return compat.logits(out)
 
     def step_inputs(self, seqs, tokens: mx.array) -> dict:
         """inputs_embeds [B, L, D] and position_ids [3, B, L] of a forward of `tokens` for `seqs`."""
         n = tokens.shape[1]
         embeds = compat.embed_tokens(self.vlm, tokens)
-        rows_embeds, rows_positions = [], []
+        rows_embeds, rows_positions, rows_deepstack = [], [], []
         for i, seq in enumerate(seqs):
             start, row = seq.num_computed, self.rows.get(seq.request_id, seq.num_computed)
             if row is None:
                 rows_embeds.append(embeds[i])
                 rows_positions.append(_text_positions([start], n)[:, 0])
+                rows_deepstack.append(None)
                 continue
             known = max(0, min(n, row.embeds.shape[0] - start))  # of the prompt: precomputed
             after = mx.arange(start + known, start + n) + row.delta
             rows_embeds.append(mx.concatenate([row.embeds[start : start + known], embeds[i, known:]]))
             rows_positions.append(mx.concatenate(
                 [row.positions[:, start : start + known], mx.broadcast_to(after[None], (3, n - known))], axis=1))
-        return {"inputs_embeds": mx.stack(rows_embeds), "position_ids": mx.stack(rows_positions, axis=1)}
+            deepstack = None if row.deepstack is None or known == 0 else row.deepstack[:, start : start + known]
+            rows_deepstack.append(None if deepstack is None else mx.pad(deepstack, [(0, 0), (0, n - known), (0, 0)]))
+        inputs = {"inputs_embeds": mx.stack(rows_embeds), "position_ids": mx.stack(rows_positions, axis=1)}
+        return {**inputs, **_deepstack(rows_deepstack, n, embeds.shape[-1])}
 
 
 class _Extras:
-    """The processor, the rows and the encoder cache: held outside nn.Module's parameter tree."""
+    """The processor, the rows, the encoder cache and the rope deltas: outside nn.Module's parameter tree."""
 
-    def __init__(self, processor, rows: VisionRows, encoder_cache: EncoderCache):
+    def __init__(self, processor, rows: VisionRows, encoder_cache: EncoderCache, rope_deltas: RopeDeltas):
         self.processor = processor
         self.rows = rows
         self.encoder_cache = encoder_cache
+        self.rope_deltas = rope_deltas
+
+
+def _deepstack(rows: list, n: int, width: int) -> dict:
+    """The deepstack arguments of a step: none when no row has image tokens in it (text rows, decode)."""
+    present = [r for r in rows if r is not None]
+    if not present:
+        return {}
+    zeros = mx.zeros((present[0].shape[0], n, width), present[0].dtype)
+    return compat.deepstack_inputs(mx.stack([zeros if r is None else r for r in rows], axis=1))
 
 
 def _text_positions(offsets: list[int], n: int) -> mx.array:

@@ -14,11 +14,13 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
+from mlxkv.chat.context_window import fit_messages
 from mlxkv.errors import MlxkvError
 from mlxkv.vision import compat
-from mlxkv.vision.image_keys import ImageSpan, image_hash
+from mlxkv.vision.image_keys import ImageSpan, image_hash, image_token_counts
 from mlxkv.vision.images import MAX_IMAGE_PIXELS, image_parts, is_image_part, load_image
 from mlxkv.vision.model import RowInputs, VisionModel
+from mlxkv.vision.rope_deltas import prefix_key
 
 MAX_IMAGES = 16  # the default images per request
 
@@ -31,14 +33,21 @@ class VisionPrompt:
     spans: list[ImageSpan]
     pixel_values: np.ndarray
     grid: np.ndarray | None  # per image (t, h, w); None for families without one
+    # A tiled family's [1, T, H, W] pixel_attention_mask (pixels [1, T, C, H, W], T tiles of all images);
+    # its image's span runs from its first placeholder to its last, one run of placeholders a tile.
+    pixel_mask: np.ndarray | None = None
+    tiles: list[int] | None = None  # per image, its tiles (tiled families)
+    # Pixtral's (Mistral 3's) per image (h, w): its images are padded to the largest in pixel_values;
+    # an image's span is its rows of placeholders, broken by [IMG_BREAK] and ended by [IMG_END].
+    sizes: np.ndarray | None = None
 
     @property
     def image_tokens(self) -> int:
-        return sum(s.length for s in self.spans)
+        return image_token_counts(self.spans, 0)[0]
 
     def cached_image_tokens(self, cached: int) -> int:
         """Image tokens within the first `cached` tokens (a prefix hit's)."""
-        return sum(max(0, min(s.end, cached) - s.start) for s in self.spans)
+        return image_token_counts(self.spans, cached)[1]
 
     # A prompt is read as its ids wherever ids go (limits, replies, logs); only the engine looks further.
     def __len__(self) -> int:
@@ -50,36 +59,94 @@ class VisionPrompt:
     def __iter__(self):
         return iter(self.tokens)
 
-    def row_inputs(self, model: VisionModel, num_computed: int = 0) -> RowInputs:
+    def row_inputs(self, model: VisionModel, num_computed: int = 0, first: bool = True) -> RowInputs:
         """The language model's inputs: the vision tower's output merged in, M-RoPE positions.
-        With `num_computed` tokens already cached past every image, no image is embedded."""
-        ids = mx.array([self.tokens])
-        grid = None if self.grid is None else mx.array(self.grid)
-        if num_computed >= max(s.end for s in self.spans):
-            embeds, (positions, deltas) = compat.embed_tokens(model.vlm, ids), compat.rope_index(model.vlm, ids, grid)
-        else:
-            extra = {} if grid is None else {"image_grid_thw": grid}
-            features = mx.concatenate([self._features(model, k) for k in range(len(self.spans))])
-            embeds, positions, deltas = compat.input_embeddings_from_features(
-                model.vlm, ids, mx.array(self.pixel_values), features, **extra)
+        With `num_computed` tokens already cached past every image, the rest is text: its
+        embeddings are its tokens' and its positions its indices plus the prompt's delta, so only
+        that delta is needed (rope_deltas.py), and no image is embedded. A request's `first`
+        inputs count its image tokens in the stats (a resumed one's do not again)."""
+        if first:
+            model.encoder_cache.count_prompt(*image_token_counts(self.spans, num_computed))
+        last = max(s.end for s in self.spans)
+        key = prefix_key(self.tokens, last, self.grid)
+        if num_computed >= last:
+            return self._text_inputs(model, key, last)
+        inputs = self._image_inputs(model)
+        model.rope_deltas.put(key, inputs.delta)
+        return inputs
+
+    def _text_inputs(self, model: VisionModel, key: bytes, last: int) -> RowInputs:
+        """Inputs of a row whose uncomputed tokens all follow its last image: its delta alone."""
+        delta = model.rope_deltas.get(key)
+        if delta is None:  # not seen in this process (a hit from the SSD tier after a restart)
+            grid = None if self.grid is None else mx.array(self.grid)
+            delta = _delta(compat.rope_index(model.vlm, mx.array([self.tokens]), grid)[1])
+            model.rope_deltas.put(key, delta)
+        width = compat.embed_tokens(model.vlm, mx.array([self.tokens[:1]])).shape[-1]
+        return RowInputs(mx.zeros((0, width)), mx.zeros((3, 0), mx.int32), delta, from_position=last)
+
+    def _image_inputs(self, model: VisionModel) -> RowInputs:
+        """The whole prompt's embeddings, its images' features merged in, and its positions."""
+        extra = {} if self.grid is None else {"image_grid_thw": mx.array(self.grid)}
+        if self.pixel_mask is not None:
+            extra = {"pixel_attention_mask": mx.array(self.pixel_mask)}
+        features = [self._features(model, k) for k in range(len(self.spans))]
+        deepstack = None
+        if compat.deepstack_layers(model.vlm):  # [1 + k, n, D] an image: merged features, then deepstack's
+            deepstack = _dense(self.tokens, model.image_token_id, mx.concatenate([f[1:] for f in features], axis=1))
+            features = [f[0] for f in features]
+        embeds, positions, deltas = compat.input_embeddings_from_features(
+            model.vlm, mx.array([self.tokens]), mx.array(self.pixel_values), mx.concatenate(features), **extra)
         if positions is None:
             positions = mx.broadcast_to(mx.arange(len(self.tokens))[None, None], (3, 1, len(self.tokens)))
-        delta = 0 if deltas is None else int(mx.array(deltas).reshape(-1)[0].item())
-        return RowInputs(embeds[0], positions[:, 0], delta)
+        return RowInputs(embeds[0], positions[:, 0], _delta(deltas), deepstack=deepstack)
 
     def _features(self, model: VisionModel, k: int) -> mx.array:
         """Image k's vision tower output: from the encoder cache, or computed and kept there."""
         digest = self.spans[k].digest
         features = model.encoder_cache.get(digest)
         if features is None:
-            sizes = [1] * len(self.spans) if self.grid is None else [int(np.prod(g)) for g in self.grid]
-            rows = np.cumsum([0] + sizes)
-            pixels = mx.array(self.pixel_values[rows[k] : rows[k + 1]])
-            grid = None if self.grid is None else mx.array(self.grid[k : k + 1])
-            features = compat.vision_features(model.vlm, pixels, grid)
+            a, b = _pixel_rows(self, k)
+            span = self.tokens[self.spans[k].start : self.spans[k].end]
+            ids = mx.full((1, span.count(model.image_token_id)), model.image_token_id)
+            if self.pixel_mask is not None:
+                features = compat.tile_features(model.vlm, ids, mx.array(self.pixel_values[:, a:b]),
+                                                mx.array(self.pixel_mask[:, a:b]))
+            elif self.sizes is not None:
+                h, w = (int(x) for x in self.sizes[k])
+                pixels = mx.array(self.pixel_values[k : k + 1, :, :h, :w])
+                features = compat.placeholder_features(model.vlm, ids, pixels, image_sizes=mx.array([[h, w]]))
+            else:
+                pixels = mx.array(self.pixel_values[a:b])
+                grid = None if self.grid is None else mx.array(self.grid[k : k + 1])
+                features = compat.vision_features(model.vlm, pixels, grid)
             mx.eval(features)
             model.encoder_cache.put(digest, features)
         return features
+
+
+def _dense(tokens: list[int], image_token: int, features: mx.array) -> mx.array:
+    """[k, L, D]: deepstack `features` [k, n, D] at the prompt's n placeholder positions, zeros elsewhere."""
+    at = mx.array([i for i, t in enumerate(tokens) if t == image_token])
+    dense = mx.zeros((features.shape[0], len(tokens), features.shape[-1]), features.dtype)
+    return dense.at[:, at].add(features)
+
+
+def _delta(deltas) -> int:
+    """mlx-vlm's rope_deltas as one int (None: a family with plain positions)."""
+    return 0 if deltas is None else int(mx.array(deltas).reshape(-1)[0].item())
+
+
+def _pixel_rows(prompt: VisionPrompt, k: int) -> tuple[int, int]:
+    """Image k's rows of pixel_values: its grid's patches, its tiles, or one image."""
+    if prompt.grid is not None:
+        sizes = [int(np.prod(g)) for g in prompt.grid]
+    elif prompt.tiles is not None:
+        sizes = prompt.tiles
+    else:
+        sizes = [1] * len(prompt.spans)
+    rows = np.cumsum([0] + sizes)
+    return int(rows[k]), int(rows[k + 1])
 
 
 def vision_prompt(model, messages: list[dict], max_pixels: int = MAX_IMAGE_PIXELS,
@@ -99,10 +166,42 @@ def vision_prompt(model, messages: list[dict], max_pixels: int = MAX_IMAGE_PIXEL
     grid = inputs.get("image_grid_thw")
     grid = None if grid is None else np.asarray(grid)
     tokens = np.asarray(inputs["input_ids"])[0].tolist()
-    spans = _spans(tokens, model.image_token_id, pixels, grid, compat.processor_settings(processor))
+    mask = inputs.get("pixel_attention_mask")
+    mask = None if mask is None else np.asarray(mask)
+    sizes = inputs.get("image_sizes")
+    sizes = None if sizes is None else np.asarray(sizes)
+    groups = _even(_images(tokens, model.image_token_id, compat.global_image_token_id(processor),
+                           compat.image_end_token_id(processor)), len(images), mask)
+    spans = _spans(groups, pixels, grid, mask, compat.processor_settings(processor), sizes)
     if len(spans) != len(images):
         raise MlxkvError(f"messages: {len(images)} images became {len(spans)} image spans in the prompt")
-    return VisionPrompt(tokens, spans, pixels, grid)
+    return VisionPrompt(tokens, spans, pixels, grid, mask, None if mask is None else [len(g) for g in groups],
+                        sizes)
+
+
+def fitted_vision_prompt(model, messages: list[dict], limit: int) -> tuple[VisionPrompt, int]:
+    """The prompt of the newest turns that fit in `limit` tokens, and how many messages were left
+    out (chat/context_window.py). Turns are left out whole, so an image is in the prompt with all
+    its tokens or not at all. A chat that cannot fit is returned whole, for the request check."""
+    prompt = vision_prompt(model, messages)
+    if len(prompt) <= limit:
+        return prompt, 0
+    built = {id(messages): prompt}
+
+    def measure(m: list[dict]) -> int:
+        if id(m) not in built:
+            built[id(m)] = vision_prompt(model, m)
+        return len(built[id(m)])
+
+    # Where the window's steps fall: a message's text tokens plus its images' (known from the whole prompt).
+    images = iter(span.length for span in prompt.spans)
+    encode = model.processor.tokenizer.encode
+    counts = {}
+    for m in messages:
+        parts = m["content"] if isinstance(m.get("content"), list) else [{"type": "text", "text": m.get("content")}]
+        counts[id(m)] = sum(next(images) if is_image_part(p) else len(encode(p.get("text") or "")) for p in parts)
+    kept, left_out = fit_messages(messages, limit, measure, count=lambda m: counts[id(m)])
+    return built[id(kept)], left_out
 
 
 def _template_messages(messages: list[dict]) -> list[dict]:
@@ -116,17 +215,66 @@ def _template_messages(messages: list[dict]) -> list[dict]:
     return out
 
 
-def _spans(tokens: list[int], image_token: int, pixels: np.ndarray, grid, settings: dict) -> list[ImageSpan]:
-    """Each run of placeholder tokens, keyed by its own image's pixels and grid."""
+def _runs(tokens: list[int], image_token: int) -> list[tuple[int, int]]:
+    """(start, length) of each run of placeholder tokens."""
     runs, start = [], None
-    for i, t in enumerate(tokens + [None]):
+    for i, t in enumerate(list(tokens) + [None]):
         if t == image_token and start is None:
             start = i
         elif t != image_token and start is not None:
             runs.append((start, i - start))
             start = None
-    rows = [int(np.prod(g)) for g in grid] if grid is not None else [len(pixels) // max(1, len(runs))] * len(runs)
+    return runs
+
+
+def _images(tokens: list[int], image_token: int, global_token: int | None,
+            end_token: int | None = None) -> list[list[tuple[int, int]]]:
+    """Each image's runs of placeholders: one run, a tiled image's tiles (the last after its
+    global-view token), or an image's rows (the last before its end token: Pixtral's [IMG_END])."""
+    runs = _runs(tokens, image_token)
+    if global_token is None and end_token is None:
+        return [[run] for run in runs]
+    images, tiles = [], []
+    for start, n in runs:
+        tiles.append((start, n))
+        last = (start > 0 and tokens[start - 1] == global_token if global_token is not None
+                else start + n < len(tokens) and tokens[start + n] == end_token)
+        if last:
+            images.append(tiles)
+            tiles = []
+    return images + ([tiles] if tiles else [])
+
+
+def _even(groups: list, count: int, mask) -> list:
+    """Idefics2 with image splitting: each image is the same number of crops plus itself, a run of
+    placeholders each, with no token to tell where an image ends; its runs are then grouped evenly."""
+    if mask is None or len(groups) == count or count == 0 or len(groups) % count:
+        return groups
+    k = len(groups) // count
+    return [[run for group in groups[i * k : (i + 1) * k] for run in group] for i in range(count)]
+
+
+def _spans(images: list[list[tuple[int, int]]], pixels: np.ndarray, grid, mask, settings: dict,
+           sizes=None) -> list[ImageSpan]:
+    """Each image's span, first placeholder to last, keyed by its own pixels and grid (or tiles' mask,
+    or its size: a padded image is keyed by its own pixels, not by the padding its neighbours set)."""
+    if grid is not None:
+        rows = [int(np.prod(g)) for g in grid]
+    elif mask is not None:
+        rows = [len(tiles) for tiles in images]
+    else:
+        rows = [len(pixels) // max(1, len(images))] * len(images)
     bounds = np.cumsum([0] + rows)
-    return [ImageSpan(s, n, image_hash(pixels[bounds[k] : bounds[k + 1]], None if grid is None else grid[k],
-                                       settings))
-            for k, (s, n) in enumerate(runs)]
+    spans = []
+    for k, tiles in enumerate(images):
+        a, b = bounds[k], bounds[k + 1]
+        start, end = tiles[0][0], tiles[-1][0] + tiles[-1][1]
+        if mask is not None:
+            digest = image_hash(pixels[:, a:b], mask[:, a:b], settings)
+        elif sizes is not None:
+            h, w = (int(x) for x in sizes[k])
+            digest = image_hash(pixels[k, :, :h, :w], sizes[k], settings)
+        else:
+            digest = image_hash(pixels[a:b], None if grid is None else grid[k], settings)
+        spans.append(ImageSpan(start, end - start, digest))
+    return spans

@@ -16,140 +16,21 @@ from pathlib import Path
 import mlx.core as mx
 
 from mlxkv.errors import MlxkvError
-from mlxkv.models.tiny import SPECIAL_TOKENS, _tokenizer, random_weights
+from mlxkv.models.tiny import _tokenizer, random_weights
 from mlxkv.vision import compat
-
-VISION_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "gemma3")
-QWEN_VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
-# Qwen2-VL's template, cut to what the tests send: text and image parts.
-QWEN_VL_TEMPLATE = (
-    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' }}"
-    "{% if message['content'] is string %}{{ message['content'] }}"
-    "{% else %}{% for part in message['content'] %}"
-    "{% if part['type'] == 'image' or 'image' in part or 'image_url' in part %}"
-    "{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
-    "{% elif 'text' in part %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
-    "{{ '<|im_end|>\\n' }}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
-
-
-def qwen2_vl_config(vocab_size: int, ids: dict[str, int], hidden: int = 64, layers: int = 2, seed: int = 0,
-                    vision_depth: int = 1, vision_dim: int = 32) -> dict:
-    heads, kv_heads = 4, 2
-    half = hidden // heads // 2  # M-RoPE splits each head's rotary half into (t, h, w)
-    section = [half - 2 * (half // 3), half // 3, half // 3]
-    return {
-        "model_type": "qwen2_vl",
-        "architectures": ["Qwen2VLForConditionalGeneration"],
-        "hidden_size": hidden,
-        "num_hidden_layers": layers,
-        "intermediate_size": 3 * hidden,
-        "num_attention_heads": heads,
-        "num_key_value_heads": kv_heads,
-        "rms_norm_eps": 1e-6,
-        "vocab_size": vocab_size,
-        "max_position_embeddings": 4096,
-        "rope_theta": 10000.0,
-        "rope_scaling": {"type": "mrope", "mrope_section": section},
-        "tie_word_embeddings": False,
-        "image_token_id": ids["<|image_pad|>"],
-        "video_token_id": ids["<|video_pad|>"],
-        "vision_start_token_id": ids["<|vision_start|>"],
-        "vision_end_token_id": ids["<|vision_end|>"],
-        "bos_token_id": SPECIAL_TOKENS.index("<|endoftext|>"),
-        "eos_token_id": [SPECIAL_TOKENS.index("<|im_end|>")],  # one eos: replies of random weights run longer
-        "torch_dtype": "float32",
-        "vision_config": {
-            "model_type": "qwen2_vl", "depth": vision_depth, "embed_dim": vision_dim, "hidden_size": hidden,
-            "num_heads": 2,
-            "mlp_ratio": 2, "patch_size": 14, "spatial_patch_size": 14, "spatial_merge_size": 2,
-            "temporal_patch_size": 2, "in_channels": 3,
-        },
-        "mlxkv_tiny_model": {"family": "qwen2_vl", "hidden_size": hidden, "num_layers": layers, "seed": seed},
-    }
-
-
-PREPROCESSOR = {
-    "image_processor_type": "Qwen2VLImageProcessor",
-    "processor_class": "Qwen2VLProcessor",
-    "do_resize": True, "do_rescale": True, "do_normalize": True, "do_convert_rgb": True,
-    "rescale_factor": 1 / 255,
-    "image_mean": [0.48145466, 0.4578275, 0.40821073],
-    "image_std": [0.26862954, 0.26130258, 0.27577711],
-    # Small images stay small: 28x28 pixels per placeholder token.
-    "min_pixels": 28 * 28 * 4, "max_pixels": 28 * 28 * 64,
-    "patch_size": 14, "merge_size": 2, "temporal_patch_size": 2,
-}
-
-
-def qwen2_5_vl_config(vocab_size: int, ids: dict[str, int], hidden: int = 64, layers: int = 2, seed: int = 0,
-                      **_) -> dict:
-    """Qwen2-VL's language model; a vision tower with window attention (one windowed block, one full)."""
-    config = qwen2_vl_config(vocab_size, ids, hidden, layers, seed)
-    config.update(model_type="qwen2_5_vl", architectures=["Qwen2_5_VLForConditionalGeneration"])
-    config["vision_config"] = {
-        "model_type": "qwen2_5_vl", "depth": 2, "hidden_size": 32, "intermediate_size": 64,
-        "out_hidden_size": hidden, "num_heads": 2, "patch_size": 14, "spatial_patch_size": 14,
-        "spatial_merge_size": 2, "temporal_patch_size": 2, "window_size": 56, "fullatt_block_indexes": [1],
-        "in_channels": 3, "tokens_per_second": 2,
-    }
-    config["mlxkv_tiny_model"]["family"] = "qwen2_5_vl"
-    return config
-
-
-GEMMA3_VISION_TOKENS = ["<start_of_image>", "<end_of_image>", "<image_soft_token>"]
-GEMMA3_IMAGE_TOKENS = 16  # mm_tokens_per_image: a fixed count per image (256 in real Gemma 3)
-GEMMA3_IMAGE_SIZE = 112
-
-
-def gemma3_config(vocab_size: int, ids: dict[str, int], hidden: int = 64, layers: int = 2, seed: int = 0,
-                  **_) -> dict:
-    text = {"model_type": "gemma3_text", "hidden_size": hidden, "num_hidden_layers": layers,
-            "intermediate_size": 2 * hidden, "num_attention_heads": 4, "head_dim": 16, "num_key_value_heads": 2,
-            "vocab_size": vocab_size, "query_pre_attn_scalar": 16, "max_position_embeddings": 4096,
-            # A sliding layer then a full one: the pool pages both kinds.
-            "sliding_window": 16, "sliding_window_pattern": 2, "mm_tokens_per_image": GEMMA3_IMAGE_TOKENS}
-    return {
-        "model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"], "text_config": text,
-        "vision_config": {"model_type": "siglip_vision_model", "num_hidden_layers": 1, "hidden_size": 32,
-                          "intermediate_size": 64, "num_attention_heads": 2, "patch_size": 14,
-                          "image_size": GEMMA3_IMAGE_SIZE},
-        "image_token_index": ids["<image_soft_token>"], "boi_token_index": ids["<start_of_image>"],
-        "eoi_token_index": ids["<end_of_image>"], "mm_tokens_per_image": GEMMA3_IMAGE_TOKENS,
-        "hidden_size": hidden, "pad_token_id": 0, "vocab_size": vocab_size,
-        "eos_token_id": [SPECIAL_TOKENS.index("<|im_end|>")],
-        "mlxkv_tiny_model": {"family": "gemma3", "hidden_size": hidden, "num_layers": layers, "seed": seed},
-    }
-
-
-GEMMA3_TEMPLATE = QWEN_VL_TEMPLATE.replace("<|vision_start|><|image_pad|><|vision_end|>", "<start_of_image>")
-GEMMA3_PREPROCESSOR = {
-    "image_processor_type": "Gemma3ImageProcessor", "processor_class": "Gemma3Processor",
-    "do_resize": True, "size": {"height": GEMMA3_IMAGE_SIZE, "width": GEMMA3_IMAGE_SIZE},
-    "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True, "do_convert_rgb": True,
-    "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "do_pan_and_scan": False,
-    "image_seq_length": GEMMA3_IMAGE_TOKENS,
-}
-# family -> (vision tokens, config, template, preprocessor, processor class, tokenizer extras)
-_FAMILIES = {
-    "qwen2_vl": (QWEN_VISION_TOKENS, qwen2_vl_config, QWEN_VL_TEMPLATE, PREPROCESSOR, "Qwen2VLProcessor", {}),
-    "qwen2_5_vl": (QWEN_VISION_TOKENS, qwen2_5_vl_config, QWEN_VL_TEMPLATE, {**PREPROCESSOR,
-                   "processor_class": "Qwen2_5_VLProcessor"}, "Qwen2_5_VLProcessor", {}),
-    "gemma3": (GEMMA3_VISION_TOKENS, gemma3_config, GEMMA3_TEMPLATE, GEMMA3_PREPROCESSOR, "Gemma3Processor",
-               {"extra_special_tokens": {"image_token": "<image_soft_token>", "boi_token": "<start_of_image>",
-                                         "eoi_token": "<end_of_image>"}}),
-}
+from mlxkv.vision.families import SERVED as VISION_FAMILIES  # a tiny model of each
+from mlxkv.vision.tiny_configs import FAMILIES, GEMMA3_IMAGE_TOKENS, IDEFICS2_IMAGE_TOKENS, SMOLVLM_TILE_TOKENS
 
 
 def write_tiny_vlm(path: str | Path, family: str = "qwen2_vl", seed: int = 0, vocab_size: int = 512,
-                   hidden: int = 64, layers: int = 2, **vision) -> Path:
-    """`vision`: the vision tower's shape (qwen2_vl: vision_depth, vision_dim), for benchmarks."""
-    if family not in VISION_FAMILIES:
+                   hidden: int = 64, layers: int = 2, max_pixels: int | None = None, **vision) -> Path:
+    """`vision`: the vision tower's shape (qwen2_vl: vision_depth, vision_dim), for benchmarks;
+    `max_pixels`: a Qwen processor's cap, so a benchmark's images take their real token counts."""
+    if family not in FAMILIES:
         raise MlxkvError(f"no tiny vision model for {family!r}; one of {', '.join(VISION_FAMILIES)}")
     if not compat.available():
         raise MlxkvError(f"a tiny {family} needs mlx-vlm: pip install 'mlxkv[vision]'")
-    vision_tokens, make_config, template, preprocessor, processor_class, extras = _FAMILIES[family]
+    vision_tokens, make_config, template, preprocessor, processor_class, extras = FAMILIES[family]
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tokenizer = _tokenizer(vocab_size)
@@ -165,10 +46,21 @@ def write_tiny_vlm(path: str | Path, family: str = "qwen2_vl", seed: int = 0, vo
         "pad_token": "<|endoftext|>", "chat_template": template, "model_max_length": 4096,
         "clean_up_tokenization_spaces": False, "processor_class": processor_class, **extras,
     }
+    if max_pixels is not None:
+        preprocessor = {**preprocessor, "max_pixels": max_pixels}
     files = {"config.json": config, "tokenizer_config.json": tokenizer_config,
              "preprocessor_config.json": preprocessor, "chat_template.json": {"chat_template": template}}
     if family == "gemma3":  # mlx-vlm's Gemma3Processor reads its image count from here
         files["processor_config.json"] = {"image_seq_length": GEMMA3_IMAGE_TOKENS, "processor_class": processor_class}
+    if family in ("smolvlm", "idefics3"):  # and their processors their tokens per tile
+        files["processor_config.json"] = {"image_seq_len": SMOLVLM_TILE_TOKENS, "processor_class": processor_class}
+    if family == "idefics2":
+        files["processor_config.json"] = {"image_seq_len": IDEFICS2_IMAGE_TOKENS, "processor_class": processor_class}
+    if family in ("mistral3", "pixtral"):  # their processors' placeholder tokens and patch merge
+        files["processor_config.json"] = {"image_token": "[IMG]", "image_break_token": "[IMG_BREAK]",
+                                          "image_end_token": "[IMG_END]", "patch_size": 14,
+                                          "spatial_merge_size": 2 if family == "mistral3" else 1,
+                                          "processor_class": processor_class}
     for name, content in files.items():
         (path / name).write_text(json.dumps(content, indent=2, sort_keys=True) + "\n")
     return path

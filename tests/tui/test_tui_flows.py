@@ -11,6 +11,7 @@ import mlxkv.tui.app
 import mlxkv.tui.screens.chat
 import mlxkv.tui.screens.confirm
 import mlxkv.tui.screens.error
+import mlxkv.tui.screens.image_path
 import mlxkv.tui.screens.rename
 import mlxkv.tui.screens.system_prompt
 import mlxkv.tui.widgets.prompt_input
@@ -399,8 +400,8 @@ async def test_an_engine_error_with_brackets_is_shown_as_text(tmp_path):
 
 def test_every_binding_has_an_id_and_a_tooltip():
     tui = mlxkv.tui
-    modules = [tui.app, tui.screens.chat, tui.screens.confirm, tui.screens.error, tui.screens.rename,
-               tui.screens.system_prompt, tui.widgets.prompt_input]
+    modules = [tui.app, tui.screens.chat, tui.screens.confirm, tui.screens.error, tui.screens.image_path,
+               tui.screens.rename, tui.screens.system_prompt, tui.widgets.prompt_input]
     classes = [c for m in modules for _, c in inspect.getmembers(m, inspect.isclass) if c.__module__ == m.__name__]
     bindings = [b for c in classes for b in c.__dict__.get("BINDINGS", [])]
     assert len(bindings) >= 12

@@ -51,3 +51,67 @@ def qwen2_vl(qwen2_vl_dir):
     """(model, processor) as mlx-vlm loads them."""
     return compat.load(str(qwen2_vl_dir))
 
+
+
+@pytest.fixture(scope="session")
+def smolvlm_dir(tmp_path_factory):
+    from mlxkv.vision.tiny_vlm import write_tiny_vlm
+
+    return write_tiny_vlm(tmp_path_factory.mktemp("models") / "smolvlm", "smolvlm")
+
+
+@pytest.fixture(scope="session")
+def idefics3_dir(tmp_path_factory):
+    from mlxkv.vision.tiny_vlm import write_tiny_vlm
+
+    return write_tiny_vlm(tmp_path_factory.mktemp("models") / "idefics3", "idefics3", seed=2)
+
+
+@pytest.fixture(scope="session")
+def qwen3_vl_dir(tmp_path_factory):
+    from mlxkv.vision.tiny_vlm import write_tiny_vlm
+
+    return write_tiny_vlm(tmp_path_factory.mktemp("models") / "qwen3_vl", "qwen3_vl", seed=3)
+
+
+
+@pytest.fixture(scope="session")
+def mistral3_dir(tmp_path_factory):
+    from mlxkv.vision.tiny_vlm import write_tiny_vlm
+
+    return write_tiny_vlm(tmp_path_factory.mktemp("models") / "mistral3", "mistral3", seed=5)
+
+
+@pytest.fixture(scope="session")
+def pixtral_dir(tmp_path_factory):
+    from mlxkv.vision.tiny_vlm import write_tiny_vlm
+
+    return write_tiny_vlm(tmp_path_factory.mktemp("models") / "pixtral", "pixtral", seed=6)
+
+
+@pytest.fixture(scope="session")
+def qwen3_vl_moe_dir(tmp_path_factory):
+    from mlxkv.vision.tiny_vlm import write_tiny_vlm
+
+    return write_tiny_vlm(tmp_path_factory.mktemp("models") / "qwen3_vl_moe", "qwen3_vl_moe", seed=7)
+
+
+@pytest.fixture(scope="session")
+def glm4v_dir(tmp_path_factory):
+    from mlxkv.vision.tiny_vlm import write_tiny_vlm
+
+    return write_tiny_vlm(tmp_path_factory.mktemp("models") / "glm4v", "glm4v", seed=8)
+
+
+@pytest.fixture(scope="session")
+def glm4v_moe_dir(tmp_path_factory):
+    from mlxkv.vision.tiny_vlm import write_tiny_vlm
+
+    return write_tiny_vlm(tmp_path_factory.mktemp("models") / "glm4v_moe", "glm4v_moe", seed=9)
+
+
+@pytest.fixture(scope="session")
+def idefics2_dir(tmp_path_factory):
+    from mlxkv.vision.tiny_vlm import write_tiny_vlm
+
+    return write_tiny_vlm(tmp_path_factory.mktemp("models") / "idefics2", "idefics2", seed=10)

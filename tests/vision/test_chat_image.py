@@ -33,3 +33,29 @@ def test_a_chat_with_an_image_command_replies_as_with_an_image_part(qwen2_vl_dir
         parts = [{"role": "user", "content": [{"type": "image", "image": make_image()},
                                               {"type": "text", "text": "What is it?"}]}]
         assert engine.generate(prompt, max_tokens=6).tokens == engine.chat(parts, max_tokens=6).tokens
+
+
+def test_attach_image_adds_a_quoted_image_line_after_the_leading_ones(tmp_path, monkeypatch):
+    from mlxkv.chat.image_command import attach_image
+
+    (tmp_path / "a b.png").write_bytes(b"x")
+    (tmp_path / "c.png").write_bytes(b"x")
+    spaced = str(tmp_path / "a b.png")
+    assert attach_image("", spaced) == f"/image '{spaced}'"
+    assert attach_image("", spaced.replace(" ", "\\ ")) == f"/image '{spaced}'"  # as a terminal pastes a drop
+    first = attach_image("What are they?", f"'{spaced}'")
+    both = attach_image(first, str(tmp_path / "c.png"))
+    assert both == f"/image '{spaced}'\n/image {tmp_path / 'c.png'}\nWhat are they?"
+    assert split_images(both) == ([spaced, str(tmp_path / "c.png")], "What are they?")
+    with pytest.raises(MlxkvError, match="/image: no such file: /nowhere.png"):
+        attach_image("hi", "/nowhere.png")
+    monkeypatch.chdir(tmp_path)
+    assert attach_image("", "c.png") == f"/image {tmp_path / 'c.png'}"  # kept absolute
+
+
+def test_the_cache_panel_names_an_images_tokens_and_whether_they_were_cached():
+    from mlxkv.tui.widgets.turn_stats import image_line
+
+    assert image_line(12, 12) == "image: 12 tokens, cached"
+    assert image_line(12, 0) == "image: 12 tokens, computed"
+    assert image_line(1200, 800) == "image: 1,200 tokens, 800 cached"

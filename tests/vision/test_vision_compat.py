@@ -53,7 +53,7 @@ def test_attention_goes_through_a_module_mlxkv_can_route(qwen2_vl):
     assert hasattr(sys.modules[compat.attention_module(model)], "scaled_dot_product_attention")
 
 
-@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "gemma3"])
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "gemma3", "glm4v"])
 def test_per_image_features_merge_to_what_get_input_embeddings_computes(family, request):
     """The encoder cache keeps compat.vision_features per image; merged back they must equal mlx-vlm's own."""
     import numpy as np
@@ -64,7 +64,8 @@ def test_per_image_features_merge_to_what_get_input_embeddings_computes(family, 
     inputs = compat.prepare_inputs(processor, compat.render_chat(processor, messages), images)
     ids, pixels, grid = inputs["input_ids"], inputs["pixel_values"], inputs.get("image_grid_thw")
     extra = {} if grid is None else {"image_grid_thw": grid}
-    whole, *_ = compat.input_embeddings(model, ids, pixels, **extra)
+    whole, positions, _ = compat.input_embeddings(model, ids, pixels, **extra)
+    assert (positions is None) == (grid is None)  # M-RoPE families' positions (GLM-4V keeps them inside)
     sizes = [1, 1] if grid is None else [int(np.prod(g)) for g in np.array(grid)]
     bounds = np.cumsum([0] + sizes).tolist()
     features = mx.concatenate([compat.vision_features(model, pixels[bounds[k]:bounds[k + 1]],
@@ -75,3 +76,68 @@ def test_per_image_features_merge_to_what_get_input_embeddings_computes(family, 
     assert compat.processor_settings(processor)  # the settings that key an image's hash
     caches = compat.make_cache(model)
     assert caches is None or len(caches) == len(compat.language_model(model).layers)
+
+
+def test_a_tiled_images_features_from_its_tiles_merge_to_what_get_input_embeddings_computes(smolvlm_dir):
+    """SmolVLM: each image is tiles plus a global view; tile_features of one image's tiles, merged
+    back for both images, equal mlx-vlm's own embeddings of the whole prompt."""
+    model, processor = compat.load(str(smolvlm_dir))
+    images = [make_image(seed=1), make_image(56, 56, seed=2)]
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "image"}, {"type": "text", "text": "Hi"}]}]
+    inputs = compat.prepare_inputs(processor, compat.render_chat(processor, messages), images)
+    ids, pixels, mask = inputs["input_ids"], inputs["pixel_values"], inputs["pixel_attention_mask"]
+    whole, *_ = compat.input_embeddings(model, ids, pixels, pixel_attention_mask=mask)
+    image_token, global_token = compat.vision_token_id(model), compat.global_image_token_id(processor)
+    tokens = ids.tolist()[0]
+    ends = [i for i in range(1, len(tokens)) if tokens[i - 1] == global_token]  # each image's last tile
+    assert len(ends) == 2 and tokens[ends[0]] == image_token
+    # A tile is a run of placeholders after a <row_r_col_c> or global token: count them per image.
+    runs = [i for i in range(1, len(tokens)) if tokens[i] == image_token and tokens[i - 1] != image_token]
+    tiles = [sum(r <= ends[0] for r in runs), sum(r > ends[0] for r in runs)]
+    per_tile = processor.image_seq_len
+    bounds = [0, tiles[0], tiles[0] + tiles[1]]
+    features = mx.concatenate([compat.tile_features(model, mx.full((1, tiles[k] * per_tile), image_token),
+                                                    pixels[:, bounds[k]:bounds[k + 1]], mask[:, bounds[k]:bounds[k + 1]])
+                               for k in range(2)])
+    merged, *_ = compat.input_embeddings_from_features(model, ids, pixels, features, pixel_attention_mask=mask)
+    assert mx.allclose(merged, whole, atol=1e-4).item()
+    assert tiles[0] > 1  # the first image was cut into tiles
+
+
+def test_qwen3_vl_deepstack_features_per_image_equal_what_get_input_embeddings_computes(qwen3_vl_dir):
+    """Qwen3-VL's tower gives merged features and k deepstack layers' features; mlxkv keeps them per
+    image ([1 + k, n, D]) and adds the deepstack ones densely (zeros at text). Both must equal mlx-vlm's."""
+    model, processor = compat.load(str(qwen3_vl_dir))
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Hi"}]}]
+    inputs = compat.prepare_inputs(processor, compat.render_chat(processor, messages), [make_image()])
+    ids, pixels, grid = inputs["input_ids"], inputs["pixel_values"], inputs["image_grid_thw"]
+    features = model.get_input_embeddings(ids, pixels, image_grid_thw=grid)
+    assert compat.deepstack_layers(model) == len(features.deepstack_visual_embeds) == 1
+    ours = compat.vision_features(model, pixels, grid)
+    assert ours.shape[0] == 2 and mx.allclose(ours[1], features.deepstack_visual_embeds[0], atol=1e-5).item()
+    merged, *_ = compat.input_embeddings_from_features(model, ids, pixels, ours[0], image_grid_thw=grid)
+    assert mx.allclose(merged, features.inputs_embeds, atol=1e-5).item()
+    dense = compat.deepstack_inputs(mx.zeros((1, 1, ids.shape[1], ours.shape[-1])))
+    assert dense["visual_pos_masks"].shape == ids.shape and dense["deepstack_visual_embeds"][0].shape[0] == ids.shape[1]
+
+
+def test_mistral3_per_image_features_from_cropped_pixels_merge_to_what_get_input_embeddings_computes(mistral3_dir):
+    """Pixtral's processor pads a request's images to the largest; each image's features, from its own
+    pixels cropped to its image_sizes, merged back equal mlx-vlm's embeddings of the whole prompt."""
+    model, processor = compat.load(str(mistral3_dir))
+    images = [make_image(seed=1), make_image(56, 56, seed=2)]
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "image"}, {"type": "text", "text": "Hi"}]}]
+    inputs = compat.prepare_inputs(processor, compat.render_chat(processor, messages), images)
+    ids, pixels, sizes = inputs["input_ids"], inputs["pixel_values"], inputs["image_sizes"]
+    whole, *_ = compat.input_embeddings(model, ids, pixels, image_sizes=sizes)
+    end, image = compat.image_end_token_id(processor), compat.vision_token_id(model)
+    tokens = ids.tolist()[0]
+    assert tokens.count(end) == 2
+    cut = tokens.index(end)
+    counts = [tokens[:cut].count(image), tokens[cut:].count(image)]
+    features = []
+    for k, (h, w) in enumerate(sizes.tolist()):
+        features.append(compat.placeholder_features(model, mx.full((1, counts[k]), image),
+                                                    pixels[k : k + 1, :, :h, :w], image_sizes=mx.array([[h, w]])))
+    merged, *_ = compat.input_embeddings_from_features(model, ids, pixels, mx.concatenate(features), image_sizes=sizes)
+    assert mx.allclose(merged, whole, atol=1e-4).item()

@@ -1,6 +1,6 @@
 """Images through mlxkv's engine: greedy tokens equal mlx-vlm's own generate, and the block keys
-hold each image's content. Tiny random-weight Qwen2-VL and Qwen2.5-VL (M-RoPE, placeholders by
-resolution; 2.5's vision tower windowed) and Gemma 3 (a fixed count of image tokens, a sliding-window layer beside a full one)."""
+hold each image's content. One tiny random-weight model per served family (vision/families.py's
+SERVED; docs/vision.md says how each one's positions and placeholders differ)."""
 
 import pytest
 from vision_cases import make_image
@@ -9,6 +9,7 @@ from mlxkv.config import CacheConfig
 from mlxkv.engine.engine import Engine
 from mlxkv.models.loader import load_model
 from mlxkv.vision import compat
+from mlxkv.vision.families import SERVED
 from mlxkv.vision.prompt import vision_prompt
 
 pytestmark = pytest.mark.slow  # a model to write, and mlx-vlm's generate beside ours
@@ -16,7 +17,7 @@ BS = 4
 N = 8  # tokens per reply
 
 
-@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl", "gemma3"])
+@pytest.fixture(scope="module", params=list(SERVED))
 def engine(request):
     # Chunks of 8 split the images (12 and 16 tokens): both language models are causal over them in mlx-vlm.
     path = request.getfixturevalue(f"{request.param}_dir")
@@ -63,8 +64,25 @@ def test_images_in_two_turns_and_the_next_turn_hits_the_first(engine):
     assert again.stats.cached_tokens["pool"] >= len(reply.prompt_tokens) // BS * BS
 
 
+def test_a_text_turn_after_the_images_takes_their_rope_delta_from_the_last_turn(engine, monkeypatch):
+    """A hit past every image leaves only text to compute: its positions are its indices plus the
+    prompt's delta, kept from the turn before (vision/rope_deltas.py), not recomputed by mlx-vlm."""
+    a = make_image(seed=10)
+    first = [_user(a, "Describe it.")]
+    reply = engine.chat(first, max_tokens=N)
+    second = first + [{"role": "assistant", "content": reply.text}, _user("And now, in more words?")]
+    calls = []
+    monkeypatch.setattr(compat, "rope_index", lambda *args: calls.append(args) or (None, None))
+    again = engine.chat(second, max_tokens=N)
+    assert calls == [] and again.stats.cached_image_tokens == again.stats.image_tokens
+    assert again.tokens == _mlx_vlm(engine, second, [a])
+
+
 def test_a_different_image_at_the_same_place_hits_only_the_text_before_it(engine):
-    a, b = make_image(seed=5), make_image(seed=6)
+    # b differs from a in its lower right corner alone: a tiled image's first tile is the same in both.
+    a = make_image(seed=5)
+    b = a.copy()
+    b.paste(make_image(40, 30, seed=6), (72, 54))
     engine.chat([_user(a, "What is it?")], max_tokens=N)
     other = [_user(b, "What is it?")]
     result = engine.chat(other, max_tokens=N)

@@ -151,3 +151,47 @@ def test_image_urls_are_fetched_only_behind_allow_image_urls(qwen2_vl_dir, oracl
     finally:
         server.close()
         images.shutdown()
+
+
+def test_a_tiled_family_served_counts_image_tokens_in_every_api_and_the_cache_stats(smolvlm_dir):
+    """SmolVLM (tiles plus a global view) through the server: replies equal the engine's (itself equal
+    to mlx-vlm's generate, tests/vision/test_vision_engine.py); each API's usage has the image tokens
+    and how many of them were cached; /v1/cache/stats and /metrics add them up."""
+    import json
+    import urllib.request
+
+    with Engine.load(str(smolvlm_dir), CacheConfig(**CACHE)) as oracle:
+        messages = [{"role": "user", "content": [{"type": "image", "image": make_image(seed=7)},
+                                                 {"type": "text", "text": "What is it?"}]}]
+        expected = oracle.chat(messages, max_tokens=N)
+    images = expected.stats.image_tokens
+    assert images > 4 * 4 and expected.stats.cached_image_tokens == 0  # 4 tiles and a global view, 4 tokens each
+    server = Server.load(str(smolvlm_dir), CacheConfig(**CACHE), ServerOptions(port=0)).start()
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
+        first, again = (client.chat.completions.create(model="m", messages=_openai_messages(7), max_tokens=N,
+                                                       temperature=0) for _ in range(2))
+        assert first.choices[0].message.content == again.choices[0].message.content == expected.text
+        details = [r.usage.prompt_tokens_details.model_dump() for r in (first, again)]
+        assert [(d["image_tokens"], d["cached_image_tokens"]) for d in details] == [(images, 0), (images, images)]
+        block = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": _png(7)}}
+        reply = anthropic.Anthropic(base_url=server.url, api_key="none", max_retries=0, timeout=120).messages.create(
+            model="m", max_tokens=N, messages=[{"role": "user", "content": [block, {"type": "text", "text": "What is it?"}]}])
+        assert reply.content[0].text == expected.text
+        usage = reply.usage.model_dump()
+        assert (usage["image_tokens"], usage["cached_image_tokens"]) == (images, images)
+        assert usage["cache_read_input_tokens"] > 0
+        response = client.responses.create(model="m", max_output_tokens=N, temperature=0, input=[
+            {"role": "user", "content": [{"type": "input_image", "image_url": "data:image/png;base64," + _png(7)},
+                                         {"type": "input_text", "text": "What is it?"}]}])
+        details = response.usage.input_tokens_details.model_dump()
+        assert (details["image_tokens"], details["cached_image_tokens"]) == (images, images)
+        with urllib.request.urlopen(server.url + "/v1/cache/stats", timeout=60) as r:
+            stats = json.loads(r.read())["encoder_cache"]
+        assert (stats["image_tokens"], stats["cached_image_tokens"]) == (4 * images, 3 * images)
+        with urllib.request.urlopen(server.url + "/metrics", timeout=60) as r:
+            text = r.read().decode()
+        assert f"mlxkv_image_tokens_total {4 * images}\n" in text
+        assert f"mlxkv_cached_image_tokens_total {3 * images}\n" in text
+    finally:
+        server.close()

@@ -11,13 +11,14 @@ from textual.containers import Horizontal, Vertical
 from textual.screen import Screen
 from textual.widgets import Footer, Header, OptionList
 
-from mlxkv.chat.image_command import check_images
+from mlxkv.chat.image_command import attach_image, check_images
 from mlxkv.errors import MlxkvError
 from mlxkv.host.pool_view import PoolSnapshot
 from mlxkv.tui.messages import ReplyDelta, ReplyEnded
 from mlxkv.tui.replies import ActiveReply
 from mlxkv.tui.reply_controller import NEW_CHAT_TITLE, ReplyController, auto_title
 from mlxkv.tui.screens.confirm import ConfirmScreen
+from mlxkv.tui.screens.image_path import ImagePathScreen
 from mlxkv.tui.screens.rename import RenameScreen
 from mlxkv.tui.screens.system_prompt import SystemPromptScreen
 from mlxkv.tui.store import ChatStore, Message
@@ -287,6 +288,23 @@ class ChatScreen(Screen[None]):
                 self.notify("System prompt saved; it applies from the next message.")
 
         self.app.push_screen(SystemPromptScreen(self.store.get(cid).system_prompt), save)
+
+    def action_attach_image(self) -> None:
+        """Ask for a path; a file found becomes a `/image PATH` line leading the message box."""
+
+        def attach(path: str | None) -> None:
+            if not path:
+                return
+            prompt = self.query_one(PromptInput)
+            try:
+                prompt.load_text(attach_image(prompt.text, path))
+            except MlxkvError as e:
+                self.notify(str(e), severity="error", markup=False)
+                return
+            prompt.move_cursor(prompt.document.end)
+            prompt.focus()
+
+        self.app.push_screen(ImagePathScreen(), attach)
 
     async def action_delete(self) -> None:
         if not await self._still_here():

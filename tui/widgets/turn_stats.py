@@ -8,6 +8,12 @@ from mlxkv.tui.widgets.panel_text import PanelText
 TITLES = {"reply": "Last turn", "prefill": "Reopened chat (prefix prefill)"}
 
 
+def image_line(tokens: int, cached: int) -> str:
+    """The prompt's images as their own source: 'image: 12 tokens, cached'."""
+    state = "cached" if cached == tokens else "computed" if not cached else f"{cached:,} cached"
+    return f"image: {tokens:,} token{'' if tokens == 1 else 's'}, {state}"
+
+
 def _row(label: str, value: str, share: str = "") -> str:
     return f"{label:<20}{value:>10}{share:>6}"
 
@@ -37,6 +43,9 @@ class TurnStats(PanelText):
             return f"{n / prompt:.0%}" if prompt else ""
 
         rows = [_row("prompt tokens", f"{prompt:,}")]
+        images = stats.get("image_tokens", 0)
+        if images:  # in place of the speculated row: image rows do not speculate (docs/vision.md)
+            rows.append(f"  {image_line(images, stats.get('cached_image_tokens', 0))}")
         for source in SOURCES:
             n = stats["cached_tokens"].get(source, 0)
             rows.append(_row(f"  from {SOURCE_LABELS[source]}", f"{n:,}", share(n)))

@@ -1,0 +1,102 @@
+"""Every mlx-vlm model family, and what mlxkv does with a checkpoint of it.
+
+mlx-vlm ships a module per family under mlx_vlm/models/. A family is either
+SERVED (its language model runs over mlxkv's paged pool with images, its
+tiny model in tiny_configs.py and its equality tests in
+tests/vision/test_vision_engine.py) or has a reason it is not. The reasons
+come from reading each module's source (mlx-vlm 0.7.10; docs/vision.md has
+the table). tests/vision/test_family_sweep.py lists mlx-vlm's modules and
+fails on one listed nowhere here: a new mlx-vlm family waits for a decision.
+"""
+
+from __future__ import annotations
+
+# Images over the pool, greedy tokens equal to mlx-vlm's generate (tests/vision/test_vision_engine.py).
+SERVED = (
+    "qwen2_vl", "qwen2_5_vl", "gemma3", "smolvlm", "idefics3", "qwen3_vl", "qwen3_vl_moe", "mistral3", "pixtral",
+    "glm4v", "glm4v_moe", "idefics2",
+)
+
+TEXT_MODEL = "a text model (no vision tower in mlx-vlm's module): mlx-lm's class of that name serves it"
+NOT_GENERATIVE = ("not a chat generator (embedding, retrieval, detection, segmentation, depth, speech or image "
+                  "generation)")
+RECURRENT_API = ("its gated-delta layers call mlx-vlm's own ArraysCache extensions (update_window, "
+                 "update_recurrent), not the mlx-lm cache protocol mlxkv's recurrent states speak")
+BIDIRECTIONAL = ("its image tokens (PaliGemma: the whole prompt prefix) attend to each other bidirectionally in "
+                 "mlx-vlm, so a block's KV depends on tokens after it; mlxkv's pool and attention are causal")
+PER_LAYER_INPUTS = ("its layers take per-layer inputs computed from the prompt's ids beside the embeddings, and its "
+                    "last layers reuse earlier layers' KV; mlxkv's rows carry neither")
+CROSS_ATTENTION = "its language model cross-attends to the image's states, which the pool's blocks do not hold"
+ENCODER_DECODER = "an encoder-decoder: its decoder's cross-attention cache (SimpleKVCache) is not a prefix cache"
+DIFFUSION = "a diffusion decoder: it denoises tokens in parallel, not one after another over a KV cache"
+PROCESSOR = ("mlx-vlm 0.7.10's LlavaProcessor hands text options (padding) to the image processor, which the "
+             "installed transformers rejects: mlx-vlm cannot preprocess its images")
+UNTESTED = ("not yet run over the pool with images: it needs its tiny model and the equality tests "
+            "(docs/vision.md)")
+
+_REASONS = (
+    (TEXT_MODEL, (
+    "afm7", "afmoe", "apertus", "baichuan_m1", "bailing_moe", "bailing_moe_linear", "bitnet",
+    "cohere", "cohere2", "cohere2_moe", "dbrx", "deepseek", "deepseek_v2", "deepseek_v3",
+    "deepseek_v32", "deepseek_v4", "deepseek_v41", "dots1", "ernie4_5", "ernie4_5_moe", "exaone",
+    "exaone4", "exaone_moe", "falcon_h1", "flint", "gemma", "gemma2", "gemma3_text", "gemma4_text",
+    "glm", "glm4", "glm4_moe", "glm4_moe_lite", "glm_moe_dsa", "gpt2", "gpt_bigcode", "gpt_neox",
+    "gpt_oss", "granite", "granitemoe", "granitemoehybrid", "helium", "hrm_text", "hunyuan",
+    "hunyuan_v1_dense", "hy_v4", "internlm2", "internlm3", "iquestloopcoder", "jamba", "k2_horizon",
+    "kimi_linear", "klear", "kolibri1", "laguna", "lfm2", "lfm2_moe", "lille_130m", "limite",
+    "llama", "llama4_text", "longcat_flash", "longcat_flash_ngram", "longcat_flash_sparse", "mamba",
+    "mamba2", "mellum", "mimo", "mimo_v2_flash", "minicpm", "minicpm3", "minimax", "minimax_m3",
+    "ministral3", "mistral4", "mixtral", "nanochat", "nemotron", "nemotron_h", "nemotron_nas",
+    "nemotron_voicechat", "olmo", "olmo2", "olmo3", "olmoe", "openelm", "phi", "phi3", "phi3small",
+    "phimoe", "phixtral", "plamo", "plamo2", "qwen", "qwen2", "qwen2_moe", "qwen3",
+    "qwen3_5_moe_text", "qwen3_5_text", "qwen3_moe", "qwen3_next", "recurrent_gemma", "rwkv7",
+    "seed_oss", "smollm3", "solar_open", "spark2_5", "stablelm", "starcoder2", "step3p5",
+    "telechat3", "xing4_0", "youtu_llm", "z1t",
+)),
+    (NOT_GENERATIVE, (
+    "bert", "bonsai", "colidefics3", "colqwen2_5", "decider2", "dinov2", "embedding_gemma2",
+    "ernie_image", "falcon_perception", "flux2", "flux3", "gemma3_embedding", "gliner2_5",
+    "ideogram4", "laya", "lfm2_colbert", "lfm2_embedding", "lfm2_encoder", "llada_image",
+    "llama_bidirec", "llama_nemotron_vl_embedding", "locateanything", "mage_flow", "ming_image",
+    "minimax_h3", "ministral3_embedding", "modernbert", "moge3", "moss_image",
+    "openai_privacy_filter", "phi4_siglip", "pp_doclayout_v3", "prism_hadamard_qwen35",
+    "qwen3_embedding", "qwen3_vl_embedding", "qwen_image", "rfdetr", "rt_detr_v2", "sam3", "sam3_1",
+    "sam3d_body", "sam3d_objects", "sapiens2", "siglip", "video_depth_anything", "xlm_roberta",
+    "yolo11", "z_image",
+)),
+    (RECURRENT_API, (
+    "glm5_next", "qwen3_5", "qwen3_5_moe", "qwen4_exp",
+)),
+    (BIDIRECTIONAL, (
+    "paligemma", "gemma4", "gemma4_unified", "falcon_ocr", "lfm2_vl", "molmo_point",
+    "deepseekocr_2", "d1_omni",
+)),
+    (PER_LAYER_INPUTS, (
+    "gemma3n",
+)),
+    (CROSS_ATTENTION, (
+    "mllama",
+)),
+    (ENCODER_DECODER, (
+    "florence2", "nemotron_parse",
+)),
+    (DIFFUSION, (
+    "diffusion_gemma", "nemotron_labs_diffusion", "llada2_moe", "d1",
+)),
+    (PROCESSOR, (
+    "llava",
+)),
+    (UNTESTED, (
+    "aya_vision", "clef", "cohere_compass", "deepseek_vl_v2", "deepseekocr", "dots_ocr",
+    "ernie4_5_moe_vl", "fastvlm", "glm_ocr", "got", "granite4_vision",
+    "granite_vision", "hunyuan_vl", "indic_ocr", "inkling", "internvl", "internvl_chat",
+    "jina_vlm", "kimi_k25", "kimi_k3", "kimi_vl", "llama4", "llava_bunny", "llava_next",
+    "llava_onevision", "llmjpvl", "mage_vl", "mimo_v2", "minicpmo", "minicpmv4_6", "minicpmv4_7",
+    "minimax_m3_vl", "mistral_large3", "molmo", "molmo2", "moondream2", "moondream3",
+    "multi_modality", "muse_glimmer", "muse_spark", "nemotron_h_nano_omni", "paddleocr_vl",
+    "phi3_v", "phi4mm", "plamo2vl", "qwen3_omni_moe", "step3p7", "unlimited_ocr",
+    "youtu_vl", "zaya1_vl",
+)),
+)
+# family -> why mlxkv does not serve its images
+NOT_SERVED = {family: reason for reason, families in _REASONS for family in families}

@@ -1,0 +1,66 @@
+"""Every mlx-vlm model family is served with images or not served for a stated reason (vision/families.py).
+
+A new mlx-vlm release with a new family fails here until someone decides: serve it (a tiny model in
+tiny_configs.py, a param of tests/vision/test_vision_engine.py) or give the reason it is not served.
+"""
+
+import json
+import logging
+import pkgutil
+from pathlib import Path
+
+import pytest
+
+from mlxkv.errors import MlxkvError
+from mlxkv.vision import families, loading, tiny_vlm
+from mlxkv.vision.loading import load_vision_model
+
+
+def _mlx_vlm_families() -> set[str]:
+    import mlx_vlm.models  # here: without the vision extra this module still imports, and skips
+
+    return {m.name for m in pkgutil.iter_modules(mlx_vlm.models.__path__) if m.ispkg}
+
+
+def test_every_mlx_vlm_family_is_served_or_has_a_reason():
+    present = _mlx_vlm_families()
+    undecided = present - set(families.SERVED) - set(families.NOT_SERVED)
+    assert not undecided, f"mlx-vlm families with no decision in mlxkv/vision/families.py: {sorted(undecided)}"
+    assert not set(families.SERVED) & set(families.NOT_SERVED)
+    gone = (set(families.SERVED) | set(families.NOT_SERVED)) - present
+    assert not gone, f"families mlx-vlm no longer has: {sorted(gone)}"
+    assert all(reason.strip() for reason in families.NOT_SERVED.values())
+
+
+def test_each_served_family_has_its_tiny_model_and_its_engine_tests():
+    """test_vision_engine.py's engine fixture is parametrized by SERVED; each needs its model's fixture."""
+    fixtures = (Path(__file__).parent / "conftest.py").read_text()
+    assert tuple(tiny_vlm.VISION_FAMILIES) == tuple(loading.VISION_FAMILIES) == tuple(families.SERVED)
+    assert [f for f in families.SERVED if f"def {f}_dir(" not in fixtures] == []
+
+
+def _checkpoint(tmp_path, family: str):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": family, "vision_config": {"hidden_size": 8}}))
+    return tmp_path
+
+
+def test_a_family_that_cannot_run_over_the_pool_is_refused_at_load_with_its_reason(tmp_path):
+    with pytest.raises(MlxkvError) as e:
+        load_vision_model(_checkpoint(tmp_path, "paligemma"), "pg", object)
+    assert str(e.value) == f"pg: mlx-vlm family 'paligemma' cannot run over mlxkv's pool: {families.BIDIRECTIONAL}"
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "llava"])  # llava: mlx-lm's loader remaps it to mistral3
+def test_a_family_whose_images_are_not_served_loads_its_text_half_with_one_line(family, tmp_path, caplog):
+    with caplog.at_level(logging.INFO, logger="mlxkv.vision.loading"):
+        assert load_vision_model(_checkpoint(tmp_path, family), "m", object) is None
+    assert [r.message for r in caplog.records] == [
+        f"m: images with {family!r} are not served ({families.NOT_SERVED[family]}); loading its text half only"]
+
+
+def test_a_family_mlx_vlm_has_no_class_for_loads_as_text_with_one_line(tmp_path, caplog):
+    with caplog.at_level(logging.INFO, logger="mlxkv.vision.loading"):
+        assert load_vision_model(_checkpoint(tmp_path, "no_such_vlm"), "x", object) is None
+    assert [r.message for r in caplog.records] == [
+        "x: mlx-vlm has no class for family 'no_such_vlm'; loading it as text"]

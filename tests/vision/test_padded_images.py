@@ -1,0 +1,28 @@
+"""Mistral 3 (Pixtral's processor) pads a request's images to the largest: an image is keyed by its own
+pixels and size, not by the padding another image in the same request sets."""
+
+import pytest
+from vision_cases import make_image
+
+from mlxkv.vision import compat
+from mlxkv.vision.model import VisionModel
+from mlxkv.vision.prompt import vision_prompt
+
+pytestmark = pytest.mark.slow  # a model to write
+
+
+def _user(*images):
+    return [{"role": "user", "content": [*({"type": "image", "image": i} for i in images),
+                                         {"type": "text", "text": "Hi"}]}]
+
+
+def test_an_image_keys_the_same_beside_a_larger_image_and_its_rows_are_one_span(mistral3_dir):
+    model = VisionModel(*compat.load(str(mistral3_dir)))
+    small, large = make_image(56, 56, seed=1), make_image(112, 84, seed=2)
+    alone = vision_prompt(model, _user(small))
+    padded = vision_prompt(model, _user(large, small))
+    assert padded.pixel_values.shape[-2:] == (84, 112)  # the small image padded to the large one
+    assert padded.spans[1].digest == alone.spans[0].digest
+    assert padded.spans[0].digest != padded.spans[1].digest
+    # 112x84 in 28-pixel placeholders: 3 rows of 4, two [IMG_BREAK]s between them, in one span.
+    assert padded.spans[0].length == 3 * 4 + 2
