@@ -182,12 +182,15 @@ class EngineCore:
             before = self.kv_pool.nbytes
             pool = self.block_pool
             pool.shrink(keep_cached=pool.peak_in_use)  # about what the last busy spell used
+            self.coordinator.writes.drain()  # what the shrink evicted, to the tiers
             log.info("idle: the KV pool gave back %.1f MiB", (before - self.kv_pool.nbytes) / 2**20)
 
     def close(self) -> None:
         """Leave what a restart needs on the SSD tier (a hybrid's newest checkpoints), then
         finish the connector's pending work (its writes)."""
         self._write_pending_checkpoints()
+        self.coordinator.writes.drain()
+        self.coordinator.loads.close()
         self.connector.close()
         if self.draft is not None:
             self.draft.close()
