@@ -149,6 +149,7 @@ class EngineCore:
             "attention": self.attention.as_dict(),
             "pool": pool.usage(),
             "connector": self.connector.stats(),
+            "restore_cost": self.coordinator.costs.as_dict(),  # the restore-or-recompute estimates
             **({"checkpoints": self.checkpoints.stats()} if self.checkpoints is not None else {}),
             "speculative": self._speculation_stats(),
             "structured": self.structured.stats.as_dict(),
