@@ -81,8 +81,8 @@ def test_tiers_benchmark_rows(tmp_path, redis_server):
                                log=lambda *_: None, remote_tier=server.url, gap_tokens=64, choice_tokens=64)
     assert [r["name"] for r in rows] == ["restore 64 tok from SSD", "SSD tier read", "memory tier hydrate",
                                          "memory tier 8-bit", "restore 64 tok from remote", "remote tier read",
-                                         "restore-or-recompute TTFT vs always restore",
-                                         "restore-or-recompute TTFT vs always recompute",
+                                         "restore-or-recompute TTFT, SSD at 25 MB/s",
+                                         "restore-or-recompute TTFT, SSD at 2 MB/s",
                                          "stream gap, pool hit", "stream gap, SSD restore"]
     assert "64 tokens from disk" in rows[-1]["note"] and "128 KiB of KV per token" in rows[-2]["note"]
     for r in rows:
