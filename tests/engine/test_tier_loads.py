@@ -252,3 +252,18 @@ def test_install_is_bounded_per_step(loaded, monkeypatch):
     engine.generate(PROMPT, max_tokens=1)
     assert all(used <= 4 * block_bytes for _, used in states)  # GatedJob gives 2 blocks a take
     assert sum(1 for s, _ in states if s is LoadState.INSTALLING) >= 2 and states[-1][0] is LoadState.DONE
+
+
+def test_the_request_log_names_the_restore_choice():
+    from types import SimpleNamespace
+
+    from mlxkv.cache.tiers import no_reuse
+    from mlxkv.engine.records import RequestStats
+    from mlxkv.server.http_app import _reply_fields
+
+    def line(**fields):
+        stats = RequestStats(41, no_reuse(), 41, generation_tokens=3, **fields)
+        return _reply_fields(SimpleNamespace(stats=stats, prompt=None))
+
+    assert line(restore="recompute", recomputed_hit_tokens=40).endswith(" out=3 restore=recompute recomputed=40")
+    assert "restore=" not in line()  # no tier hit, no field
