@@ -99,6 +99,8 @@ def _add_bench(sub) -> None:
                         "through the MSL harness of a source checkout; needs clang-19")
     p.add_argument("--remote-tier", default=None, metavar="URL",
                    help="tiers: the server of the remote rows (default: a redis-server of the bench's own)")
+    p.add_argument("--gap-tokens", type=number(int, 64), default=None, metavar="N",
+                   help="tiers: the cached prefix of the stream-gap rows (default 6144, as recorded)")
     p.add_argument("--quick", action="store_true",
                    help="memory: the quantized pool's rows at small sizes (minutes on a CPU, not an hour)")
     p.add_argument("--json", action="store_true")

@@ -40,9 +40,11 @@ def _kernels(args) -> tuple[list[dict], str]:
 
 
 def _tiers(args) -> tuple[list[dict], str]:
+    from mlxkv.benchmarks.tier_gaps import GAP_TOKENS
     from mlxkv.benchmarks.tiers import format_rows, run_tiers_benchmark
 
-    rows = run_tiers_benchmark(remote_tier=getattr(args, "remote_tier", None))
+    rows = run_tiers_benchmark(remote_tier=getattr(args, "remote_tier", None),
+                               gap_tokens=getattr(args, "gap_tokens", None) or GAP_TOKENS)
     return rows, format_rows(rows)
 
 

@@ -24,6 +24,8 @@ import mlx.core as mx
 
 from mlxkv.attention.doctor import attention_report
 from mlxkv.benchmarks.engine import _stderr
+from mlxkv.benchmarks.restore_choice import CHOICE_TOKENS
+from mlxkv.benchmarks.tier_gaps import GAP_TOKENS
 from mlxkv.benchmarks.tiers import READ_BLOCKS, RESTORE_TOKENS
 from mlxkv.errors import MlxkvError
 from mlxkv.system.machine import physical_memory
@@ -41,6 +43,8 @@ class ReportSizes:
     rounds: int = 7
     restore_tokens: int = RESTORE_TOKENS
     read_blocks: int = READ_BLOCKS
+    gap_tokens: int = GAP_TOKENS
+    choice_tokens: int = CHOICE_TOKENS
     model: str | None = None  # None: the bench model
 
 
@@ -62,7 +66,8 @@ def run_report(stem: str | Path, sizes: ReportSizes = ReportSizes(), log=None) -
     report = {"date": time.strftime("%Y-%m-%d %H:%M:%S %z"), "machine": machine_info(), "suites": {}}
     suites = {
         "kernels": lambda: run_kernel_benchmark(sizes.kernel_contexts, sizes.kernel_batches, queries=sizes.kernel_queries),
-        "tiers": lambda: run_tiers_benchmark(sizes.model, sizes.restore_tokens, sizes.read_blocks, log=log),
+        "tiers": lambda: run_tiers_benchmark(sizes.model, sizes.restore_tokens, sizes.read_blocks, log=log,
+                                             gap_tokens=sizes.gap_tokens, choice_tokens=sizes.choice_tokens),
         "engine": lambda: run_engine_benchmark(sizes.context, sizes.decode_tokens, sizes.rounds, sizes.model,
                                                log=log),
         "memory": lambda: run_memory_benchmark(sizes.model, log=log),

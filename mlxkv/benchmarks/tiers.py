@@ -21,6 +21,11 @@
   log-probs move and how many greedy tokens stay the same.
 - remote restore and remote read (remote_rows.py): the same on a Redis or
   Valkey server on loopback, against recompute and a raw client GET.
+- stream gaps (tier_gaps.py): a decoding stream's largest inter-token gap
+  while a request with a 6k-token cached prefix is served from the pool,
+  and from the SSD tier, on a model with 128 KiB of KV per token.
+- restore or recompute (restore_choice.py): TTFT with the engine's
+  choice against always-restore and always-recompute on a slow disk.
 """
 
 from __future__ import annotations
@@ -36,6 +41,8 @@ import numpy as np
 
 from mlxkv.benchmarks.engine import _tokens, bench_model_path, describe_model
 from mlxkv.benchmarks.remote_rows import remote_rows
+from mlxkv.benchmarks.restore_choice import CHOICE_TOKENS, restore_choice_rows
+from mlxkv.benchmarks.tier_gaps import GAP_SPEC, GAP_TOKENS, gap_rows
 from mlxkv.benchmarks.rows import format_rows, row  # noqa: F401  (format_rows: the suite's printer)
 from mlxkv.config import DEFAULT_MEMORY_TIER_BYTES, CacheConfig
 from mlxkv.connectors.memory import InMemoryKVCacheConnector
@@ -56,8 +63,10 @@ QUANT_TOKENS = 32
 
 def run_tiers_benchmark(model: str | None = None, restore_tokens: int = RESTORE_TOKENS,
                         read_blocks: int = READ_BLOCKS, directory: str | None = None, log=print,
-                        remote_tier: str | None = None) -> list[dict]:
-    """`remote_tier`: the server of the remote rows (None: a redis-server of the bench's own, if installed)."""
+                        remote_tier: str | None = None, gap_tokens: int = GAP_TOKENS,
+                        choice_tokens: int = CHOICE_TOKENS) -> list[dict]:
+    """`remote_tier`: the server of the remote rows (None: a redis-server of the bench's own, if installed).
+    `gap_tokens`: the cached prefix of the stream-gap rows (the recorded rows use 6144)."""
     model = model or str(bench_model_path(log=log))
     with tempfile.TemporaryDirectory(prefix="mlxkv-bench-tiers-", dir=directory) as tmp:
         loaded = load_model(model)
@@ -68,8 +77,14 @@ def run_tiers_benchmark(model: str | None = None, restore_tokens: int = RESTORE_
         rows.append(_memory_hydrate_row(engine, blocks, log))
         rows.append(_quantized_row(engine, blocks, log))
         rows += remote_rows(loaded, engine, blocks, restore_tokens, remote_tier, Path(tmp), log)
+        rows += restore_choice_rows(loaded, Path(tmp) / "choice", log, _drop_page_cache, choice_tokens)
         for r in rows:
             r["model"] = describe_model(engine)
+        gaps = gap_rows(gap_tokens, Path(tmp) / "gaps", log, _drop_page_cache)
+        for r in gaps:
+            r["model"] = f"random-weight llama, {GAP_SPEC.num_layers} layers of {GAP_SPEC.num_kv_heads} KV heads x " \
+                         f"{GAP_SPEC.head_dim}, {GAP_SPEC.dtype}"
+        rows += gaps
         return rows
 
 

@@ -3,10 +3,12 @@
 The seam is the cache's: the coordinator (coordinator.py) calls a connector
 at exactly three points, and nowhere else does:
 
-1. prefix lookup (`get_computed_blocks`, then `load_blocks` to hydrate):
-   after the pool's own hits, the connector says how many of the next blocks
-   it can supply; the pool allocates local blocks for them, the connector's
-   K/V are written in, and they become ordinary cached blocks;
+1. prefix lookup (`get_computed_blocks`, then `begin_load` or `load_blocks`
+   to hydrate): after the pool's own hits, the connector says how many of
+   the next blocks it can supply; the pool allocates local blocks for them,
+   a load job reads the connector's K/V off the engine thread and the
+   engine installs them a slice a step (tier_loads.py), and they become
+   ordinary cached blocks;
 2. block registration (`cache_blocks`): blocks that just became full;
 3. eviction (`evict_blocks`): the pool is about to reuse cached blocks.
 
@@ -26,6 +28,7 @@ block boundary.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Protocol, runtime_checkable
@@ -51,6 +54,57 @@ class LoadedCheckpoint:
 
 # Reads the bytes of the blocks named in the call that hands it over.
 ReadKV = Callable[[], list[BlockKV]]
+
+
+class LoadJob(Protocol):
+    """A prefix hit's tier blocks on their way into the pool (cache/tier_loads.py).
+
+    `run` reads them on the loader thread into staging memory (numpy,
+    bytes: never MLX, whose state is the engine thread's); `take` hands the
+    engine thread the next ones as MLX, about `max_bytes` at a time, in key
+    order, and [] once there are no more (all taken, or a copy was gone or
+    bad: fewer than asked is a shortfall the engine recomputes). `reads`:
+    (tier, bytes, seconds) of each read, for the restore-or-recompute estimates.
+    """
+
+    reads: list[tuple[str, int, float]]
+
+    def run(self) -> None: ...
+
+    def take(self, max_bytes: int) -> list[LoadedBlock]: ...
+
+
+class SyncLoad:
+    """A load with nothing to do off the engine thread: the connector's own `load_blocks`, at the
+    first `take` (a tier in memory, or a connector without `begin_load`), then handed out in slices."""
+
+    def __init__(self, connector, block_hashes: Sequence[BlockHash]):
+        self.connector, self.block_hashes = connector, list(block_hashes)
+        self.reads: list[tuple[str, int, float]] = []
+        self._loaded: list[LoadedBlock] | None = None
+
+    def run(self) -> None:
+        pass
+
+    def take(self, max_bytes: int) -> list[LoadedBlock]:
+        if self._loaded is None:
+            start = time.perf_counter()
+            self._loaded = self.connector.load_blocks(self.block_hashes) if self.block_hashes else []
+            if self._loaded:
+                nbytes = sum(b.kv.nbytes for b in self._loaded)
+                self.reads.append((self._loaded[0].tier, nbytes, time.perf_counter() - start))
+        out, used = [], 0
+        while self._loaded and (not out or used < max_bytes):
+            block = self._loaded.pop(0)
+            out.append(block)
+            used += block.kv.nbytes
+        return out
+
+
+def begin_load(connector, block_hashes: Sequence[BlockHash]) -> LoadJob:
+    """The connector's own load job where it has one (`begin_load`), else a SyncLoad."""
+    begin = getattr(connector, "begin_load", None)
+    return begin(block_hashes) if begin is not None else SyncLoad(connector, block_hashes)
 
 
 @dataclass
@@ -90,6 +144,10 @@ class KVCacheConnector(Protocol):
     def evict_blocks(self, block_hashes: Sequence[BlockHash], read: ReadKV) -> None:
         """The pool is about to overwrite these cached blocks, least recently used
         first. `read()` gives their K/V in that order, read from the pool at once."""
+
+    # Optional: `wants_spill(block_hash) -> bool`, whether an evicted block's bytes
+    # are wanted (else the pool skips reading them); `begin_load(block_hashes) ->
+    # LoadJob`, a load read off the engine thread (else a SyncLoad).
 
     def has_checkpoint(self, key: BlockHash) -> bool:
         """Whether this connector can supply the checkpoint."""

@@ -8,8 +8,11 @@ share:
   only shorten it, so it ends at the largest hit every group accepts), the
   pool first, then the connector's tiers; one lookup per admission attempt,
   valid while `generation` stands;
+- restore or recompute: a hit stops before the first tier block that is
+  cheaper to compute than to read, by measured speeds (restore_cost.py);
 - admission: holding the hit's pool blocks and hydrating its tier blocks,
-  all or nothing (hydration.py);
+  all or nothing (hydration.py), or, the usual way, reading them off the
+  engine thread while the request waits (tier_loads.py, `loads`);
 - slots for the tokens computed next, registration of blocks as they
   fill, and release;
 - the connector seam (cache/connector.py): its calls are made by the
@@ -35,6 +38,8 @@ from mlxkv.cache.hydration import Hydration
 from mlxkv.cache.kv_pool import KVPool
 from mlxkv.cache.layer_groups import GroupLayout, KVGroup
 from mlxkv.cache.sequence import Sequence
+from mlxkv.cache.restore_cost import RestoreCost
+from mlxkv.cache.tier_loads import TierLoads
 from mlxkv.cache.tier_writes import TierWrites
 
 # Decode fills a block every block_size tokens. Offered one at a time, each
@@ -57,10 +62,18 @@ class PrefixHit:
     groups: list[GroupNeeds]  # per attention group
     checkpoint: CheckpointNeed | None
     generation: tuple  # the coordinator's when it was looked up
+    recomputed: int = 0  # tokens a tier held that are cheaper to compute (restore_cost.py)
 
     @property
     def tier_blocks(self) -> int:
         return sum(len(g.tiers) for g in self.groups)
+
+    @property
+    def restore_choice(self) -> str:
+        """"restore", "recompute", "partial" (some of each), or "" (no tier held any of it)."""
+        if self.recomputed:
+            return "partial" if self.tier_blocks else "recompute"
+        return "restore" if self.tier_blocks else ""
 
     @property
     def pool_blocks(self) -> list[Block]:
@@ -86,8 +99,8 @@ class KVCacheCoordinator:
         self.block_size = block_size
         self.kv_pool = kv_pool
         self.connector = connector or NoopKVCacheConnector()
-        self._writes = TierWrites(self.connector, kv_pool)
-        self.pool = BlockPool(budget, initial=initial, on_evict=self._writes.spill,
+        self.writes = TierWrites(self.connector, kv_pool)
+        self.pool = BlockPool(budget, initial=initial, on_evict=self.writes.spill,
                               on_grow=kv_pool.grow if kv_pool else None, on_shrink=kv_pool.shrink if kv_pool else None)
         self.attention: list[AttentionManager] = [_manager_class(g)(g, self.pool, block_size) for g in layout.groups]
         self.recurrent = None
@@ -99,6 +112,9 @@ class KVCacheCoordinator:
         self._managers = sorted(self.attention, key=lambda m: m.slots_ahead(), reverse=True)
         self._managers += [self.recurrent] if self.recurrent else []
         self._hydration = Hydration(self.pool, kv_pool, self.connector, self.attention, self.recurrent, block_size)
+        # Restore or recompute (restore_cost.py), and tier reads off the step path (tier_loads.py).
+        self.costs = RestoreCost(kv_pool.layout.bytes_per_token if kv_pool else 0)
+        self.loads = TierLoads(self.pool, kv_pool, self.connector, self.attention, self.costs, block_size)
 
     # -- lookup and admission -------------------------------------------------
 
@@ -113,17 +129,18 @@ class KVCacheCoordinator:
         hashes = [] if root is None else extend_block_hashes(hashes or [], root, tokens, self.block_size)
         usable = (len(tokens) - 1) // self.block_size if root is not None else 0
         presence = Presence(self.pool, self.connector if use_tiers else None)
-        b = usable
-        while True:
-            c = b
-            for manager in self._managers:
-                c = manager.longest_hit(hashes, c, presence)
-            if c == b:
-                break
-            b = c
+        b = _longest(self._managers, hashes, usable, presence)
+        needs = [m.needs(hashes, b) for m in self.attention]
+        # Restore or recompute: a hit ends before the first tier block cheaper to compute than to read.
+        cut = min((i for g in needs for i, key in g.tiers if not self.costs.restores(presence.tier(key))),
+                  default=None)
+        found = b
+        if cut is not None:
+            b = _longest(self._managers, hashes, cut, presence)
+            needs = [m.needs(hashes, b) for m in self.attention]
         checkpoint = self.recurrent.needs(hashes, b) if self.recurrent else None
-        return PrefixHit(b, hashes, usable, [m.needs(hashes, b) for m in self.attention], checkpoint,
-                         self.generation)
+        return PrefixHit(b, hashes, usable, needs, checkpoint, self.generation,
+                         recomputed=(found - b) * self.block_size)
 
     def admission_blocks(self, hit: PrefixHit, num_tokens: int, chunk: int) -> int:
         """Free blocks admitting a prompt of `num_tokens` on `hit` takes while it prefills in chunks of `chunk`."""
@@ -141,6 +158,7 @@ class KVCacheCoordinator:
                 break  # computing those blocks would not fit either: the scheduler waits or preempts
             seq = self._hydration.take(request_id, tokens, root, hit)
             if seq is not None:
+                seq.restore_choice, seq.recomputed_hit = hit.restore_choice, hit.recomputed
                 return seq
             hit = self.lookup(tokens, root, hashes=hit.hashes)
         return self._hydration.take(request_id, tokens, root,
@@ -178,7 +196,7 @@ class KVCacheCoordinator:
             if not passed:
                 continue
             if manager.tables.has_unstored(seq.request_id, passed):
-                self._writes.store_group(manager, seq.request_id)  # read before the pool may reuse them
+                self.writes.store_group(manager, seq.request_id)  # read before the pool may reuse them
             self.pool.free(manager.tables.drop(seq.request_id, passed))
 
     def prefill_stop(self, seq: Sequence) -> int | None:
@@ -228,7 +246,7 @@ class KVCacheCoordinator:
                           default=0)
             seq.num_cached_blocks = full
             if store_now or waiting >= STORE_BATCH_BLOCKS:
-                self._writes.store(self.attention, seq.request_id)
+                self.writes.store(self.attention, seq.request_id)
         if self.recurrent is not None:
             self.recurrent.register(seq, min(known, len(seq.prompt)), every=True)
 
@@ -246,7 +264,7 @@ class KVCacheCoordinator:
                 _hash_upto(seq, known, self.block_size)
                 self.recurrent.register(seq, known, every=False)
             self.recurrent.leave(seq)
-        self._writes.store(self.attention, seq.request_id)
+        self.writes.store(self.attention, seq.request_id)
         tables = [m.tables.release(seq.request_id) for m in self.attention]
         longest = max((len(table) for table in tables), default=0)
         self.pool.free([table[i] for i in reversed(range(longest)) for table in tables
@@ -261,6 +279,18 @@ class KVCacheCoordinator:
     def held(self, seq: Sequence) -> list[Block]:
         """Every block the sequence holds a reference to, in every group."""
         return [block for m in self.attention for block in m.tables.held(seq.request_id)]
+
+
+def _longest(managers, hashes: list[BlockHash], limit: int, presence: Presence) -> int:
+    """The fixed point of every manager's longest hit, from `limit` down."""
+    b = limit
+    while True:
+        c = b
+        for manager in managers:
+            c = manager.longest_hit(hashes, c, presence)
+        if c == b:
+            return b
+        b = c
 
 
 def _hash_upto(seq: Sequence, num_tokens: int, block_size: int) -> None:

@@ -30,6 +30,10 @@ class Sequence:
     num_cached_blocks: int = 0
     # Prompt tokens reused instead of computed, by where they came from.
     cached_tokens: dict[str, int] = field(default_factory=no_reuse)
+    # Restore or recompute (cache/restore_cost.py): what was chosen for the hit's tier
+    # blocks, and the hit's tokens recomputed because reading them would take longer.
+    restore_choice: str = ""
+    recomputed_hit: int = 0
 
     @property
     def tokens(self) -> list[int]:

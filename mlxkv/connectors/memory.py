@@ -129,6 +129,13 @@ class InMemoryKVCacheConnector:
     def checkpoint_refs(self):
         return []  # it holds only what this process's store let go of
 
+    def wants_spill(self, block_hash: BlockHash) -> bool:
+        """An evicted block's bytes are wanted unless held already (then it is touched, as a spill would)."""
+        if block_hash in self._blocks:
+            self._blocks.move_to_end(block_hash)
+            return False
+        return True
+
     def evict_blocks(self, block_hashes: Sequence[BlockHash], read) -> None:
         wanted = []
         for i, h in enumerate(block_hashes):

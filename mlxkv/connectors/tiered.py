@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from mlxkv.cache.checkpoints import Checkpoint
-from mlxkv.cache.connector import LoadedBlock, LoadedCheckpoint, ReadKV
+from mlxkv.cache.connector import LoadJob, LoadedBlock, LoadedCheckpoint, ReadKV, SyncLoad, begin_load
 from mlxkv.cache.hashing import BlockHash
 from mlxkv.connectors.memory import InMemoryKVCacheConnector
 
@@ -81,6 +81,18 @@ class TieredKVCacheConnector:
             loaded += found
         return loaded
 
+    def tiers_of(self, block_hashes: Sequence[BlockHash]) -> list[str]:
+        """The tier each leading block a lookup would find comes from (as get_computed_blocks counts them)."""
+        names: list[str] = []
+        for tier in self.tiers:
+            if len(names) == len(block_hashes):
+                break
+            names += [tier.tier_name] * tier.get_computed_blocks(block_hashes[len(names):])
+        return names
+
+    def begin_load(self, block_hashes: Sequence[BlockHash]) -> TieredLoad:
+        return TieredLoad(self, list(block_hashes))
+
     def _promote(self, tier, found: list[LoadedBlock]) -> None:
         if tier is self.disk and self.memory is not None:
             for block in found:
@@ -113,6 +125,11 @@ class TieredKVCacheConnector:
         for tier in self._behind:
             tier.cache_blocks(block_hashes, read)
 
+    def wants_spill(self, block_hash: BlockHash) -> bool:
+        if self.memory is not None:
+            return self.memory.wants_spill(block_hash)
+        return any([tier.wants_spill(block_hash) for tier in self._behind])
+
     def evict_blocks(self, block_hashes, read) -> None:
         if self.memory is not None:
             self.memory.evict_blocks(block_hashes, read)
@@ -143,3 +160,46 @@ class TieredKVCacheConnector:
     def close(self) -> None:
         for tier in self._behind:
             tier.close()
+
+
+class TieredLoad:
+    """A load across the tiers, in lookup order: what memory holds is taken on the engine
+    thread (a copy in RAM); the SSD tier's part, then the remote tier's for what is left, are
+    read on the loader thread. Each part starts where the one before it ended, and a part
+    that falls short ends the load there (a hit is a leading run)."""
+
+    def __init__(self, tiered: TieredKVCacheConnector, block_hashes: list[BlockHash]):
+        self.tiered, self.block_hashes = tiered, block_hashes
+        memory = tiered.memory
+        m = memory.get_computed_blocks(block_hashes) if memory is not None else 0
+        self._parts: list[tuple[object, LoadJob, int]] = []  # (tier, job, blocks wanted of it)
+        if m:
+            self._parts.append((memory, SyncLoad(memory, block_hashes[:m]), m))
+        self._start = m  # where the loader thread's parts begin
+        self.reads: list[tuple[str, int, float]] = []  # the loader thread's; a memory read is not timed
+
+    def run(self) -> None:
+        at = self._start
+        for tier in self.tiered._behind:
+            if at == len(self.block_hashes):
+                break
+            job = begin_load(tier, self.block_hashes[at:])
+            job.run()
+            self.reads += job.reads
+            got = getattr(job, "staged_blocks", 0)
+            self._parts.append((tier, job, got))
+            at += got
+
+    def take(self, max_bytes: int) -> list[LoadedBlock]:
+        while self._parts:
+            tier, job, wanted = self._parts[0]
+            found = job.take(max_bytes)
+            if found:
+                if tier is not self.tiered.memory:
+                    self.tiered._promote(tier, found)
+                self._parts[0] = (tier, job, wanted - len(found))
+                return found
+            self._parts.pop(0)
+            if wanted > 0:  # this part fell short: the parts after it do not follow on
+                self._parts.clear()
+        return []

@@ -149,6 +149,7 @@ class EngineCore:
             "attention": self.attention.as_dict(),
             "pool": pool.usage(),
             "connector": self.connector.stats(),
+            "restore_cost": self.coordinator.costs.as_dict(),  # the restore-or-recompute estimates
             **({"checkpoints": self.checkpoints.stats()} if self.checkpoints is not None else {}),
             "speculative": self._speculation_stats(),
             "structured": self.structured.stats.as_dict(),
@@ -182,12 +183,15 @@ class EngineCore:
             before = self.kv_pool.nbytes
             pool = self.block_pool
             pool.shrink(keep_cached=pool.peak_in_use)  # about what the last busy spell used
+            self.coordinator.writes.drain()  # what the shrink evicted, to the tiers
             log.info("idle: the KV pool gave back %.1f MiB", (before - self.kv_pool.nbytes) / 2**20)
 
     def close(self) -> None:
         """Leave what a restart needs on the SSD tier (a hybrid's newest checkpoints), then
         finish the connector's pending work (its writes)."""
         self._write_pending_checkpoints()
+        self.coordinator.writes.drain()
+        self.coordinator.loads.close()
         self.connector.close()
         if self.draft is not None:
             self.draft.close()

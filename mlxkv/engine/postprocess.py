@@ -58,6 +58,7 @@ def _hand_out(request: Request, token: int, scheduler: Scheduler, eos, now: floa
     scheduler.cache.register_computed(request.seq, store_now=False)
     if request.first_token_at is None:
         request.record_first_token(now)
+        _record_prefill_speed(request, scheduler)
     finish = _finish_reason(request, token, eos)
     detok = request.detokenizer
     if finish != "stop":
@@ -70,6 +71,15 @@ def _hand_out(request: Request, token: int, scheduler: Scheduler, eos, now: floa
     scheduler.finish(request)  # blocks are back before the last record is seen
     request.sink(GenerationChunk(detok.last_segment, token, finish, request.stats))
     return True
+
+
+def _record_prefill_speed(request: Request, scheduler: Scheduler) -> None:
+    """A prompt computed whole, from the pool's hits alone, says how fast this engine prefills
+    (cache/restore_cost.py weighs it against the tiers' reads)."""
+    stats = request.stats
+    if stats.restore not in ("", "recompute") or stats.preemptions or sum(stats.cached_tokens.values()) != stats.cached_tokens["pool"]:
+        return
+    scheduler.cache.costs.record_prefill(stats.computed_tokens, stats.ttft_s - stats.queued_s)
 
 
 def _finish_reason(request: Request, token: int, eos) -> str | None:

@@ -27,6 +27,12 @@ class RequestStats:
     queued_s: float = 0.0
     preempted_s: float = 0.0
     preemptions: int = 0
+    # A prefix hit in a tier (cache/restore_cost.py): "restore", "recompute", "partial" or "" (none);
+    # the hit's tokens recomputed because reading them was slower; the time its tier blocks took to
+    # read and install (inside queued_s or preempted_s).
+    restore: str = ""
+    recomputed_hit_tokens: int = 0
+    loading_s: float = 0.0
     # Speculative decoding: tokens proposed for this reply, and accepted.
     proposed_tokens: int = 0
     accepted_tokens: int = 0

@@ -5,7 +5,7 @@ tokens known so far (prompt, then any output before a preemption);
 preemption releases it, leaving its full blocks cached in the pool (or
 spilled to a tier), so the next admission starts on prefix hits.
 
-Its state moves only through `start`, `preempt` and `finish`. The request is
+Its state moves only through `load`, `unload`, `start`, `preempt` and `finish`. The request is
 the one writer of its fields: its stats (`RequestStats`) too, recorded
 from what the scheduler, the postprocess and the speculation computed
 (`start`, `record_first_token`, `record_finish`, `record_proposal`), and
@@ -14,6 +14,15 @@ its tokens issued to the device (`issue`).
     WAITING --start--> RUNNING --finish--> FINISHED
        ^                  |
        +----preempt-------+          (a waiting request may finish too: a cancel)
+
+    WAITING --load--> LOADING --start--> RUNNING
+       ^                 |
+       +-----unload------+           (and LOADING --finish--> FINISHED: an abort)
+
+LOADING: admitted on a prefix hit whose tier blocks a loader thread is
+reading (cache/tier_loads.py); it holds its blocks but the scheduler
+gives it no work until they are installed. `unload`: a tier fell short,
+so it waits again and is looked up afresh (the rest is recomputed).
 """
 
 from __future__ import annotations
@@ -31,6 +40,7 @@ from mlxkv.vision.image_keys import image_token_counts
 
 class RequestState(enum.Enum):
     WAITING = "waiting"  # queued: never started, or preempted
+    LOADING = "loading"  # holds blocks; its prefix hit's tier blocks are being read
     RUNNING = "running"  # holds blocks in the scheduler's running list
     FINISHED = "finished"
 
@@ -40,6 +50,10 @@ _MOVES = {
     (RequestState.RUNNING, RequestState.WAITING),
     (RequestState.WAITING, RequestState.FINISHED),
     (RequestState.RUNNING, RequestState.FINISHED),
+    (RequestState.WAITING, RequestState.LOADING),
+    (RequestState.LOADING, RequestState.RUNNING),
+    (RequestState.LOADING, RequestState.WAITING),
+    (RequestState.LOADING, RequestState.FINISHED),
 }
 
 Sink = Callable[[object], None]  # takes GenerationChunk / RequestFailed records
@@ -67,6 +81,7 @@ class Request:
     # while a pipelined step is in flight (loop.py). Written by `issue` only.
     issued: int = 0
     _waiting_since: float | None = None
+    _loading_since: float | None = None
     # Its generated tokens while no sequence holds them (before its first admission, after a
     # preemption). A running request's are its sequence's, so each token is stored once.
     _waiting_output: list[int] = field(default_factory=list)
@@ -114,18 +129,34 @@ class Request:
             raise RuntimeError(f"request {self.request_id}: no move from {self.state.value} to {to.value}")
         self.state = to
 
+    def load(self, now: float, seq: Sequence) -> None:
+        """Admitted on `seq`, whose prefix hit's tier blocks are still being read: it waits on."""
+        self._move(RequestState.LOADING)
+        self._loading_since = now
+        self.seq, self._waiting_output = seq, []
+
+    def unload(self) -> None:
+        """A tier fell short while loading: back to waiting, its sequence released."""
+        self._move(RequestState.WAITING)
+        self._waiting_output = self.output
+        self.seq = None
+
     def start(self, now: float, seq: Sequence) -> None:
-        """Admitted on `seq`: the wait since arrival (or since a preemption) ends.
-        The first admission's prefix hit is the reply's reuse."""
+        """Admitted on `seq` (or its load is done): the wait since arrival (or since a
+        preemption) ends. The first admission's prefix hit is the reply's reuse."""
+        loading = self._loading_since is not None and self.state is RequestState.LOADING
         self._move(RequestState.RUNNING)
         waited = now - self._waiting_since
         if self.stats is None:
             prompt = len(self.prompt)
             images, cached_images = image_token_counts(self.image_spans, seq.num_reused)
             self.stats = RequestStats(prompt, dict(seq.cached_tokens), prompt - seq.num_reused, queued_s=waited,
-                                      image_tokens=images, cached_image_tokens=cached_images)
+                                      image_tokens=images, cached_image_tokens=cached_images,
+                                      restore=seq.restore_choice, recomputed_hit_tokens=seq.recomputed_hit)
         else:
             self.stats.preempted_s += waited
+        if loading:
+            self.stats.loading_s += now - self._loading_since
         self.seq, self._waiting_output = seq, []  # its sequence holds them now (its prompt's tail)
 
     def preempt(self, now: float) -> None:

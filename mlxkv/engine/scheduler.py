@@ -10,6 +10,12 @@ takes or releases blocks; it never touches MLX.
   the cache's generation stands, however many steps it waits. A request whose next uncached block is being
   prefilled by a running request waits for it, so a prefix shared by a
   batch is computed once and then hit, not computed once per sequence.
+- Tier hits: a request whose hit has blocks in a tier (memory, SSD,
+  remote) is admitted into `loading` instead: it holds its blocks while a
+  loader thread reads them (cache/tier_loads.py), and each step installs
+  at most INSTALL_BYTES_PER_STEP of what was read, so the batch keeps
+  stepping. Once installed it runs; if a tier fell short it waits again
+  and is looked up afresh (the rest is recomputed).
 - Chunked prefill: at most `prefill_chunk` tokens per step, each request in
   whole chunks of min(prefill_chunk, rest), the shapes a solo run computes.
 - Decode: every running request whose prefill is done computes one token,
@@ -26,10 +32,14 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from mlxkv.cache.coordinator import KVCacheCoordinator, PrefixHit
+from mlxkv.cache.coordinator import HYDRATE_ATTEMPTS, KVCacheCoordinator, PrefixHit
 from mlxkv.cache.sequence import Sequence
+from mlxkv.cache.tier_loads import INSTALL_BYTES_PER_STEP, LoadState
 from mlxkv.engine.request import Request, RequestState
 from mlxkv.errors import PoolExhaustedError
+
+# With nothing else to step, how long to wait for a tier read before looking again.
+IDLE_WAIT_S = 0.05
 
 
 @dataclass
@@ -60,6 +70,8 @@ class Scheduler:
         self.on_start, self.on_release = on_start, on_release
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last is the newest
+        self.loading: list[Request] = []  # admitted; their tier blocks are being read (no work yet)
+        self._shortfalls: dict[Request, int] = {}  # loads a tier could not complete, per waiting request
         self._hits: dict[Request, PrefixHit] = {}  # waiting requests' lookups, while valid
         self.lookups = 0  # prefix lookups made for admissions (what the lookup cache saves)
 
@@ -68,15 +80,17 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.loading)
 
     def schedule(self, decode_len: int = 1) -> StepPlan:
         """This step's work; each decoding request computes `decode_len` tokens (a
         speculative step's last token and proposals, padded to one length)."""
         plan = StepPlan(cancelled=self._drop_cancelled(), decode_len=decode_len)
         self._admit()
+        self._progress_loads()
         plan.decode = self._decode_slots(decode_len)
         plan.prefill = self._prefill_chunks()
+        self.cache.writes.drain()  # this step's evictions, to the tiers' writer threads
         return plan
 
     def decoding(self) -> list[Request]:
@@ -97,23 +111,33 @@ class Scheduler:
         for r in [r for r in self.running if r.cancelled and not r.num_output and r.remaining_prefill > 0]:
             self.finish(r)
             dropped.append(r)
+        for r in [r for r in self.loading if r.cancelled]:
+            self._stop_loading(r)
+            r.finish()
+            dropped.append(r)
         return dropped
 
     def _admit(self) -> None:
-        while self.waiting and len(self.running) < self.max_running:
+        while self.waiting and len(self.running) + len(self.loading) < self.max_running:
             request = self.waiting[0]
             hit = self._lookup(request)
             if not self._fits(request, hit):
                 return
             self._leave_queue(request)
-            self._start(request, hit)
+            if hit.tier_blocks and self.cache.recurrent is None:
+                self._begin_load(request, hit)
+            else:
+                self._start(request, hit)
 
     def _lookup(self, request: Request) -> PrefixHit:
         """The request's prefix hit: looked up again only once the cache has changed."""
         hit = self._hits.get(request)
         if hit is None or hit.generation != self.cache.generation:
             self.lookups += 1
-            hit = self.cache.lookup(request.tokens, request.hash_root, hashes=hit.hashes if hit else None)
+            # A request whose loads kept falling short settles for what the pool holds.
+            tiers = self._shortfalls.get(request, 0) < HYDRATE_ATTEMPTS
+            hit = self.cache.lookup(request.tokens, request.hash_root, hashes=hit.hashes if hit else None,
+                                    use_tiers=tiers)
             self._hits[request] = hit
         return hit
 
@@ -121,7 +145,7 @@ class Scheduler:
         if self._prefix_pending(hit):
             return False
         need = self.cache.admission_blocks(hit, len(request.prompt) + request.num_output, self.prefill_chunk)
-        return need + len(self.running) <= self.pool.num_free
+        return need + len(self.running) + len(self.loading) <= self.pool.num_free
 
     def _prefix_pending(self, hit: PrefixHit) -> bool:
         """Whether the next block the hit lacks is being prefilled by a running request."""
@@ -137,15 +161,60 @@ class Scheduler:
     def _leave_queue(self, request: Request) -> None:
         self.waiting.remove(request)
         self._hits.pop(request, None)
+        if request.cancelled:
+            self._shortfalls.pop(request, None)
 
     def _start(self, request: Request, hit: PrefixHit) -> None:
         seq = self.cache.admit(request.request_id, request.tokens, request.hash_root, hit)
+        self._prompt_slots(seq)
+        self._run(request, seq)
+
+    def _prompt_slots(self, seq: Sequence) -> None:
         rest = len(seq.prompt) - seq.num_computed
         first = min(rest, self.prefill_chunk)
         self.cache.allocate_slots(seq, first, ahead=rest - first)
+
+    def _run(self, request: Request, seq: Sequence) -> None:
+        self._shortfalls.pop(request, None)
         request.start(time.perf_counter(), seq)
         self.running.append(request)
         self.on_start(seq)
+
+    # -- loading --------------------------------------------------------------
+
+    def _begin_load(self, request: Request, hit: PrefixHit) -> None:
+        """Admit on a hit with tier blocks: they are read off the step path while it waits."""
+        seq = self.cache.loads.begin(request.request_id, request.tokens, request.hash_root, hit)
+        self._prompt_slots(seq)
+        request.load(time.perf_counter(), seq)
+        self.loading.append(request)
+
+    def _progress_loads(self) -> None:
+        """Install this step's share of what the loader read; start the requests whose loads are done."""
+        if not self.loading:
+            return
+        if not self.running and not self.cache.loads.ready():
+            self.cache.loads.wait(IDLE_WAIT_S)  # nothing else to step: wait for the read, don't spin
+        budget = INSTALL_BYTES_PER_STEP
+        for request in list(self.loading):
+            state, used = self.cache.loads.progress(request.seq, max(budget, 0))
+            budget -= used
+            if state is LoadState.DONE:
+                self.loading.remove(request)
+                self._run(request, request.seq)
+            elif state is LoadState.SHORT:
+                self.loading.remove(request)
+                self.cache.release(request.seq)
+                request.unload()
+                self._shortfalls[request] = self._shortfalls.get(request, 0) + 1
+                self.waiting.appendleft(request)
+
+    def _stop_loading(self, request: Request) -> None:
+        """A loading request leaves: its read is dropped and its blocks go back."""
+        self.loading.remove(request)
+        self._shortfalls.pop(request, None)
+        self.cache.loads.cancel(request.seq)
+        self.cache.release(request.seq)
 
     # -- decode and prefill ---------------------------------------------------
 
@@ -211,6 +280,9 @@ class Scheduler:
         if request in self.waiting:
             self._leave_queue(request)
             request.finish()
+        elif request.state == RequestState.LOADING:
+            self._stop_loading(request)
+            request.finish()
         elif request.state == RequestState.RUNNING:
             self.finish(request)
 
@@ -220,9 +292,11 @@ class Scheduler:
 
     def fail_all(self) -> list[Request]:
         """End every request, running or waiting (a step failed); returns them."""
-        failed = list(self.running) + list(self.waiting)
+        failed = list(self.running) + list(self.loading) + list(self.waiting)
         for request in list(self.running):
             self.finish(request)
+        for request in list(self.loading):
+            self.drop(request)
         for request in list(self.waiting):
             self.drop(request)
         return failed

@@ -161,8 +161,10 @@ def _reply_fields(reply) -> str:
         return f" prompt={reply.prompt_len} cancelled" if reply.cancelled else f" prompt={reply.prompt_len}"
     s = reply.stats
     cached = sum(s.cached_tokens.values())
+    # restore: what was chosen for a prefix hit in a tier (cache/restore_cost.py), when there was one.
+    restore = f" restore={s.restore} recomputed={s.recomputed_hit_tokens}" if s.restore else ""
     return (f" prompt={s.prompt_tokens} cached={cached}{_tier_fields(s.cached_tokens)}"
-            f"{_image_fields(reply.prompt, cached)} ttft={s.ttft_s:.2f}s out={s.generation_tokens}")
+            f"{_image_fields(reply.prompt, cached)} ttft={s.ttft_s:.2f}s out={s.generation_tokens}{restore}")
 
 
 # How the access log names the tiers a prompt's reuse came from beyond the pool.

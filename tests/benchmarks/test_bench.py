@@ -78,9 +78,13 @@ def test_tiers_benchmark_rows(tmp_path, redis_server):
     model = write_tiny_model(tmp_path / "hd32", TinyModelSpec(head_dim=32, seed=3))
     server = redis_server()
     rows = run_tiers_benchmark(model=str(model), restore_tokens=64, read_blocks=8, directory=str(tmp_path),
-                               log=lambda *_: None, remote_tier=server.url)
+                               log=lambda *_: None, remote_tier=server.url, gap_tokens=64, choice_tokens=64)
     assert [r["name"] for r in rows] == ["restore 64 tok from SSD", "SSD tier read", "memory tier hydrate",
-                                         "memory tier 8-bit", "restore 64 tok from remote", "remote tier read"]
+                                         "memory tier 8-bit", "restore 64 tok from remote", "remote tier read",
+                                         "restore-or-recompute TTFT, SSD at 25 MB/s",
+                                         "restore-or-recompute TTFT, SSD at 2 MB/s",
+                                         "stream gap, pool hit", "stream gap, SSD restore"]
+    assert "64 tokens from disk" in rows[-1]["note"] and "128 KiB of KV per token" in rows[-2]["note"]
     for r in rows:
         assert math.isfinite(r["ratio"]) and r["ratio"] > 0
     assert "64 tokens hydrated from disk" in rows[0]["note"]
@@ -139,7 +143,7 @@ def test_the_mac_report_runs_end_to_end_here_on_the_cpu_path(tmp_path):
 
     model = str(write_tiny_model(tmp_path / "hd32", TinyModelSpec(head_dim=32, seed=3)))
     sizes = ReportSizes(kernel_contexts=(64,), kernel_batches=(1, 2), kernel_queries=(1, 4), context=64, decode_tokens=4, rounds=1,
-                        restore_tokens=64, read_blocks=8, model=model)
+                        restore_tokens=64, read_blocks=8, model=model, gap_tokens=64, choice_tokens=64)
     json_path, md_path = run_report(tmp_path / "report", sizes, log=lambda *_: None)
     report = json.loads(json_path.read_text())
     machine = report["machine"]

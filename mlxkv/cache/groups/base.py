@@ -18,6 +18,7 @@ from mlxkv.cache.block_pool import Block, BlockPool
 from mlxkv.cache.groups.tables import SequenceTables
 from mlxkv.cache.hashing import BlockHash, group_hash
 from mlxkv.cache.layer_groups import KVGroup
+from mlxkv.cache.tiers import DISK
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -33,8 +34,12 @@ class Presence:
     def __init__(self, pool: BlockPool, connector=None):
         self.pool = pool
         self.connector = connector
-        self._tier: dict[BlockHash, bool] = {}
+        self._tier: dict[BlockHash, str | bool] = {}  # key -> the tier that holds it, or False
         self.checkpoints: dict[BlockHash, bool] = {}  # checkpoint key -> whether a tier has it
+
+    def tier(self, key: BlockHash) -> str:
+        """The tier a key a lookup found comes from."""
+        return self._tier[key]
 
     @property
     def use_tiers(self) -> bool:
@@ -60,12 +65,21 @@ class Presence:
             n += 1
         if n == len(keys) or self.connector is None or keys[n] in self._tier:
             return n
-        found = self.connector.get_computed_blocks(keys[n:])
-        for key in keys[n : n + found]:
-            self._tier[key] = True
+        names = _tiers_of(self.connector, keys[n:])
+        found = len(names)
+        for key, name in zip(keys[n : n + found], names):
+            self._tier[key] = name
         if n + found < len(keys):
             self._tier[keys[n + found]] = False
         return n + found
+
+
+def _tiers_of(connector, keys: list[BlockHash]) -> list[str]:
+    """The tier of each leading key the connector supplies (a tiered connector says; one tier is itself)."""
+    tiers_of = getattr(connector, "tiers_of", None)
+    if tiers_of is not None:
+        return tiers_of(keys)
+    return [getattr(connector, "tier_name", DISK)] * connector.get_computed_blocks(keys)
 
 
 @dataclass

@@ -8,7 +8,8 @@ each with its own thread rule:
 
 - index.py: what is on disk and in flight, and the tier's one lock;
 - scan.py: the index rebuilt at start, and other processes' new files;
-- reader.py: hydrates, on reader threads, into MLX buffers made here;
+- reader.py: hydrates, on reader threads, into MLX buffers made here,
+  or (`begin_load`) into numpy memory for the engine's loader thread;
 - writer.py: atomic writes and the byte budget, on one writer thread.
 """
 
@@ -34,6 +35,7 @@ from mlxkv.connectors.disk.kv_arrays import file_spec, to_numpy
 from mlxkv.connectors.disk.reader import READ_THREADS, RunReader
 from mlxkv.connectors.disk.scan import DirectoryScanner
 from mlxkv.connectors.disk.writer import RunWriter, WriteJob, write_trouble
+from mlxkv.connectors.staged import StagedLoad
 from mlxkv.connectors.health import DOWN, DROPPING, READ_ONLY, TierHealth
 from mlxkv.errors import MlxkvWarning
 from mlxkv.system.private_files import make_private_dirs
@@ -104,6 +106,8 @@ class DiskKVCacheConnector:
         self.reason: str | None = None
         self._closed = False
         self.tier_health = TierHealth("SSD tier")
+        # Bytes/s a load job's read is slowed to (a slow disk's speed): the bench's and tests' knob only.
+        self.read_throttle: float | None = None
 
         self.index = DiskIndex()
         self._readers = ThreadPoolExecutor(max_workers=READ_THREADS, thread_name_prefix="mlxkv-disk-read")
@@ -209,6 +213,12 @@ class DiskKVCacheConnector:
             return []
         return self.reader.load(block_hashes)
 
+    def begin_load(self, block_hashes: Sequence[BlockHash]) -> StagedLoad:
+        """A load job (cache/connector.py's LoadJob): read on the loader thread, made MLX on the engine thread."""
+        hashes = [] if self.disabled else list(block_hashes)
+        return StagedLoad(self.tier_name, self._mx_dtype, lambda: self.reader.stage(hashes) if hashes else [],
+                          self.read_throttle)
+
     def cache_blocks(self, block_hashes: Sequence[BlockHash], read: ReadKV) -> None:
         """Write-through: queue every block not already on disk or queued, a file per run."""
         wanted = [i for i, h in enumerate(block_hashes) if self._wants(h)]
@@ -221,6 +231,9 @@ class DiskKVCacheConnector:
             per_file = max(1, min(per_file, self.budget_bytes // (BUDGET_SHARE * block_nbytes)))
         for run in _consecutive(wanted, per_file, [kv.group for kv in blocks]):
             self.store_run([block_hashes[i] for i in run], [blocks[i] for i in run])
+
+    def wants_spill(self, block_hash: BlockHash) -> bool:
+        return self._wants(block_hash)
 
     def evict_blocks(self, block_hashes: Sequence[BlockHash], read: ReadKV) -> None:
         """Spill: the blocks leave the pool; keep a copy of those we have none of."""

@@ -38,6 +38,7 @@ from mlxkv.connectors.disk.index import DiskIndex
 from mlxkv.connectors.disk.read_buffer import ReadBuffer, huge_pages_available
 from mlxkv.connectors.disk.run_file import CorruptBlockError, FileSpec
 from mlxkv.connectors.disk.scan import DirectoryScanner
+from mlxkv.connectors.staged import Staged
 
 # Files read and verified at once during a hydrate (reads, copies and
 # checksums drop the GIL): enough to keep most of a 4k-token prefix's files
@@ -102,6 +103,35 @@ class RunReader:
         self.index.count(hydrations=len(loaded))
         return loaded
 
+    def stage(self, block_hashes: Sequence[BlockHash]) -> list[Staged]:
+        """`load` for the loader thread: the leading blocks read into numpy memory and verified; no MLX.
+
+        The engine thread makes them MLX later, a slice a step (connectors/staged.py).
+        """
+        plan = self.plan(block_hashes)
+        if len(plan) > 1 and self.direct_io is False:
+            self.readers.submit(self.io.prefetch, [self.scanner.path(job.name) for job in plan])
+        reads = [self.readers.submit(self._read, job, _ready(_aligned(job.size))) for job in plan]
+        staged: list[Staged] = []
+        for job, read in zip(plan, reads):
+            data, problem = read.result()
+            if data is None:
+                if problem is None:
+                    self.index.forget(job.name)
+                else:
+                    self.discard_corrupt(job.name, problem)
+                break
+            pos, n = self._match(job, data)
+            if n:
+                self.touch(job.name)
+                staged.append(Staged(data.keys, data.values, pos, list(job.block_hashes[:n]), data.group))
+            if n < len(job.block_hashes):
+                break
+        for read in reads:
+            read.cancel()  # files past a bad one are not wanted
+        self.index.count(hydrations=sum(len(s.hashes) for s in staged))
+        return staged
+
     def plan(self, block_hashes: Sequence[BlockHash]) -> list[FileRead]:
         """The file reads that cover the leading indexed blocks, one per stretch of a file."""
         plan: list[FileRead] = []
@@ -164,8 +194,8 @@ class RunReader:
             buffer = self._read_buffers.buffer = ReadBuffer()
         return buffer
 
-    def _take(self, job: FileRead, data: run_file.RunData, buf: mx.array) -> list[LoadedBlock]:
-        """The wanted blocks of a verified file, as views of its run in `buf`.
+    def _match(self, job: FileRead, data: run_file.RunData) -> tuple[int, int]:
+        """(where in the file's run the wanted blocks start, how many of them it holds).
 
         The header, not the index, says where a block is: another process
         may have replaced the file with a longer or shorter run since.
@@ -177,6 +207,11 @@ class RunReader:
             n += 1
         if n == 0 or pos != job.pos:
             self.index.add(job.name, job.size, hashes)  # re-index from the header
+        return pos, n
+
+    def _take(self, job: FileRead, data: run_file.RunData, buf: mx.array) -> list[LoadedBlock]:
+        """The wanted blocks of a verified file, as views of its run in `buf`."""
+        pos, n = self._match(job, data)
         if n == 0:
             return []
         base = np.array(buf, copy=False).ctypes.data
@@ -202,3 +237,18 @@ class RunReader:
             cache_dir.unlink(self.scanner.path(name))
         except OSError:
             pass  # read-only: it stays, and fails again next time
+
+
+def _aligned(size: int) -> np.ndarray:
+    """Numpy memory for a file of `size` bytes, ALIGN-aligned and padded as O_DIRECT wants."""
+    padded = -(-size // run_file.ALIGN) * run_file.ALIGN
+    whole = np.empty(padded + run_file.ALIGN, np.uint8)
+    at = -whole.ctypes.data % run_file.ALIGN
+    return whole[at : at + padded]
+
+
+def _ready(view: np.ndarray) -> Future:
+    """A buffer future already resolved, in the (MLX buffer, numpy view) form `_read` takes."""
+    done = Future()
+    done.set_result((None, view))
+    return done

@@ -26,6 +26,7 @@ from mlxkv.connectors.disk import state_file
 from mlxkv.connectors.disk.kv_arrays import file_spec, to_numpy
 from mlxkv.connectors.disk.run_file import CorruptBlockError
 from mlxkv.connectors.health import TierHealth
+from mlxkv.connectors.staged import Staged, StagedLoad
 from mlxkv.connectors.remote import values as remote_values
 from mlxkv.connectors.remote.keys import DEFAULT_PREFIX, KeySpace
 from mlxkv.connectors.remote.link import DEFAULT_TIMEOUT_S, RemoteLink
@@ -120,6 +121,25 @@ class RemoteKVCacheConnector:
 
     def load_blocks(self, block_hashes: Sequence[BlockHash]) -> list[LoadedBlock]:
         """The leading blocks the server still has, verified; one MGET per MGET_BYTES of values."""
+        runs = self._fetch(block_hashes)
+        if not runs:
+            return []
+        run = remote_values.as_run(runs, self._mx_dtype)
+        self._taken(block_hashes[: len(runs)])
+        return [LoadedBlock(h, run.block(i, data.group), self.tier_name)
+                for i, (h, data) in enumerate(zip(block_hashes, runs))]
+
+    def begin_load(self, block_hashes: Sequence[BlockHash]) -> StagedLoad:
+        """A load job (cache/connector.py's LoadJob): fetched on the loader thread, made MLX on the engine thread."""
+        hashes = list(block_hashes)
+
+        def read() -> list[Staged]:
+            return [Staged(d.keys, d.values, 0, [h], d.group) for h, d in zip(hashes, self._fetch(hashes))]
+
+        return StagedLoad(self.tier_name, self._mx_dtype, read, on_taken=self._taken)
+
+    def _fetch(self, block_hashes: Sequence[BlockHash]) -> list:
+        """The leading values the server still has, verified, as numpy runs: no MLX, any thread."""
         if not block_hashes or not self.link.up:
             return []
         per_call = max(1, MGET_BYTES // max(self.block_nbytes, 1))
@@ -130,13 +150,11 @@ class RemoteKVCacheConnector:
             complete = got is not None and self._decode(part, got, runs)
             if not complete:
                 break
-        if not runs:
-            return []
-        run = remote_values.as_run(runs, self._mx_dtype)
-        self._offered.add(block_hashes[: len(runs)])
-        self._stats.hydrations += len(runs)
-        return [LoadedBlock(h, run.block(i, data.group), self.tier_name)
-                for i, (h, data) in enumerate(zip(block_hashes, runs))]
+        return runs
+
+    def _taken(self, block_hashes: Sequence[BlockHash]) -> None:
+        self._offered.add(block_hashes)
+        self._stats.hydrations += len(block_hashes)
 
     def _decode(self, hashes, got, runs: list) -> bool:
         """Append the verified runs of `got` to `runs`; False at the first missing or bad value."""
@@ -166,6 +184,9 @@ class RemoteKVCacheConnector:
 
     def cache_blocks(self, block_hashes: Sequence[BlockHash], read: ReadKV) -> None:
         self._offer(block_hashes, read, spill=False)
+
+    def wants_spill(self, block_hash: BlockHash) -> bool:
+        return block_hash not in self._offered
 
     def evict_blocks(self, block_hashes: Sequence[BlockHash], read: ReadKV) -> None:
         self._offer(block_hashes, read, spill=True)
