@@ -5,7 +5,7 @@ SERVED (its language model runs over mlxkv's paged pool with images, its
 tiny model in tiny_configs.py and its equality tests in
 tests/vision/test_vision_engine.py) or has a reason it is not. The reasons
 come from reading each module's source (mlx-vlm 0.7.10; docs/vision.md has
-the table). tests/vision/test_family_sweep.py lists mlx-vlm's modules and
+the table). tests/vision/test_vision_family_sweep.py lists mlx-vlm's modules and
 fails on one listed nowhere here: a new mlx-vlm family waits for a decision.
 """
 

@@ -5,6 +5,7 @@ and the probes and ids their clients send."""
 from __future__ import annotations
 
 import logging
+import time
 
 import pytest
 
@@ -88,9 +89,16 @@ def test_probes_ids_and_the_access_log(server, caplog):
     with caplog.at_level(logging.INFO, logger="mlxkv.server.access"):
         openai_client(server).chat.completions.create(model="x", max_tokens=3,
                                                       messages=[{"role": "user", "content": "Log me."}])
-    # The server is the package's: another test's stream may log its end in this window too.
-    lines = [r.getMessage() for r in caplog.records if r.name == "mlxkv.server.access"
-             and r.getMessage().startswith("POST /v1/chat/completions 200 ") and " out=3 " in r.getMessage()]
+        # The server is the package's: another test's stream may log its end in this window too.
+        # The access line is written after the response's last byte: the client can be faster.
+        def access_lines():
+            return [r.getMessage() for r in caplog.records if r.name == "mlxkv.server.access"
+                    and r.getMessage().startswith("POST /v1/chat/completions 200 ") and " out=3 " in r.getMessage()]
+
+        deadline = time.monotonic() + 10
+        while not access_lines() and time.monotonic() < deadline:
+            time.sleep(0.01)
+    lines = access_lines()
     assert lines, [r.getMessage() for r in caplog.records]
     line = lines[-1]
     assert line.startswith("POST /v1/chat/completions 200 prompt=") and " cached=" in line
