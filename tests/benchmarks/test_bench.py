@@ -71,6 +71,7 @@ def _has_direct_io(directory) -> bool:
     return True
 
 
+@pytest.mark.slow  # its gap rows build a model with 128 KiB of KV per token
 def test_tiers_benchmark_rows(tmp_path, redis_server):
     from mlxkv.benchmarks.tiers import run_tiers_benchmark
     from mlxkv.models.tiny import TinyModelSpec, write_tiny_model
