@@ -2,11 +2,8 @@
 
 import hashlib
 import json
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from tests.distributed.ranks import rank_preamble  # noqa: E402
+from ranks import rank_preamble
 
 rank_preamble()
 

@@ -2,12 +2,9 @@
 
 import json
 import os
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from tests.distributed.ranks import rank_preamble  # noqa: E402
+from ranks import rank_preamble
 
 rank_preamble()
 

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed.ranks import run_ranks
+from ranks import run_ranks
 
 HERE = Path(__file__).parent
 pytestmark = pytest.mark.slow
