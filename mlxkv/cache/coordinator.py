@@ -57,6 +57,9 @@ class PrefixHit:
     groups: list[GroupNeeds]  # per attention group
     checkpoint: CheckpointNeed | None
     generation: tuple  # the coordinator's when it was looked up
+    # Blocks the attention groups alone would have hit: past num_blocks, a hybrid's
+    # branch point (the prefix another chain shares, with no checkpoint at its end).
+    branch: int = 0
 
     @property
     def tier_blocks(self) -> int:
@@ -113,17 +116,19 @@ class KVCacheCoordinator:
         hashes = [] if root is None else extend_block_hashes(hashes or [], root, tokens, self.block_size)
         usable = (len(tokens) - 1) // self.block_size if root is not None else 0
         presence = Presence(self.pool, self.connector if use_tiers else None)
-        b = usable
+        b, branch = usable, 0
         while True:
             c = b
             for manager in self._managers:
+                if manager is self.recurrent and self.attention:
+                    branch = max(branch, c)  # the attention groups' hit, before the state's cut
                 c = manager.longest_hit(hashes, c, presence)
             if c == b:
                 break
             b = c
         checkpoint = self.recurrent.needs(hashes, b) if self.recurrent else None
         return PrefixHit(b, hashes, usable, [m.needs(hashes, b) for m in self.attention], checkpoint,
-                         self.generation)
+                         self.generation, branch)
 
     def admission_blocks(self, hit: PrefixHit, num_tokens: int, chunk: int) -> int:
         """Free blocks admitting a prompt of `num_tokens` on `hit` takes while it prefills in chunks of `chunk`."""
