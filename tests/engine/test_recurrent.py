@@ -250,7 +250,6 @@ def test_a_short_chat_survives_a_restart_though_the_ratio_writes_nothing(family,
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["qwen3_next", "lfm2"], indirect=True)
 def test_a_new_chat_on_a_shared_head_resumes_at_the_head_after_a_restart(family, tmp_path):
     """Two chats share a 3-block head, then diverge: the second takes a checkpoint at
     the branch point, and the close writes it (the ratio writes nothing). A restarted
