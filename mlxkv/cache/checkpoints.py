@@ -109,6 +109,11 @@ class CheckpointStore:
             self._stats.hits += 1
         return checkpoint
 
+    def held(self, keys) -> list[Checkpoint]:
+        """Those of these checkpoints still held, in the keys' order (no use counted:
+        a write to a tier is not a hit)."""
+        return [self._held[key] for key in keys if key in self._held]
+
     def put(self, checkpoint: Checkpoint) -> bool:
         """Keep a checkpoint, pushing older ones out past the budget; False if it alone is too big."""
         key = checkpoint.key

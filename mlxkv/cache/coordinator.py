@@ -63,6 +63,9 @@ class PrefixHit:
     checkpoint: CheckpointNeed | None
     generation: tuple  # the coordinator's when it was looked up
     recomputed: int = 0  # tokens a tier held that are cheaper to compute (restore_cost.py)
+    # Blocks the attention groups alone would have hit: past num_blocks, a hybrid's
+    # branch point (the prefix another chain shares, with no checkpoint at its end).
+    branch: int = 0
 
     @property
     def tier_blocks(self) -> int:
@@ -129,18 +132,19 @@ class KVCacheCoordinator:
         hashes = [] if root is None else extend_block_hashes(hashes or [], root, tokens, self.block_size)
         usable = (len(tokens) - 1) // self.block_size if root is not None else 0
         presence = Presence(self.pool, self.connector if use_tiers else None)
-        b = _longest(self._managers, hashes, usable, presence)
+        hybrid = self.recurrent if self.attention else None
+        b, branch = _longest(self._managers, hashes, usable, presence, hybrid)
         needs = [m.needs(hashes, b) for m in self.attention]
         # Restore or recompute: a hit ends before the first tier block cheaper to compute than to read.
         cut = min((i for g in needs for i, key in g.tiers if not self.costs.restores(presence.tier(key))),
                   default=None)
         found = b
         if cut is not None:
-            b = _longest(self._managers, hashes, cut, presence)
+            b, _ = _longest(self._managers, hashes, cut, presence, hybrid)
             needs = [m.needs(hashes, b) for m in self.attention]
         checkpoint = self.recurrent.needs(hashes, b) if self.recurrent else None
         return PrefixHit(b, hashes, usable, needs, checkpoint, self.generation,
-                         recomputed=(found - b) * self.block_size)
+                         recomputed=(found - b) * self.block_size, branch=branch)
 
     def admission_blocks(self, hit: PrefixHit, num_tokens: int, chunk: int) -> int:
         """Free blocks admitting a prompt of `num_tokens` on `hit` takes while it prefills in chunks of `chunk`."""
@@ -281,15 +285,19 @@ class KVCacheCoordinator:
         return [block for m in self.attention for block in m.tables.held(seq.request_id)]
 
 
-def _longest(managers, hashes: list[BlockHash], limit: int, presence: Presence) -> int:
-    """The fixed point of every manager's longest hit, from `limit` down."""
-    b = limit
+def _longest(managers, hashes: list[BlockHash], limit: int, presence: Presence,
+             recurrent=None) -> tuple[int, int]:
+    """The fixed point of every manager's longest hit, from `limit` down; and the blocks the
+    attention groups reached before `recurrent`'s cut (a hybrid's branch point; 0 without one)."""
+    b, branch = limit, 0
     while True:
         c = b
         for manager in managers:
+            if manager is recurrent:
+                branch = max(branch, c)  # the attention groups' hit, before the state's cut
             c = manager.longest_hit(hashes, c, presence)
         if c == b:
-            return b
+            return b, branch
         b = c
 
 

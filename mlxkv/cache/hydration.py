@@ -50,7 +50,8 @@ class Hydration:
         for manager, blocks in zip(self.attention, held):
             manager.start(request_id, hit.num_blocks, blocks)
         if self.recurrent is not None:
-            self.recurrent.start(request_id, loaded[0] if loaded else None, seq.num_computed)
+            self.recurrent.start(request_id, loaded[0] if loaded else None, seq.num_computed,
+                                 hit.branch * self.block_size)
         state_tier = loaded[1] if loaded else POOL
         for source in sources:
             source = max(source, state_tier, key=TIERS.index)  # as slow as the checkpoint, too

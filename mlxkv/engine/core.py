@@ -169,9 +169,9 @@ class EngineCore:
     def idle(self, seconds: float) -> None:
         """Use a pause: whoever drives the core says how long it has had no request.
 
-        After `idle_checkpoint_s` a hybrid's newest checkpoints go to the SSD
-        tier; after `idle_shrink_s` the pool gives memory back, once per
-        busy spell (cache/block_pool.py's shrink).
+        After `idle_checkpoint_s` a hybrid's newest checkpoints, and those at
+        its branch points, go to the SSD tier; after `idle_shrink_s` the pool
+        gives memory back, once per busy spell (cache/block_pool.py's shrink).
         """
         if self.has_work:
             return
@@ -187,8 +187,8 @@ class EngineCore:
             log.info("idle: the KV pool gave back %.1f MiB", (before - self.kv_pool.nbytes) / 2**20)
 
     def close(self) -> None:
-        """Leave what a restart needs on the SSD tier (a hybrid's newest checkpoints), then
-        finish the connector's pending work (its writes)."""
+        """Leave what a restart needs on the SSD tier (a hybrid's newest checkpoints and
+        those at its branch points), then finish the connector's pending work (its writes)."""
         self._write_pending_checkpoints()
         self.coordinator.writes.drain()
         self.coordinator.loads.close()
@@ -198,7 +198,8 @@ class EngineCore:
 
 
     def _write_pending_checkpoints(self) -> None:
-        """A hybrid's newest checkpoint of each chain not on disk yet goes there (close, idle)."""
+        """A hybrid's newest checkpoint of each chain, and each branch point's, not on disk
+        yet go there (close, idle, and so a model's unload)."""
         if self.coordinator.recurrent is not None:
             self.coordinator.recurrent.write_pending()
 

@@ -206,8 +206,12 @@ def test_short_turns_write_a_checkpoint_only_once_the_kv_since_the_last_outweigh
         written.append(len(checkpoint_files(disk)))
     assert written == [0, 0, 1, 1, 1, 2, 2]
     follow = chat + prompt_of(5, salt=99)
-    # As after a crash (no close): the last one written (turn 5's), not turn 6's.
-    crashed = run_in_new_process(path, disk, follow, write_ratio=ratio)
+    # As after a crash (no close): the last one written (turn 5's), not turn 6's. On a
+    # copy: that process's own close writes its branch point (turn 6's end, which the
+    # chat and `follow` share), and the close below is to be seen writing it here.
+    crash = tmp_path / "crash"
+    shutil.copytree(disk, crash)
+    crashed = run_in_new_process(path, crash, follow, write_ratio=ratio)
     assert crashed["cached"]["disk"] == 6 * 32
     assert crashed["tokens"] == reference(follow, 16)
     before = len(checkpoint_files(disk))
@@ -243,3 +247,20 @@ def test_a_short_chat_survives_a_restart_though_the_ratio_writes_nothing(family,
     assert restarted["cached"]["disk"] == (len(chat) - 1) // BLOCK * BLOCK  # the whole chat, to its last full block
     assert restarted["tokens"] == reference(follow, 16)
     engine.close()
+
+
+@pytest.mark.slow
+def test_a_new_chat_on_a_shared_head_resumes_at_the_head_after_a_restart(family, tmp_path):
+    """Two chats share a 3-block head, then diverge: the second takes a checkpoint at
+    the branch point, and the close writes it (the ratio writes nothing). A restarted
+    engine's third chat on the same head resumes at the head's end, equal to a cold run."""
+    _, loaded, reference = family
+    disk, head = str(tmp_path / "kv"), prompt_of(3 * BLOCK, salt=21)
+    with engine_for(loaded, disk_tier=disk, checkpoint_interval=2048, checkpoint_write_ratio=1e9) as engine:
+        for salt in (22, 23):
+            engine.generate(head + prompt_of(20, salt=salt), max_tokens=4)
+    third = head + prompt_of(20, salt=24)
+    with engine_for(loaded, disk_tier=disk) as engine:  # a restart
+        result = engine.generate(third, max_tokens=8)
+    assert result.stats.cached_tokens["disk"] == len(head)
+    assert result.tokens == reference(third, 8)

@@ -9,6 +9,9 @@ resumes:
 
 - every `interval` tokens of a long prefill (the scheduler ends chunks
   there, `prefill_stop`), and at the prompt's last full block;
+- at a *branch point*: the end of the prefix the attention groups hit when
+  no checkpoint is there (another chain shares it, then went its own way:
+  two chats on one system-and-tools head);
 - at the last full block a sequence has computed when it leaves (a
   reply's end, or a preemption).
 
@@ -23,6 +26,9 @@ under 1/write_ratio of the KV bytes. The newest leaving checkpoint of each
 chain that was not written is kept aside and written on a clean close or
 when the engine goes idle (`write_pending`), so a restarted short chat
 resumes at its last turn; a crash loses at most what the ratio allows.
+So are the branch points' checkpoints the store still holds (one it let
+go of went down the tiers as a spill), so a new chat on a shared head
+after a restart resumes at the head's end.
 A model of state slots alone (Mamba, RWKV-7) has no KV to weigh a
 checkpoint against: one is written through once `write_ratio` checkpoint
 intervals of tokens have passed since the anchor, so a crash recomputes
@@ -51,6 +57,9 @@ log = logging.getLogger(__name__)
 # checkpoint at, and the one before it (a pipelined step may pass the last
 # boundary with a token the request then drops).
 SNAPSHOTS_KEPT = 2
+# Branch points awaiting an idle spell or the close, at most; the oldest are
+# forgotten first (a busy server that never idles: a miss after a restart, never a wrong hit).
+BRANCHES_KEPT = 1024
 
 
 @dataclass
@@ -69,6 +78,7 @@ class _Running:
     anchor: int = 0  # boundary of its chain's newest checkpoint on disk
     resumed_from: BlockHash | None = None  # key of the checkpoint it started on
     last: Checkpoint | None = None  # the newest checkpoint it registered
+    branch: int = 0  # boundary of its prefill's branch point (0: none)
 
 
 class RecurrentManager:
@@ -84,6 +94,7 @@ class RecurrentManager:
         self.index = CheckpointIndex()
         self._running: dict[int, _Running] = {}
         self._unwritten: dict[BlockHash, Checkpoint] = {}  # newest leaving checkpoint per chain, not on disk
+        self._branches: dict[BlockHash, None] = {}  # keys of branch-point checkpoints not on disk, oldest first
 
     @property
     def generation(self) -> tuple[int, int]:
@@ -139,14 +150,16 @@ class RecurrentManager:
 
     # -- running ---------------------------------------------------------------
 
-    def start(self, request_id: int, checkpoint: Checkpoint | None, num_tokens: int) -> None:
-        """A sequence admitted at `num_tokens` tokens, on this checkpoint (None: from scratch)."""
+    def start(self, request_id: int, checkpoint: Checkpoint | None, num_tokens: int, branch: int = 0) -> None:
+        """A sequence admitted at `num_tokens` tokens, on this checkpoint (None: from scratch);
+        `branch`: where the attention groups' hit ended (tokens), a checkpoint to take if past it."""
+        branch = branch if branch > num_tokens else 0
         if checkpoint is None:
-            self._running[request_id] = _Running(checkpointed=num_tokens)
+            self._running[request_id] = _Running(checkpointed=num_tokens, branch=branch)
             return
         self._running[request_id] = _Running(checkpoint.states, checkpointed=num_tokens,
                                              anchor=self.store.anchor(checkpoint.key),
-                                             resumed_from=checkpoint.key)
+                                             resumed_from=checkpoint.key, branch=branch)
 
     def batch_states(self, request_ids: list[int]) -> list[list[mx.array | None]]:
         """Per slot, per state array: the rows' states stacked along the batch."""
@@ -180,7 +193,9 @@ class RecurrentManager:
         """Where the prefill chunk now starting must end so a checkpoint can be taken there."""
         at = seq.num_computed
         last_full = len(seq.prompt) // self.block_size * self.block_size
-        stops = [(at // self.interval + 1) * self.interval] + ([last_full] if last_full > at else [])
+        run = self._running.get(seq.request_id)
+        branch = run.branch if run is not None else 0
+        stops = [(at // self.interval + 1) * self.interval] + [b for b in (last_full, branch) if b > at]
         return min(stops)
 
     def register(self, seq: Sequence, upto: int, every: bool) -> None:
@@ -190,7 +205,7 @@ class RecurrentManager:
         ready = sorted(b for b in run.snapshots if run.checkpointed < b <= upto)
         if every:  # a chunk may end elsewhere: only where the policy says
             last_full = len(seq.prompt) // self.block_size * self.block_size
-            ready = [b for b in ready if b % self.interval == 0 or b == last_full]
+            ready = [b for b in ready if b % self.interval == 0 or b in (last_full, run.branch)]
         for boundary in ready if every else ready[-1:]:
             ref = CheckpointRef(seq.block_hashes[boundary // self.block_size - 1], boundary)
             checkpoint = Checkpoint(ref, run.snapshots[boundary])
@@ -198,9 +213,16 @@ class RecurrentManager:
                 self.index.add(ref)
                 self.store.set_anchor(checkpoint.key, run.anchor)
                 run.last = checkpoint
+                if boundary == run.branch:
+                    self._remember_branch(checkpoint.key)
             run.checkpointed = boundary
         for boundary in [b for b in run.snapshots if b <= run.checkpointed]:
             del run.snapshots[boundary]
+
+    def _remember_branch(self, key: BlockHash) -> None:
+        self._branches[key] = None
+        while len(self._branches) > BRANCHES_KEPT:
+            del self._branches[next(iter(self._branches))]
 
     def leave(self, seq: Sequence) -> None:
         """The sequence leaves: its newest checkpoint goes through the SSD write policy."""
@@ -232,13 +254,15 @@ class RecurrentManager:
         return True
 
     def write_pending(self) -> int:
-        """Write the newest unwritten checkpoint of each chain (a clean close, or idle); how many."""
+        """Write the newest unwritten checkpoint of each chain and each branch point's
+        (a clean close, or idle); how many."""
         pending, self._unwritten = list(self._unwritten.values()), {}
-        return sum(self._write(checkpoint) for checkpoint in pending)
+        branches, self._branches = self.store.held(self._branches), {}
+        return sum(self._write(checkpoint) for checkpoint in pending + branches)
 
     @property
     def pending(self) -> int:
-        return len(self._unwritten)
+        return len(self._unwritten) + len(self._branches)
 
 
 def _array(row: States | None, slot: int, i: int) -> mx.array | None:

@@ -71,9 +71,13 @@ def run_prefill(m, seq, stops):
     """What the engine does: forwards ending at `stops`, registering after each."""
     m.start(seq.request_id, None, 0)
     for stop in stops:
-        seq.num_computed = stop
-        m.record([seq], [((mx.full((1, 2), float(stop)), None), (mx.full((1, 3), float(stop)),))])
-        m.register(seq, min(seq.num_computed, len(seq.prompt)), every=True)
+        forward(m, seq, stop)
+
+
+def forward(m, seq, stop):
+    seq.num_computed = stop
+    m.record([seq], [((mx.full((1, 2), float(stop)), None), (mx.full((1, 3), float(stop)),))])
+    m.register(seq, min(seq.num_computed, len(seq.prompt)), every=True)
 
 
 def test_a_prefill_leaves_checkpoints_at_the_interval_and_the_prompts_last_full_block():
@@ -83,6 +87,23 @@ def test_a_prefill_leaves_checkpoints_at_the_interval_and_the_prompts_last_full_
     run_prefill(m, seq, [4, 8, 12, 16, 20, 22])
     held = sorted(ref.boundary for ref in m.index.candidates(seq.block_hashes, 5, BLOCK))
     assert held == [8, 16, 20] and len(m.store) == 3
+
+
+def test_a_branch_point_is_a_prefill_stop_and_its_checkpoint_is_written_when_pending_ones_are():
+    tiers = FakeTiers()
+    m = manager(tiers, interval=64, ratio=1e9)  # the ratio writes nothing through
+    seq = seq_of(0, tokens(23))  # another chain's blocks ended at 12: the branch point
+    m.start(0, None, 0, 12)
+    assert m.prefill_stop(seq) == 12
+    for stop in (12, 20, 22):
+        forward(m, seq, stop)
+    held = sorted(ref.boundary for ref in m.index.candidates(seq.block_hashes, 5, BLOCK))
+    assert held == [12, 20]
+    m.leave(seq)
+    assert tiers.written == 0 and m.pending == 2
+    assert m.write_pending() == 2  # the chain's newest (20) and the branch point's (12)
+    assert set(tiers.held) == {CheckpointRef(seq.block_hashes[i], 4 * (i + 1)).key for i in (2, 4)}
+    assert m.write_pending() == 0 and m.pending == 0
 
 
 def test_a_hit_is_the_largest_checkpoint_of_this_chain_and_costs_no_probe_per_boundary():
