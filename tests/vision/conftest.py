@@ -25,93 +25,26 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-@pytest.fixture(scope="session")
-def qwen2_vl_dir(tmp_path_factory):
-    from mlxkv.vision.tiny_vlm import write_tiny_vlm
-
-    return write_tiny_vlm(tmp_path_factory.mktemp("models") / "qwen2_vl")
+# Each family's tiny model, written once per session as the fixture `<family>_dir`.
+VLM_SEEDS = {"qwen2_vl": 0, "qwen2_5_vl": 0, "gemma3": 1, "smolvlm": 0, "idefics3": 2, "qwen3_vl": 3,
+             "mistral3": 5, "pixtral": 6, "qwen3_vl_moe": 7, "glm4v": 8, "glm4v_moe": 9, "idefics2": 10}
 
 
-@pytest.fixture(scope="session")
-def qwen2_5_vl_dir(tmp_path_factory):
-    from mlxkv.vision.tiny_vlm import write_tiny_vlm
+def _vlm_dir_fixture(family: str, seed: int):
+    @pytest.fixture(scope="session")
+    def vlm_dir(tmp_path_factory):
+        from mlxkv.vision.tiny_vlm import write_tiny_vlm
 
-    return write_tiny_vlm(tmp_path_factory.mktemp("models") / "qwen2_5_vl", "qwen2_5_vl")
+        return write_tiny_vlm(tmp_path_factory.mktemp("models") / family, family, seed=seed)
+
+    return vlm_dir
 
 
-@pytest.fixture(scope="session")
-def gemma3_dir(tmp_path_factory):
-    from mlxkv.vision.tiny_vlm import write_tiny_vlm
-
-    return write_tiny_vlm(tmp_path_factory.mktemp("models") / "gemma3", "gemma3", seed=1)
+for _family, _seed in VLM_SEEDS.items():
+    globals()[f"{_family}_dir"] = _vlm_dir_fixture(_family, _seed)
 
 
 @pytest.fixture(scope="session")
 def qwen2_vl(qwen2_vl_dir):
     """(model, processor) as mlx-vlm loads them."""
     return compat.load(str(qwen2_vl_dir))
-
-
-
-@pytest.fixture(scope="session")
-def smolvlm_dir(tmp_path_factory):
-    from mlxkv.vision.tiny_vlm import write_tiny_vlm
-
-    return write_tiny_vlm(tmp_path_factory.mktemp("models") / "smolvlm", "smolvlm")
-
-
-@pytest.fixture(scope="session")
-def idefics3_dir(tmp_path_factory):
-    from mlxkv.vision.tiny_vlm import write_tiny_vlm
-
-    return write_tiny_vlm(tmp_path_factory.mktemp("models") / "idefics3", "idefics3", seed=2)
-
-
-@pytest.fixture(scope="session")
-def qwen3_vl_dir(tmp_path_factory):
-    from mlxkv.vision.tiny_vlm import write_tiny_vlm
-
-    return write_tiny_vlm(tmp_path_factory.mktemp("models") / "qwen3_vl", "qwen3_vl", seed=3)
-
-
-
-@pytest.fixture(scope="session")
-def mistral3_dir(tmp_path_factory):
-    from mlxkv.vision.tiny_vlm import write_tiny_vlm
-
-    return write_tiny_vlm(tmp_path_factory.mktemp("models") / "mistral3", "mistral3", seed=5)
-
-
-@pytest.fixture(scope="session")
-def pixtral_dir(tmp_path_factory):
-    from mlxkv.vision.tiny_vlm import write_tiny_vlm
-
-    return write_tiny_vlm(tmp_path_factory.mktemp("models") / "pixtral", "pixtral", seed=6)
-
-
-@pytest.fixture(scope="session")
-def qwen3_vl_moe_dir(tmp_path_factory):
-    from mlxkv.vision.tiny_vlm import write_tiny_vlm
-
-    return write_tiny_vlm(tmp_path_factory.mktemp("models") / "qwen3_vl_moe", "qwen3_vl_moe", seed=7)
-
-
-@pytest.fixture(scope="session")
-def glm4v_dir(tmp_path_factory):
-    from mlxkv.vision.tiny_vlm import write_tiny_vlm
-
-    return write_tiny_vlm(tmp_path_factory.mktemp("models") / "glm4v", "glm4v", seed=8)
-
-
-@pytest.fixture(scope="session")
-def glm4v_moe_dir(tmp_path_factory):
-    from mlxkv.vision.tiny_vlm import write_tiny_vlm
-
-    return write_tiny_vlm(tmp_path_factory.mktemp("models") / "glm4v_moe", "glm4v_moe", seed=9)
-
-
-@pytest.fixture(scope="session")
-def idefics2_dir(tmp_path_factory):
-    from mlxkv.vision.tiny_vlm import write_tiny_vlm
-
-    return write_tiny_vlm(tmp_path_factory.mktemp("models") / "idefics2", "idefics2", seed=10)

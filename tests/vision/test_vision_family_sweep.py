@@ -7,7 +7,6 @@ tiny_configs.py, a param of tests/vision/test_vision_engine.py) or give the reas
 import json
 import logging
 import pkgutil
-from pathlib import Path
 
 import pytest
 
@@ -32,11 +31,12 @@ def test_every_mlx_vlm_family_is_served_or_has_a_reason():
     assert all(reason.strip() for reason in families.NOT_SERVED.values())
 
 
-def test_each_served_family_has_its_tiny_model_and_its_engine_tests():
-    """test_vision_engine.py's engine fixture is parametrized by SERVED; each needs its model's fixture."""
-    fixtures = (Path(__file__).parent / "conftest.py").read_text()
+def test_each_served_family_has_its_tiny_model_and_its_engine_tests(request):
+    """test_vision_engine.py's engine fixture is parametrized by SERVED; each needs its model's fixture
+    (conftest.py's VLM_SEEDS makes one per family)."""
     assert tuple(tiny_vlm.VISION_FAMILIES) == tuple(loading.VISION_FAMILIES) == tuple(families.SERVED)
-    assert [f for f in families.SERVED if f"def {f}_dir(" not in fixtures] == []
+    defined = request.session._fixturemanager.getfixturedefs
+    assert [f for f in families.SERVED if not defined(f"{f}_dir", request.node)] == []
 
 
 def _checkpoint(tmp_path, family: str):
