@@ -1,10 +1,11 @@
 """The step's token masks: computed for every constrained row at once, applied to the logits.
 
 Called by the engine's run (engine/run.py) only when some row of the step
-has a grammar: a batch without one pays nothing. The forward is started
-(`async_eval`) before the masks are computed, so llguidance works on the
-CPU while the model runs; reading a row's in-flight token waits only for
-the previous step. llguidance fills a bitmask (a bit per token, 32 to an
+has a grammar: a batch without one pays nothing. A decode step's masks are
+computed on the compiler's worker thread while the engine thread starts the
+forward (`async_eval`), so llguidance works while the model runs, on either
+back-end (on the CPU `async_eval` itself runs most of the step before it
+returns); reading a row's in-flight token waits only for the previous step. llguidance fills a bitmask (a bit per token, 32 to an
 int32) for all rows in one call; its MLX kernel is Metal-only, so the mask
 is applied here with plain MLX ops (unpack the bits, `where`), which run
 on every back-end.
