@@ -1,7 +1,8 @@
 """`kv_quality`'s scores against mlx-lm on a tiny model: the full-precision pool scores what
 mlx-lm does (its perplexity, and agreement 1.0 with its greedy replies), and a pool that
-corrupts one layer scores below that. Scoring the wrong targets, or an agreement that is
-not computed, fails here."""
+corrupts one layer agrees below 1.0 and scores another perplexity (a random model's has no
+better side: the corrupt pool's came out lower). Scoring the wrong targets, or an agreement
+that is not computed, fails here."""
 
 from __future__ import annotations
 
