@@ -85,30 +85,28 @@ class AttentionChoice:
 
 def choose_attention(mode: str | None, dtype, head_dim: int, v_head_dim: int, block_size: int,
                      n_heads: int, n_kv_heads: int, run=None, timer=None, metal: bool | None = None,
-                     kv_bits: int | None = None, kv_group_size: int | None = None,
-                     store: gate_store.GateStore | None = None) -> AttentionChoice:
+                     kv: KVFormat = FULL, store: gate_store.GateStore | None = None) -> AttentionChoice:
     """The configured path, with the kernels checked first (self_check.py): a shape they do not
     serve, or a failed check, decodes on the reference path; the failure is one warning line.
     Under `auto` the speed gate then times them on this shape (speed_gate.py; `timer`), or
     reuses what it stored for it (gate_store.py; `store`, default the cache directory's).
-    kv_bits/kv_group_size: the pool's quantization (None: full precision)."""
+    `kv`: the pool's format."""
     path = resolve_attention(mode, metal)
     if path == "reference":
         return AttentionChoice("reference")
     group = n_heads // max(n_kv_heads, 1)
-    fmt = (kv_bits, kv_group_size) if kv_bits else ()
+    fmt = (kv.bits, kv.group_size) if kv.quantized else ()
     if n_heads % max(n_kv_heads, 1) or not kernels.supports(dtype, head_dim, v_head_dim, block_size, group, 1, *fmt):
-        name = self_check.describe(dtype, head_dim, block_size, group, *fmt)
+        name = self_check.describe(dtype, head_dim, block_size, group, kv)
         return AttentionChoice("reference", KernelCheck(name, False, "no kernel serves this shape"))
-    check = self_check.check_kernels(dtype, head_dim, block_size, n_heads, n_kv_heads, run, *fmt)
+    check = self_check.check_kernels(dtype, head_dim, block_size, n_heads, n_kv_heads, run, kv)
     if not check.ok:
         warnings.warn(f"the Metal attention kernels failed their check ({check.instantiation}: {check.reason}); "
                       "decoding on the reference path", KernelCheckWarning, stacklevel=2)
         return AttentionChoice("reference", check)
     if requested_attention(mode) != "auto":
         return AttentionChoice("kernel", check)  # asked for: every decode
-    shape = AttentionShape(dtype, head_dim, block_size, n_heads, n_kv_heads,
-                           KVFormat(kv_bits, kv_group_size) if kv_bits else FULL)
+    shape = AttentionShape(dtype, head_dim, block_size, n_heads, n_kv_heads, kv)
     try:
         gate = gate_store.stored_or_measured(shape, run=run, timer=timer, store=store)
     except Exception as e:  # a GPU fault while timing: as a failed check

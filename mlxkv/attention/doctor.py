@@ -49,8 +49,7 @@ def attention_report(run=None, timer=None, metal: bool | None = None, kv: KVForm
         return {"path": "reference", "check": None, "gate": None, "why": why}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the report says it
-        choice = choose_attention(None, run=run, timer=timer, metal=metal, kv_bits=kv.bits,
-                                  kv_group_size=kv.group_size if kv.quantized else None, **SHAPE)
+        choice = choose_attention(None, run=run, timer=timer, metal=metal, kv=kv, **SHAPE)
     return {**choice.as_dict(), "why": _why(choice)}
 
 

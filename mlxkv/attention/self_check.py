@@ -36,6 +36,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlxkv.attention import kernels, oracle
+from mlxkv.cache.kv_format import FULL, KVFormat
 
 log = logging.getLogger(__name__)
 
@@ -72,9 +73,8 @@ class KernelCheck:
         return asdict(self)
 
 
-def describe(dtype, head_dim: int, block_size: int, group: int, kv_bits: int | None = None,
-             kv_group_size: int | None = None) -> str:
-    pool = f", {kv_bits}-bit pool in groups of {kv_group_size}" if kv_bits else ""
+def describe(dtype, head_dim: int, block_size: int, group: int, kv: KVFormat = FULL) -> str:
+    pool = f", {kv.bits}-bit pool in groups of {kv.group_size}" if kv.quantized else ""
     return f"{str(dtype).removeprefix('mlx.core.')}, head dim {head_dim}, block {block_size}, group {group}{pool}"
 
 
@@ -88,12 +88,12 @@ def query_counts(group: int) -> list[int]:
 
 
 def check_kernels(dtype, head_dim: int, block_size: int, n_heads: int, n_kv_heads: int, run=None,
-                  kv_bits: int | None = None, kv_group_size: int | None = None) -> KernelCheck:
+                  kv: KVFormat = FULL) -> KernelCheck:
     """Run the kernels of this shape (and pool format) on every path against the float64 oracle."""
     group = n_heads // n_kv_heads
-    name = describe(dtype, head_dim, block_size, kernels.group_size_for(group) or group, kv_bits, kv_group_size)
+    name = describe(dtype, head_dim, block_size, kernels.group_size_for(group) or group, kv)
     try:
-        case = _case(dtype, head_dim, block_size, n_heads, n_kv_heads, kv_bits, kv_group_size)
+        case = _case(dtype, head_dim, block_size, n_heads, n_kv_heads, kv)
         for n_queries in query_counts(group):
             for what, partition, rule in _CALLS:
                 problem = _check_call(case, n_queries, partition, rule, dtype, run)
@@ -145,8 +145,7 @@ def tolerance(want: np.ndarray, slack: np.ndarray, dtype) -> np.ndarray:
     return 2 * UNIT_ROUNDOFF[dtype] * np.abs(want) + _FP32 * slack[..., None]
 
 
-def _case(dtype, head_dim: int, block_size: int, n_heads: int, n_kv_heads: int, kv_bits: int | None = None,
-          kv_group_size: int | None = None) -> dict:
+def _case(dtype, head_dim: int, block_size: int, n_heads: int, n_kv_heads: int, kv: KVFormat = FULL) -> dict:
     """Rows over shuffled blocks, random queries, K, V and sinks, from numpy (no GPU work but
     a quantized pool's `mx.quantize`)."""
     rng = np.random.default_rng(1)
@@ -164,7 +163,7 @@ def _case(dtype, head_dim: int, block_size: int, n_heads: int, n_kv_heads: int, 
 
     def pool():
         pages = normal(n_blocks, n_kv_heads, block_size, head_dim)
-        return tuple(mx.quantize(pages, group_size=kv_group_size, bits=kv_bits)) if kv_bits else pages
+        return kv.quantize(pages) if kv.quantized else pages
 
     return {
         "queries": normal(len(_CONTEXT), n_heads, kernels.MAX_QUERIES, head_dim),

@@ -224,8 +224,7 @@ def build_core(loaded: LoadedModel, config: EngineConfig, *, prefill_chunk: int 
         checkpoint_interval=checkpoints.interval, checkpoint_write_ratio=checkpoints.write_ratio)
     attention = choose_attention(config.attention.path, layout.dtype, layout.head_dim, layout.v_head_dim,
                                  layout.block_size, loaded.config.get("num_attention_heads", layout.n_kv_heads),
-                                 layout.n_kv_heads, kv_bits=kv.bits,
-                                 kv_group_size=kv.group_size if kv.quantized else None)
+                                 layout.n_kv_heads, kv=kv)
     runner = ModelRunner(loaded.model, kv_pool, coordinator, attention)
     speculation, draft = _speculation(config, loaded, coordinator, budget)
     model_bytes = sum(v.nbytes for _, v in tree_flatten(loaded.model.parameters()))

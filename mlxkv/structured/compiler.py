@@ -17,6 +17,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from mlxkv.errors import MlxkvError
@@ -74,6 +75,7 @@ class GrammarCompiler:
         self.stats = CompileStats()
         self._ll_tokenizer = None
         self._executor = None
+        self._worker = None
         self._cache: OrderedDict[Grammar, object] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -95,6 +97,14 @@ class GrammarCompiler:
 
             self._executor = llguidance.LLExecutor()
         return self._executor
+
+    @property
+    def worker(self) -> ThreadPoolExecutor:
+        """One thread where a decode step's masks are computed while the engine thread starts
+        the forward (masks.py); idle between steps, it ends with the process."""
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(1, thread_name_prefix="mlxkv-masks")
+        return self._worker
 
     def matcher(self, grammar: Grammar) -> RowMatcher:
         """A fresh matcher for one row (MlxkvError if the grammar does not compile)."""

@@ -1,10 +1,11 @@
 """The step's token masks: computed for every constrained row at once, applied to the logits.
 
 Called by the engine's run (engine/run.py) only when some row of the step
-has a grammar: a batch without one pays nothing. The forward is started
-(`async_eval`) before the masks are computed, so llguidance works on the
-CPU while the model runs; reading a row's in-flight token waits only for
-the previous step. llguidance fills a bitmask (a bit per token, 32 to an
+has a grammar: a batch without one pays nothing. A decode step's masks are
+computed on the compiler's worker thread while the engine thread starts the
+forward (`async_eval`), so llguidance works while the model runs, on either
+back-end (on the CPU `async_eval` itself runs most of the step before it
+returns); reading a row's in-flight token waits only for the previous step. llguidance fills a bitmask (a bit per token, 32 to an
 int32) for all rows in one call; its MLX kernel is Metal-only, so the mask
 is applied here with plain MLX ops (unpack the bits, `where`), which run
 on every back-end.
@@ -34,18 +35,34 @@ def mask_decode(requests, inputs: mx.array | None, logits: mx.array) -> mx.array
     `inputs [B, 1]` are the rows' last tokens (lazy while the previous step is in flight):
     a row whose newest token is not in its output yet consumes it from there."""
     rows = [(i, r) for i, r in enumerate(requests) if r.grammar is not None]
+    compiler = rows[0][1].grammar.compiler
+    pending = any(r.issued > r.num_output for _, r in rows) and inputs is not None
+    last = inputs[:, 0] if pending else None
+    if last is not None:
+        mx.async_eval(last)  # scheduled here, so the worker only waits for it
+    # The masks on the compiler's worker while this thread starts the forward: on the CPU
+    # back-end `async_eval` returns only when most of the step has run, and a mask computed
+    # after it left the cores idle for its time, every step of a lone constrained stream.
+    masks = compiler.worker.submit(_decode_masks, rows, len(requests), last)
     mx.async_eval(logits)
-    pending = [r for _, r in rows if r.issued > r.num_output]
-    last = inputs[:, 0].tolist() if pending and inputs is not None else None  # waits for the previous step
+    bitmask, start = masks.result()
+    masked = apply_bitmask(logits, bitmask)
+    _record(compiler, rows, bitmask, start, 1)
+    return masked
+
+
+def _decode_masks(rows, batch: int, last: mx.array | None) -> tuple[np.ndarray, float]:
+    """The rows' bitmask, each matcher first caught up with its reply and its in-flight token
+    (`last [B]`, scheduled: reading it waits for the previous step); and when the masks'
+    own time began. No MLX work but that read: it runs on the compiler's worker thread."""
+    last = last.tolist() if last is not None else None
     start = time.perf_counter()  # the masks' own time, from here
     for i, r in rows:
         r.grammar.catch_up(r, [last[i]] if last is not None and r.issued > r.num_output else [])
     compiler = rows[0][1].grammar.compiler
-    bitmask = np.full((len(requests), _words(compiler.vocab_size)), -1, dtype=np.int32)
+    bitmask = np.full((batch, _words(compiler.vocab_size)), -1, dtype=np.int32)
     _fill(compiler, [(r.grammar, i, None) for i, r in rows], bitmask)
-    masked = apply_bitmask(logits, bitmask)
-    _record(compiler, rows, bitmask, start, 1)
-    return masked
+    return bitmask, start
 
 
 def mask_verify(requests, proposals: dict, logits: mx.array) -> mx.array:

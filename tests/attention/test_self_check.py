@@ -18,6 +18,7 @@ from mlxkv.attention import kernels, oracle, self_check
 from mlxkv.attention.dispatch import ATTENTION_ENV, KernelCheckWarning, choose_attention
 from mlxkv.config import CacheConfig
 from mlxkv.engine.engine import Engine
+from mlxkv.kv_format import KVFormat
 from mlxkv.models.loader import load_model
 from mlxkv.models.tiny import TinyModelSpec, write_tiny_model
 from msl.harness import SKIP_REASON, clang_available, shared_harness
@@ -160,7 +161,7 @@ def faulting(launch):
 ], ids=["float32-d64", "float16-d128", "bfloat16-d64", "q4-float16-d64", "q8-bfloat16-d128"])
 @pytest.mark.slow
 def test_the_real_kernels_pass_their_check(dtype, head_dim, block_size, heads, pool, checked_once):
-    check = self_check.check_kernels(dtype, head_dim, block_size, *heads, harness_run(), *pool)
+    check = self_check.check_kernels(dtype, head_dim, block_size, *heads, harness_run(), KVFormat(*pool))
     assert check.ok, check.reason
     assert check.instantiation.endswith(", 4-bit pool in groups of 32" if pool == (4, 32) else "")
 
@@ -222,14 +223,12 @@ def test_a_quantized_pool_is_checked_in_its_format_and_auto_times_it():
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        forced = choose_attention("kernel", mx.float16, 64, 64, 16, 2, 2, run=harness_run(), kv_bits=8,
-                                  kv_group_size=64)
-        auto = choose_attention("auto", mx.float16, 64, 64, 16, 2, 2, run=harness_run(), metal=True, kv_bits=8,
-                                kv_group_size=64, timer=timer)
+        forced = choose_attention("kernel", mx.float16, 64, 64, 16, 2, 2, run=harness_run(), kv=KVFormat(8, 64))
+        auto = choose_attention("auto", mx.float16, 64, 64, 16, 2, 2, run=harness_run(), metal=True,
+                                kv=KVFormat(8, 64), timer=timer)
     assert forced.path == "kernel" and forced.check.instantiation.endswith("8-bit pool in groups of 64")
     assert auto.path == "kernel" and auto.check.ok and auto.gate is not None and timed
-    unsupported = choose_attention("kernel", mx.float16, 96, 96, 16, 2, 2, run=broken_compiler, kv_bits=4,
-                                   kv_group_size=64)
+    unsupported = choose_attention("kernel", mx.float16, 96, 96, 16, 2, 2, run=broken_compiler, kv=KVFormat(4, 64))
     assert unsupported.path == "reference" and unsupported.check.reason == "no kernel serves this shape"
 
 

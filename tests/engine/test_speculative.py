@@ -391,3 +391,43 @@ def test_a_draft_of_another_tokenizer_or_with_recurrent_layers_is_refused_at_loa
     hybrid = str(write_tiny_model(tmp_path / "hybrid", TinyModelSpec(family="lfm2", num_layers=4, seed=68)))
     with pytest.raises(MlxkvError, match="recurrent layers"):
         draft_engine(loaded, hybrid)
+
+
+class SometimesWrong:
+    """Wraps a draft proposer whose draft is the target itself: at the reply positions in `wrong`
+    it proposes a wrong token (then drafts on from it), and it records every token it drafted
+    itself, by position. After a rejected proposal the draft must roll its KV back: else it
+    drafts on over the wrong token's KV and parts from the target where nothing was injected."""
+
+    def __init__(self, draft, wrong: set[int]):
+        self.draft, self.wrong = draft, wrong
+        self.drafted: list[tuple[int, int]] = []  # (reply position, token) of each un-injected proposal
+        pick = draft._pick
+
+        def picking(request, logprobs, proposal):
+            token = pick(request, logprobs, proposal)
+            position = request.num_output + len(proposal.tokens) - 1
+            if position in self.wrong and len(proposal.tokens) == 1:  # a proposal's first token: it is verified
+                proposal.tokens[-1] = token = (token + 1) % 500 + 3
+            elif not proposal.tokens[:-1] or all(request.num_output + i not in self.wrong
+                                                  for i in range(len(proposal.tokens) - 1)):
+                self.drafted.append((position, token))
+            return token
+
+        draft._pick = picking
+
+    def __getattr__(self, name):
+        return getattr(self.draft, name)
+
+
+def test_a_draft_that_is_sometimes_wrong_rolls_back_and_drafts_right_again(llama):
+    path, loaded, reference = llama
+    engine = draft_engine(loaded, path)
+    wrapped = SometimesWrong(engine.loop.speculation.proposer, wrong={3, 9, 10, 17})
+    prompt = prompt_of(40, salt=55)
+    answer = reference(prompt, 28)
+    assert engine.generate(prompt, max_tokens=28).tokens == answer
+    assert len(wrapped.drafted) > 10
+    assert [t for _, t in wrapped.drafted] == [answer[p] for p, _ in wrapped.drafted]  # every own guess right
+    stats = engine.stats()["speculative"]
+    assert 0 < stats["acceptance_rate"] < 1.0
