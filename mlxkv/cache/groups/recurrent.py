@@ -114,17 +114,11 @@ class RecurrentManager:
             self.index.add(ref)
         for ref in self.index.candidates(hashes, limit, self.block_size):
             key = ref.key
-            if key in self.store or (presence.use_tiers and self._tier_has(key, presence)):
+            if key in self.store or (presence.use_tiers and _tier_has(self.connector, key, presence)):
                 return ref.boundary // self.block_size
             if presence.use_tiers:
                 self.index.discard(ref)  # nobody has it any more
         return 0
-
-    def _tier_has(self, key: BlockHash, presence) -> bool:
-        known = presence.checkpoints.get(key)
-        if known is None:
-            known = presence.checkpoints[key] = bool(self.connector.has_checkpoint(key))
-        return known
 
     def needs(self, hashes: list[BlockHash], b: int) -> CheckpointNeed | None:
         if b == 0:
@@ -263,6 +257,14 @@ class RecurrentManager:
     @property
     def pending(self) -> int:
         return len(self._unwritten) + len(self._branches)
+
+
+def _tier_has(connector, key: BlockHash, presence) -> bool:
+    """Whether a tier holds checkpoint `key`, asked once per lookup (`presence` remembers)."""
+    known = presence.checkpoints.get(key)
+    if known is None:
+        known = presence.checkpoints[key] = bool(connector.has_checkpoint(key))
+    return known
 
 
 def _array(row: States | None, slot: int, i: int) -> mx.array | None:
