@@ -71,7 +71,8 @@ class MessagesRequest(CountRequest):
     stop_sequences: list[str] | None = None
     stream: bool = False
     speculative: bool = True  # mlxkv's own: false decodes this reply without proposals
-    output_format: Any = None  # json_schema: the reply's text is enforced (structured_options.py)
+    output_config: Any = None  # its "format" (json_schema): the reply's text is enforced (structured_options.py)
+    output_format: Any = None  # the same format as the structured-outputs beta sent it
     grammar: Any = None  # mlxkv's own: Lark text or {"type", "value"} the reply must match
 
 

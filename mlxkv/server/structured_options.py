@@ -53,8 +53,20 @@ def anthropic_grammar(body, tokenizer) -> Grammar | None:
     kind = choice.get("type", "auto")
     mode = {"any": ("required", None), "tool": ("required", choice.get("name")),
             "none": ("none", None)}.get(kind, ("auto", None))
-    return _choose(body.grammar, tools, mode, _reply_format(body.output_format, "output_format", flat=True),
-                   tokenizer)
+    fmt, param = _anthropic_format(body)
+    return _choose(body.grammar, tools, mode, _reply_format(fmt, param, flat=True), tokenizer)
+
+
+def _anthropic_format(body) -> tuple[Any, str]:
+    """The reply format: `output_config.format` (the API's), or `output_format` (its beta's)."""
+    config = body.output_config
+    if config is not None and not isinstance(config, dict):
+        raise ApiError(400, f"output_config: expected an object, got {config!r}", param="output_config")
+    fmt = (config or {}).get("format")
+    if fmt is not None and body.output_format is not None and fmt != body.output_format:
+        raise ApiError(400, "output_config.format and output_format differ: send one",
+                       param="output_config.format")
+    return (fmt, "output_config.format") if fmt is not None else (body.output_format, "output_format")
 
 
 def _openai_tool(function: dict) -> tuple[ToolSpec, bool]:

@@ -80,6 +80,10 @@ def test_an_uncompilable_schema_is_a_400_in_each_api(server):
         anthropic_client(server).messages.create(
             model="x", max_tokens=8, messages=ask("Oslo"), tool_choice={"type": "any"},
             tools=[{"name": "bad", "input_schema": BAD_SCHEMA}])
+    with pytest.raises(anthropic.BadRequestError, match="output_config.format: .*frob"):
+        anthropic_client(server).messages.create(
+            model="x", max_tokens=8, messages=ask("Oslo"),
+            output_config={"format": {"type": "json_schema", "schema": BAD_SCHEMA}})
 
 
 @pytest.mark.slow  # over ~0.7 s under load: the not-slow budget is nearly spent
@@ -120,6 +124,11 @@ def test_anthropic_forced_tool_and_output_format_validate(server):
     shaped = anthropic_client(server).messages.create(
         model="x", max_tokens=60, messages=ask("Lima"),
         extra_body={"output_format": {"type": "json_schema", "schema": SCHEMA}})
+    jsonschema.validate(json.loads(shaped.content[0].text), SCHEMA)
+    # The API's own field since structured outputs left beta, as the client sends it.
+    shaped = anthropic_client(server).messages.create(
+        model="x", max_tokens=60, messages=ask("Quito"),
+        output_config={"format": {"type": "json_schema", "schema": SCHEMA}})
     jsonschema.validate(json.loads(shaped.content[0].text), SCHEMA)
 
 
