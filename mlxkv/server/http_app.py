@@ -164,7 +164,7 @@ def _reply_fields(reply) -> str:
     # restore: what was chosen for a prefix hit in a tier (cache/restore_cost.py), when there was one.
     restore = f" restore={s.restore} recomputed={s.recomputed_hit_tokens}" if s.restore else ""
     return (f" prompt={s.prompt_tokens} cached={cached}{_tier_fields(s.cached_tokens)}"
-            f"{_image_fields(reply.prompt, cached)} ttft={s.ttft_s:.2f}s out={s.generation_tokens}{restore}")
+            f"{_image_fields(s)} ttft={s.ttft_s:.2f}s out={s.generation_tokens}{restore}")
 
 
 # How the access log names the tiers a prompt's reuse came from beyond the pool.
@@ -177,11 +177,12 @@ def _tier_fields(cached_tokens: dict) -> str:
     return f" ({', '.join(parts)})" if parts else ""
 
 
-def _image_fields(prompt, cached: int) -> str:
-    """A prompt with images: its image tokens, and how many of them came from the cache (vision/prompt.py)."""
-    if not getattr(prompt, "spans", None):
+def _image_fields(stats) -> str:
+    """A prompt with images: its image tokens, and how many of them came from the cache (the
+    request's own counts, as its usage reports them)."""
+    if not stats.image_tokens:
         return ""
-    return f" image_tokens={prompt.image_tokens} image_cached={prompt.cached_image_tokens(cached)}"
+    return f" image_tokens={stats.image_tokens} image_cached={stats.cached_image_tokens}"
 
 
 async def root(request: Request) -> Response:
