@@ -1,16 +1,22 @@
 """Tool calls as a grammar, in the model's own call format.
 
 mlx-lm's tokenizer names the strings that open and close a model's tool
-call, and its parser reads what is between them (server/tool_calls.py);
-those stay the format of record. For the JSON-body format (mlx-lm's
-`json_tools` parser: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`,
-Qwen's and Hermes' models) the grammar writes exactly what that parser
-reads: the opening marker, a JSON object whose "name" is one of the tools
-and whose "arguments" match that tool's schema, the closing marker.
+call, and its parser (mlx_lm.tool_parsers.<name>) reads what is between
+them (server/tool_calls.py); those stay the format of record. For each
+format below the grammar writes exactly what that parser reads: the
+opening marker, a call to one of the tools whose arguments match that
+tool's schema as the parser converts them, the closing marker.
 
-- `required` (or one named tool): the reply is one call.
+- `json_tools` (Qwen's and Hermes' models): `{"name": ..., "arguments": {...}}`.
+- `qwen3_coder`: `<function=name>` then one `<parameter=p>value</parameter>`
+  per argument, the value's text converted by the parser per the type the
+  schema gives the property (string, integer, number, boolean, object,
+  array); a schema the parser cannot convert exactly raises UnsupportedTools.
+
+- `required` (or one named tool): the reply is one call, or with
+  `parallel` one or more, a newline apart.
 - `auto`: the reply is text without the opening marker, or such text
-  followed by one call: the model chooses, and a call it starts is a valid one.
+  followed by such calls: the model chooses, and a call it starts is a valid one.
 """
 
 from __future__ import annotations
@@ -23,8 +29,11 @@ from mlxkv.errors import MlxkvError
 from mlxkv.structured.grammar import JSON_OPTIONS, Grammar
 
 ANY_OBJECT = {"type": "object"}
-# mlx-lm's parsers whose call body is JSON {"name", "arguments"} between the markers.
-JSON_BODY_PARSERS = ("json_tools",)
+
+
+class UnsupportedTools(MlxkvError):
+    """The tools' schemas cannot be written exactly in this call format (the caller leaves
+    the tools free)."""
 
 
 @dataclass(frozen=True)
@@ -34,9 +43,11 @@ class ToolSpec:
 
 
 def tool_call_grammar(start: str, end: str, tools: list[ToolSpec], allow_text: bool,
-                      token_ids: tuple[int | None, int | None] = (None, None)) -> Grammar:
+                      token_ids: tuple[int | None, int | None] = (None, None),
+                      parser: str = "json_tools", parallel: bool = False) -> Grammar:
     """The Lark grammar of one call to one of `tools` between `start` and `end` (with
-    `allow_text`: or of text, then maybe such a call).
+    `allow_text`: or of text, then maybe such a call), the call's body in `parser`'s format
+    (one of FORMATS). `parallel`: one or more calls where one is written.
 
     `token_ids`: the markers' ids where each is one added token of the tokenizer (Qwen's
     <tool_call>). llguidance keeps added tokens apart from text, so such a marker is written
@@ -44,19 +55,22 @@ def tool_call_grammar(start: str, end: str, tools: list[ToolSpec], allow_text: b
     model never does."""
     if not tools:
         raise MlxkvError("a tool-call grammar needs at least one tool")
-    body = f"body: %json {json.dumps(_body_schema(tools), separators=(',', ':'))}"
+    if parser not in FORMATS:
+        raise UnsupportedTools(f"no tool-call grammar for mlx-lm's {parser!r} format")
+    body = FORMATS[parser](tools, end)
     open_id, close_id = token_ids
     close = json.dumps(end) if close_id is None else f"<[{close_id}]>"
+    opening = json.dumps(start) if open_id is None else f"<[{open_id}]>"
+    more = f' ("\\n" {opening} body {close})*' if parallel else ""
     if open_id is not None:  # a token, never text: text cannot run into it
-        opening = f"<[{open_id}]>"
         if not allow_text:
-            return Grammar.lark(f"start: {opening} body {close}\n{body}\n")
-        return Grammar.lark(f"start: TEXT? ({opening} body {close})?\nTEXT: /(.|\\n)+/\n{body}\n")
+            return Grammar.lark(f"start: {opening} body {close}{more}\n{body}\n")
+        return Grammar.lark(f"start: TEXT? ({opening} body {close}{more})?\nTEXT: /(.|\\n)+/\n{body}\n")
     if not allow_text:
-        return Grammar.lark(f"start: {json.dumps(start)} body {close}\n{body}\n")
+        return Grammar.lark(f"start: {opening} body {close}{more}\n{body}\n")
     marker = _regex(start)
     return Grammar.lark(
-        f"start: TEXT | CALL_OPEN body {close}\n"
+        f"start: TEXT | CALL_OPEN body {close}{more}\n"
         f"TEXT: /(.|\\n)*/ & ~/(.|\\n)*{marker}(.|\\n)*/\n"
         # Text up to the first marker, the marker included, as one lexeme: the lexer need not guess
         # where the text ends (a text lexeme that stopped before "<tool_call" could not go on).
@@ -64,11 +78,86 @@ def tool_call_grammar(start: str, end: str, tools: list[ToolSpec], allow_text: b
         f"{body}\n")
 
 
-def _body_schema(tools: list[ToolSpec]) -> dict:
+def _json_body(tools: list[ToolSpec], end: str) -> str:
     calls = [{"type": "object", "properties": {"name": {"const": t.name}, "arguments": t.schema or ANY_OBJECT},
               "required": ["name", "arguments"], "additionalProperties": False} for t in tools]
     schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
-    return {**schema, "x-guidance": JSON_OPTIONS}
+    return f"body: %json {_compact({**schema, 'x-guidance': JSON_OPTIONS})}"
+
+
+# The qwen3_coder parser's conversion of a parameter's text, by the property's "type".
+_XML_ANNOTATIONS = {"description", "title", "default", "examples", "$comment"}
+_XML_INTEGER = "/-?(0|[1-9][0-9]{0,14})/"  # float() reads it back exactly: at most 15 digits
+_XML_NUMBER = "/-?(0|[1-9][0-9]{0,14})(\\.[0-9]{1,15})?/"
+_XML_NAME = re.compile(r"[^\s<>]+")  # what the parser reads as a function or parameter name
+
+
+def _xml_body(tools: list[ToolSpec], end: str) -> str:
+    """Qwen3-Coder's `<function=f>\\n<parameter=p>\\nvalue\\n</parameter>\\n</function>`."""
+    rules = [f"body: \"\\n\" ({' | '.join(f'f{i}' for i in range(len(tools)))}) \"\\n\""]
+    closing = [_regex("</parameter>")] + ([_regex(end)] if end else [])
+    # A string value and its closing tag, one lexeme: text holding neither closing tag nor the
+    # call's end marker, and not "null" (the parser reads any case of it as None).
+    banned = " ".join(f"& ~/(.|\\n)*{m}(.|\\n)*\\n<\\/parameter>/" for m in closing)
+    rules.append(f"STR: /(.|\\n)*\\n<\\/parameter>/ {banned} & ~/[nN][uU][lL][lL]\\n<\\/parameter>/")
+    for i, tool in enumerate(tools):
+        if not _XML_NAME.fullmatch(tool.name):
+            raise UnsupportedTools(f"tool name {tool.name!r} cannot be written in the qwen3_coder format")
+        params = _xml_params(tool, i, rules)
+        rules.append(f"f{i}: {json.dumps(f'<function={tool.name}>')} \"\\n\" {params} \"</function>\"")
+    return "\n".join(rules)
+
+
+def _xml_params(tool: ToolSpec, i: int, rules: list[str]) -> str:
+    schema = tool.schema
+    if schema is None:  # any parameters, read back as text
+        rules.append(f'any{i}: "<parameter=" /[^\\s<>]+/ ">\\n" STR "\\n"')
+        return f"any{i}*"
+    extra = set(schema) - _XML_ANNOTATIONS - {"type", "properties", "required", "additionalProperties", "$schema"}
+    if schema.get("type", "object") != "object" or extra:
+        raise UnsupportedTools(f"tool {tool.name!r}: only an object schema of properties can be written "
+                               f"in the qwen3_coder format")
+    required = set(schema.get("required") or [])
+    parts = []
+    for j, (name, prop) in enumerate((schema.get("properties") or {}).items()):
+        if not _XML_NAME.fullmatch(name):
+            raise UnsupportedTools(f"tool {tool.name!r}: parameter {name!r} cannot be written "
+                                   f"in the qwen3_coder format")
+        value = _xml_value(tool.name, name, prop)
+        rules.append(f"p{i}_{j}: {json.dumps(f'<parameter={name}>')} \"\\n\" {value} \"\\n\"")
+        parts.append(f"p{i}_{j}" + ("" if name in required else "?"))
+        required.discard(name)
+    if required:
+        raise UnsupportedTools(f"tool {tool.name!r}: required {sorted(required)} are not among its properties")
+    return " ".join(parts) if parts else '""'
+
+
+def _xml_value(tool: str, name: str, prop) -> str:
+    """The value's text and its closing tag, as the parser converts it to a value valid against `prop`."""
+    where = f"tool {tool!r}, parameter {name!r}"
+    if not isinstance(prop, dict):
+        raise UnsupportedTools(f"{where}: its schema is not an object")
+    kind, keys = prop.get("type"), set(prop) - _XML_ANNOTATIONS - {"type"}
+    if kind in ("object", "array"):  # json.loads of the text: the schema holds as JSON does
+        return f"%json {_compact({**prop, 'x-guidance': JSON_OPTIONS})} \"\\n</parameter>\""
+    if kind == "string" and keys <= {"enum"} and all(isinstance(v, str) for v in prop.get("enum", [""])):
+        if "enum" not in prop:
+            return "STR"
+        if any(v.lower() == "null" or "</parameter>" in v for v in prop["enum"]):
+            raise UnsupportedTools(f"{where}: an enum value the parser would not read back")
+        return "(" + " | ".join(json.dumps(v + "\n</parameter>") for v in prop["enum"]) + ")"
+    if kind in ("integer", "number", "boolean") and not keys:
+        value = {"integer": _XML_INTEGER, "number": _XML_NUMBER, "boolean": '("true" | "false")'}[kind]
+        return f"{value} \"\\n</parameter>\""
+    raise UnsupportedTools(f"{where}: the qwen3_coder format's parser cannot read a {_compact(prop)} "
+                           f"value back exactly")
+
+
+FORMATS = {"json_tools": _json_body, "qwen3_coder": _xml_body}
+
+
+def _compact(schema) -> str:
+    return json.dumps(schema, separators=(",", ":"))
 
 
 def _regex(text: str) -> str:

@@ -1,0 +1,127 @@
+"""Tool-call grammars per mlx-lm call format, with mlx-lm's own parser as the oracle: a
+call the grammar accepts parses into a tool and arguments valid against its schema; calls
+it rejects are the ones that would not."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import jsonschema
+import pytest
+
+from mlxkv.structured.tool_grammar import ToolSpec, UnsupportedTools, tool_call_grammar
+
+SCHEMA = {"type": "object", "properties": {
+    "path": {"type": "string", "description": "where"}, "count": {"type": "integer"},
+    "ratio": {"type": "number"}, "force": {"type": "boolean"},
+    "mode": {"type": "string", "enum": ["r", "w"]},
+    "tags": {"type": "array", "items": {"type": "string"}}}, "required": ["path", "count"]}
+TOOLS = [ToolSpec("edit", SCHEMA), ToolSpec("noop", {"type": "object", "properties": {}})]
+OPENAI_TOOLS = [{"type": "function", "function": {"name": t.name, "parameters": t.schema}} for t in TOOLS]
+
+
+@pytest.fixture(scope="module")
+def compiler(llama_dir):
+    from transformers import PreTrainedTokenizerFast
+
+    from mlxkv.structured.compiler import GrammarCompiler
+
+    tokenizer = PreTrainedTokenizerFast(tokenizer_file=f"{llama_dir}/tokenizer.json")
+    return GrammarCompiler(tokenizer, len(tokenizer), [tokenizer.eos_token_id or 0])
+
+
+def accepts(compiler, grammar, text: str) -> bool:
+    """The whole of `text` is a complete reply of `grammar`."""
+    ids = compiler._hf.encode(text, add_special_tokens=False)
+    matcher = compiler.matcher(grammar)
+    if matcher.valid_prefix(ids) != len(ids):
+        return False
+    matcher.advance(ids)
+    return matcher.accepting
+
+
+def xml_call(name: str, **params) -> str:
+    args = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in params.items())
+    return f"<tool_call>\n<function={name}>\n{args}</function>\n</tool_call>"
+
+
+def parse_xml(text: str) -> dict:
+    from mlx_lm.tool_parsers import qwen3_coder
+
+    body = text.removeprefix("<tool_call>").removesuffix("</tool_call>")
+    return qwen3_coder.parse_tool_call(body, OPENAI_TOOLS)
+
+
+def valid(call: dict) -> bool:
+    schema = {t.name: t.schema for t in TOOLS}.get(call["name"])
+    return schema is not None and jsonschema.Draft202012Validator(schema).is_valid(call["arguments"])
+
+
+XML_GOOD = [xml_call("edit", path="a.py", count=3),
+            xml_call("edit", path="line one\n  <b>two</b>\n", count=-12, ratio="0.5", force="false", mode="w",
+                     tags='["x", "y"]'),
+            xml_call("edit", path="", count=0, ratio=7),
+            xml_call("noop")]
+XML_BAD = [xml_call("edit", path="a.py"),  # count is required
+           xml_call("edit", path="a.py", count="1.5"),
+           xml_call("edit", path="null", count=1),  # the parser reads "null" as None
+           xml_call("edit", path="a.py", count=1, force="yes"),  # the parser would read False
+           xml_call("edit", path="a.py", count=1, mode="x"),
+           xml_call("edit", path="a.py", count=1, tags="[1]"),
+           xml_call("edit", path="a</parameter>", count=1),
+           xml_call("other")]
+
+
+def test_qwen3_coder_calls_the_grammar_accepts_parse_valid_and_the_rest_do_not(compiler):
+    grammar = tool_call_grammar("<tool_call>", "</tool_call>", TOOLS, allow_text=False, parser="qwen3_coder")
+    for text in XML_GOOD:
+        assert accepts(compiler, grammar, text), text
+        assert valid(parse_xml(text)), text
+    for text in XML_BAD:
+        assert not accepts(compiler, grammar, text), text
+
+
+def test_qwen3_coder_random_arguments_the_grammar_accepts_read_back_as_written(compiler):
+    """Random argument values (text with markup, newlines and "null" in it; numbers; flags):
+    each call the grammar accepts, the parser reads back as exactly those arguments."""
+    grammar = tool_call_grammar("<tool_call>", "</tool_call>", TOOLS, allow_text=False, parser="qwen3_coder")
+    rng = random.Random(7)
+    pieces = ["a", " ", "\n", "<", ">", "/", "null", "</param", "<parameter=x>", "é", "{", "1"]
+    for _ in range(12):
+        args = {"path": "".join(rng.choice(pieces) for _ in range(rng.randrange(1, 8))),
+                "count": rng.randrange(-10**14, 10**14), "ratio": rng.choice([0.25, -3.5, 2]),
+                "force": rng.choice([True, False]), "mode": rng.choice(["r", "w"]), "tags": ["x", "y z"]}
+        args = {k: v for k, v in args.items() if k in ("path", "count") or rng.random() < 0.5}
+        shown = {k: json.dumps(v) if k == "tags" else str(v).lower() if k == "force" else v
+                 for k, v in args.items()}
+        text = xml_call("edit", **shown)
+        assert accepts(compiler, grammar, text), text
+        assert parse_xml(text) == {"name": "edit", "arguments": args}, text
+
+
+def test_parallel_calls_only_when_allowed(compiler):
+    two = XML_GOOD[0] + "\n" + XML_GOOD[3]
+    for parallel in (False, True):
+        grammar = tool_call_grammar("<tool_call>", "</tool_call>", TOOLS, allow_text=False, parser="qwen3_coder",
+                                    parallel=parallel)
+        assert accepts(compiler, grammar, XML_GOOD[0])
+        assert accepts(compiler, grammar, two) == parallel
+        grammar = tool_call_grammar("<tool_call>", "</tool_call>", TOOLS, allow_text=True, parser="qwen3_coder",
+                                    parallel=parallel)
+        assert accepts(compiler, grammar, "Let me look. " + two) == parallel
+    json_call = '<tool_call>{"name": "noop", "arguments": {}}</tool_call>'
+    for parallel in (False, True):
+        grammar = tool_call_grammar("<tool_call>", "</tool_call>", TOOLS, allow_text=False, parallel=parallel)
+        assert accepts(compiler, grammar, json_call)
+        assert accepts(compiler, grammar, json_call + "\n" + json_call) == parallel
+
+
+def test_qwen3_coder_schemas_it_cannot_write_exactly_are_refused():
+    for prop in ({"type": "string", "pattern": "a+"}, {"type": "integer", "minimum": 1},
+                 {"type": ["string", "null"]}, {"anyOf": [{"type": "string"}]}):
+        tool = ToolSpec("t", {"type": "object", "properties": {"p": prop}})
+        with pytest.raises(UnsupportedTools):
+            tool_call_grammar("<tool_call>", "</tool_call>", [tool], allow_text=False, parser="qwen3_coder")
+    with pytest.raises(UnsupportedTools):
+        tool_call_grammar("[TOOL_CALLS]", "", TOOLS, allow_text=False, parser="no_such_format")
