@@ -11,7 +11,16 @@ tool's schema as the parser converts them, the closing marker.
 - `qwen3_coder`: `<function=name>` then one `<parameter=p>value</parameter>`
   per argument, the value's text converted by the parser per the type the
   schema gives the property (string, integer, number, boolean, object,
-  array); a schema the parser cannot convert exactly raises UnsupportedTools.
+  array).
+- `glm47`: `name<arg_key>k</arg_key><arg_value>v</arg_value>...`, a string
+  property's value its text (stripped by the parser: no edge whitespace),
+  any other's JSON valid against the property's schema.
+
+A tool the format's parser cannot read back exactly (a string pattern or
+bounds where the value is raw text, a name with spaces) raises
+UnsupportedTools. A JSON value (json_tools' body, an object or array
+argument) is not kept from holding its format's closing text inside a JSON
+string: llguidance's JSON cannot exclude it.
 
 - `required` (or one named tool): the reply is one call, or with
   `parallel` one or more, a newline apart.
@@ -113,22 +122,12 @@ def _xml_params(tool: ToolSpec, i: int, rules: list[str]) -> str:
     if schema is None:  # any parameters, read back as text
         rules.append(f'any{i}: "<parameter=" /[^\\s<>]+/ ">\\n" STR "\\n"')
         return f"any{i}*"
-    extra = set(schema) - _XML_ANNOTATIONS - {"type", "properties", "required", "additionalProperties", "$schema"}
-    if schema.get("type", "object") != "object" or extra:
-        raise UnsupportedTools(f"tool {tool.name!r}: only an object schema of properties can be written "
-                               f"in the qwen3_coder format")
     required = set(schema.get("required") or [])
     parts = []
-    for j, (name, prop) in enumerate((schema.get("properties") or {}).items()):
-        if not _XML_NAME.fullmatch(name):
-            raise UnsupportedTools(f"tool {tool.name!r}: parameter {name!r} cannot be written "
-                                   f"in the qwen3_coder format")
+    for j, (name, prop) in enumerate(_properties(tool, "qwen3_coder").items()):
         value = _xml_value(tool.name, name, prop)
         rules.append(f"p{i}_{j}: {json.dumps(f'<parameter={name}>')} \"\\n\" {value} \"\\n\"")
         parts.append(f"p{i}_{j}" + ("" if name in required else "?"))
-        required.discard(name)
-    if required:
-        raise UnsupportedTools(f"tool {tool.name!r}: required {sorted(required)} are not among its properties")
     return " ".join(parts) if parts else '""'
 
 
@@ -153,7 +152,74 @@ def _xml_value(tool: str, name: str, prop) -> str:
                            f"value back exactly")
 
 
-FORMATS = {"json_tools": _json_body, "qwen3_coder": _xml_body}
+# What GLM's parser strips from a value (Python's str.strip: Rust's \s lacks \x1c-\x1f).
+_GLM_EDGE = "[^\\s\\x1c-\\x1f]"
+
+
+def _glm_body(tools: list[ToolSpec], end: str) -> str:
+    """GLM-4.7's `name<arg_key>k</arg_key><arg_value>v</arg_value>...`: a string property's value
+    is read as its text, stripped; any other's as JSON."""
+    rules = [f"body: {' | '.join(f'f{i}' for i in range(len(tools)))}"]
+    closing = [_regex("</arg_value>")] + ([_regex(end)] if end else [])
+    banned = " ".join(f"& ~/(.|\\n)*{m}(.|\\n)*<\\/arg_value>/" for m in closing)
+    # A string value and its closing tag, one lexeme: text without the closing tags, and
+    # without the edge whitespace the parser would strip.
+    rules.append(f"STR: /({_GLM_EDGE}((.|\\n)*{_GLM_EDGE})?)?<\\/arg_value>/ {banned}")
+    for i, tool in enumerate(tools):
+        if not _XML_NAME.fullmatch(tool.name):
+            raise UnsupportedTools(f"tool name {tool.name!r} cannot be written in the glm47 format")
+        if tool.schema is None:
+            rules.append(f'any{i}: "<arg_key>" /[^\\s<>]+/ "</arg_key><arg_value>" STR')
+            params = f"any{i}*"
+        else:
+            params = _glm_params(tool, i, rules)
+        rules.append(f"f{i}: {json.dumps(tool.name)} {params}")
+    return "\n".join(rules)
+
+
+def _glm_params(tool: ToolSpec, i: int, rules: list[str]) -> str:
+    parts = []
+    for j, (name, prop) in enumerate(_properties(tool, "glm47").items()):
+        where = f"tool {tool.name!r}, parameter {name!r}"
+        if not isinstance(prop, dict):
+            raise UnsupportedTools(f"{where}: its schema is not an object")
+        if prop.get("type") == "string":  # the parser keeps the text
+            value = _glm_string(where, prop)
+        else:  # json.loads reads it back: the schema holds as JSON does
+            value = f"%json {_compact({**prop, 'x-guidance': JSON_OPTIONS})} \"</arg_value>\""
+        rules.append(f"p{i}_{j}: {json.dumps(f'<arg_key>{name}</arg_key><arg_value>')} {value}")
+        parts.append(f"p{i}_{j}" + ("" if name in (tool.schema.get("required") or []) else "?"))
+    return " ".join(parts) if parts else '""'
+
+
+def _glm_string(where: str, prop: dict) -> str:
+    keys = set(prop) - _XML_ANNOTATIONS - {"type"}
+    if not keys:
+        return "STR"
+    if keys == {"enum"} and all(isinstance(v, str) and v == v.strip() and "</arg_value>" not in v
+                                for v in prop["enum"]):
+        return "(" + " | ".join(json.dumps(v + "</arg_value>") for v in prop["enum"]) + ")"
+    raise UnsupportedTools(f"{where}: the glm47 format's parser cannot read a {_compact(prop)} value back exactly")
+
+
+def _properties(tool: ToolSpec, fmt: str) -> dict:
+    """The tool's properties by name, each name one the format's parser reads back (else UnsupportedTools)."""
+    schema = tool.schema
+    extra = set(schema) - _XML_ANNOTATIONS - {"type", "properties", "required", "additionalProperties", "$schema"}
+    if schema.get("type", "object") != "object" or extra:
+        raise UnsupportedTools(f"tool {tool.name!r}: only an object schema of properties can be written "
+                               f"in the {fmt} format")
+    properties = schema.get("properties") or {}
+    missing = set(schema.get("required") or []) - set(properties)
+    if missing:
+        raise UnsupportedTools(f"tool {tool.name!r}: required {sorted(missing)} are not among its properties")
+    for name in properties:
+        if not _XML_NAME.fullmatch(name):
+            raise UnsupportedTools(f"tool {tool.name!r}: parameter {name!r} cannot be written in the {fmt} format")
+    return properties
+
+
+FORMATS = {"json_tools": _json_body, "qwen3_coder": _xml_body, "glm47": _glm_body}
 
 
 def _compact(schema) -> str:

@@ -123,5 +123,64 @@ def test_qwen3_coder_schemas_it_cannot_write_exactly_are_refused():
         tool = ToolSpec("t", {"type": "object", "properties": {"p": prop}})
         with pytest.raises(UnsupportedTools):
             tool_call_grammar("<tool_call>", "</tool_call>", [tool], allow_text=False, parser="qwen3_coder")
+    pattern = ToolSpec("t", {"type": "object", "properties": {"p": {"type": "string", "pattern": "a+"}}})
+    with pytest.raises(UnsupportedTools):
+        tool_call_grammar("<tool_call>", "</tool_call>", [pattern], allow_text=False, parser="glm47")
     with pytest.raises(UnsupportedTools):
         tool_call_grammar("[TOOL_CALLS]", "", TOOLS, allow_text=False, parser="no_such_format")
+
+
+def glm_call(name: str, **params) -> str:
+    args = "".join(f"<arg_key>{k}</arg_key><arg_value>{v}</arg_value>" for k, v in params.items())
+    return f"<tool_call>{name}{args}</tool_call>"
+
+
+def parse_glm(text: str) -> dict:
+    from mlx_lm.tool_parsers import glm47
+
+    return glm47.parse_tool_call(text.removeprefix("<tool_call>").removesuffix("</tool_call>"), OPENAI_TOOLS)
+
+
+GLM_GOOD = [glm_call("edit", path="a.py", count=3),
+            glm_call("edit", path="line one\n  <b>two</b>", count=-12, ratio="0.5", force="false", mode="w",
+                     tags='["x", "y"]'),
+            glm_call("edit", path="null", count=0, ratio="7"),  # a string property keeps its text
+            glm_call("edit", path="", count=1),
+            glm_call("noop")]
+GLM_BAD = [glm_call("edit", path="a.py"),  # count is required
+           glm_call("edit", path="a.py", count="1.5"),
+           glm_call("edit", path="a.py", count='"3"'),
+           glm_call("edit", path=" a.py", count=1),  # the parser would strip the space
+           glm_call("edit", path="a.py\n", count=1),
+           glm_call("edit", path="a.py", count=1, force="yes"),
+           glm_call("edit", path="a.py", count=1, mode="x"),
+           glm_call("edit", path="a.py", count=1, tags="[1]"),
+           glm_call("edit", path="a</arg_value>", count=1),
+           glm_call("other")]
+
+
+def test_glm47_calls_the_grammar_accepts_parse_valid_and_the_rest_do_not(compiler):
+    grammar = tool_call_grammar("<tool_call>", "</tool_call>", TOOLS, allow_text=False, parser="glm47")
+    for text in GLM_GOOD:
+        assert accepts(compiler, grammar, text), text
+        assert valid(parse_glm(text)), text
+    for text in GLM_BAD:
+        assert not accepts(compiler, grammar, text), text
+    rng = random.Random(11)
+    pieces = ["a", " ", "\n", "<", ">", "/", "null", "</arg_val", "<arg_key>", "é", "{", "1"]
+    for _ in range(12):  # random arguments: what the grammar accepts, the parser reads back as written
+        args = {"path": "".join(rng.choice(pieces) for _ in range(rng.randrange(1, 8))).strip(),
+                "count": rng.randrange(-10**14, 10**14), "ratio": rng.choice([0.25, -3.5, 2]),
+                "force": rng.choice([True, False]), "mode": rng.choice(["r", "w"]), "tags": ["x", "y z"]}
+        args = {k: v for k, v in args.items() if k in ("path", "count") or rng.random() < 0.5}
+        text = glm_call("edit", **{k: v if k in ("path", "mode") else json.dumps(v) for k, v in args.items()})
+        assert accepts(compiler, grammar, text), text
+        assert parse_glm(text) == {"name": "edit", "arguments": args}, text
+
+
+def test_a_tool_without_a_schema_takes_any_arguments_in_both_xml_formats(compiler):
+    for parser, write in (("qwen3_coder", xml_call), ("glm47", glm_call)):
+        grammar = tool_call_grammar("<tool_call>", "</tool_call>", [ToolSpec("free", None)], allow_text=True,
+                                    parser=parser)
+        assert accepts(compiler, grammar, "Sure. " + write("free", q="any text", n="3")), parser
+        assert not accepts(compiler, grammar, "Sure. " + write("other", q="x")), parser
