@@ -15,6 +15,7 @@ tool's schema as the parser converts them, the closing marker.
 - `glm47`: `name<arg_key>k</arg_key><arg_value>v</arg_value>...`, a string
   property's value its text (stripped by the parser: no edge whitespace),
   any other's JSON valid against the property's schema.
+- `pythonic` (LFM2's): `[name(k=value, ...)]`, each value JSON.
 
 A tool the format's parser cannot read back exactly (a string pattern or
 bounds where the value is raw text, a name with spaces) raises
@@ -219,7 +220,46 @@ def _properties(tool: ToolSpec, fmt: str) -> dict:
     return properties
 
 
-FORMATS = {"json_tools": _json_body, "qwen3_coder": _xml_body, "glm47": _glm_body}
+_PY_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def _python_body(tools: list[ToolSpec], end: str) -> str:
+    """Pythonic `[name(k=value, ...)]`: each value JSON, which Python's parser reads as the same
+    value (llguidance writes no `\\/` or `\\u` escapes; the parser maps true/false/null)."""
+    import keyword
+
+    rules = [f"body: \"[\" ({' | '.join(f'f{i}' for i in range(len(tools)))}) \"]\""]
+    for i, tool in enumerate(tools):
+        if not all(_PY_NAME.fullmatch(part) and not keyword.iskeyword(part) for part in tool.name.split(".")):
+            raise UnsupportedTools(f"tool name {tool.name!r} cannot be written in the pythonic format")
+        if tool.schema is None:
+            arg = f'/[A-Za-z_][A-Za-z0-9_]*/ "=" %json {_compact({"x-guidance": JSON_OPTIONS})}'
+            rules.append(f"a{i}: {arg}")
+            rules.append(f"f{i}: {json.dumps(tool.name + '(')} (a{i} (\", \" a{i})*)? \")\"")
+            continue
+        properties = _properties(tool, "pythonic")
+        required = set(tool.schema.get("required") or [])
+        names = list(properties)
+        for j, name in enumerate(names):
+            if keyword.iskeyword(name) or not _PY_NAME.fullmatch(name):
+                raise UnsupportedTools(f"tool {tool.name!r}: parameter {name!r} is not a Python keyword argument")
+            rules.append(f"p{i}_{j}: {json.dumps(name + '=')} %json "
+                         f"{_compact({**properties[name], 'x-guidance': JSON_OPTIONS})}")
+        # Commas between the arguments written, optional ones anywhere: t{k} is the rest from
+        # argument k when none is written yet, s{k} when one is.
+        n = len(names)
+        rules += [f't{i}_{n}: ""', f's{i}_{n}: ""']
+        for j in reversed(range(n)):
+            if names[j] in required:
+                rules += [f"t{i}_{j}: p{i}_{j} s{i}_{j + 1}", f's{i}_{j}: ", " p{i}_{j} s{i}_{j + 1}']
+            else:
+                rules += [f"t{i}_{j}: p{i}_{j} s{i}_{j + 1} | t{i}_{j + 1}",
+                          f's{i}_{j}: (", " p{i}_{j})? s{i}_{j + 1}']
+        rules.append(f"f{i}: {json.dumps(tool.name + '(')} t{i}_0 \")\"")
+    return "\n".join(rules)
+
+
+FORMATS = {"json_tools": _json_body, "qwen3_coder": _xml_body, "glm47": _glm_body, "pythonic": _python_body}
 
 
 def _compact(schema) -> str:

@@ -178,9 +178,57 @@ def test_glm47_calls_the_grammar_accepts_parse_valid_and_the_rest_do_not(compile
         assert parse_glm(text) == {"name": "edit", "arguments": args}, text
 
 
-def test_a_tool_without_a_schema_takes_any_arguments_in_both_xml_formats(compiler):
-    for parser, write in (("qwen3_coder", xml_call), ("glm47", glm_call)):
-        grammar = tool_call_grammar("<tool_call>", "</tool_call>", [ToolSpec("free", None)], allow_text=True,
-                                    parser=parser)
-        assert accepts(compiler, grammar, "Sure. " + write("free", q="any text", n="3")), parser
+def test_a_tool_without_a_schema_takes_any_arguments(compiler):
+    for parser, write in (("qwen3_coder", xml_call), ("glm47", glm_call), ("pythonic", py_call)):
+        pythonic = parser == "pythonic"
+        start, end = ("<|tool_call_start|>", "<|tool_call_end|>") if pythonic else ("<tool_call>", "</tool_call>")
+        grammar = tool_call_grammar(start, end, [ToolSpec("free", None)], allow_text=True, parser=parser)
+        assert accepts(compiler, grammar, "Sure. " + write("free", q='"any text"', n="3")), parser
         assert not accepts(compiler, grammar, "Sure. " + write("other", q="x")), parser
+
+
+def py_call(name: str, **params) -> str:
+    args = ", ".join(f"{k}={v}" for k, v in params.items())
+    return f"<|tool_call_start|>[{name}({args})]<|tool_call_end|>"
+
+
+def parse_py(text: str) -> dict:
+    from mlx_lm.tool_parsers import pythonic
+
+    return pythonic.parse_tool_call(text.removeprefix("<|tool_call_start|>").removesuffix("<|tool_call_end|>"))
+
+
+PY_GOOD = [py_call("edit", path='"a.py"', count=3),
+           py_call("edit", path='"line \\"one\\"\\n\\t<b>two</b>)]"', count=-12, ratio=0.5, force="false", mode='"w"',
+                   tags='["x", "y"]'),
+           py_call("edit", path='""', count=0, tags="[]"),
+           py_call("noop")]
+PY_BAD = [py_call("edit", path='"a.py"'),  # count is required
+          py_call("edit", count=3, path='"a.py"'),  # the schema's order
+          py_call("edit", path='"a.py"', count=1.5),
+          py_call("edit", path="'a.py'", count=1),
+          py_call("edit", path='"a.py"', count=1, force="True"),
+          py_call("edit", path='"a.py"', count=1, mode='"x"'),
+          py_call("edit", path='"\\/"', count=1),
+          py_call("edit", path='"a.py"', count=1, tags="[1]"),
+          py_call("other")]
+
+
+def test_pythonic_calls_the_grammar_accepts_parse_valid_and_the_rest_do_not(compiler):
+    grammar = tool_call_grammar("<|tool_call_start|>", "<|tool_call_end|>", TOOLS, allow_text=False,
+                                parser="pythonic")
+    for text in PY_GOOD:
+        assert accepts(compiler, grammar, text), text
+        assert valid(parse_py(text)), text
+    for text in PY_BAD:
+        assert not accepts(compiler, grammar, text), text
+    rng = random.Random(5)
+    pieces = ["a", " ", "\n", "\t", '"', "'", "\\", ")]", "null", "é", "{", "1"]
+    for _ in range(12):  # random arguments: what the grammar accepts, the parser reads back as written
+        args = {"path": "".join(rng.choice(pieces) for _ in range(rng.randrange(1, 8))),
+                "count": rng.randrange(-10**18, 10**18), "ratio": rng.choice([0.25, -3.5, 2]),
+                "force": rng.choice([True, False]), "mode": rng.choice(["r", "w"]), "tags": ["x", "y z"]}
+        args = {k: v for k, v in args.items() if k in ("path", "count") or rng.random() < 0.5}
+        text = py_call("edit", **{k: json.dumps(v, ensure_ascii=False) for k, v in args.items()})
+        assert accepts(compiler, grammar, text), text
+        assert parse_py(text) == {"name": "edit", "arguments": args}, text
