@@ -232,3 +232,30 @@ def test_pythonic_calls_the_grammar_accepts_parse_valid_and_the_rest_do_not(comp
         text = py_call("edit", **{k: json.dumps(v, ensure_ascii=False) for k, v in args.items()})
         assert accepts(compiler, grammar, text), text
         assert parse_py(text) == {"name": "edit", "arguments": args}, text
+
+
+def test_each_api_s_parallel_switch_reaches_the_grammar_in_the_model_s_format(compiler):
+    from types import SimpleNamespace
+
+    from mlx_lm.tool_parsers import qwen3_coder
+
+    from mlxkv.server.structured_options import anthropic_grammar, chat_grammar
+
+    tokenizer = SimpleNamespace(has_tool_calling=True, tool_parser=qwen3_coder.parse_tool_call,
+                                tool_call_start="<tool_call>", tool_call_end="</tool_call>")
+    two = XML_GOOD[0] + "\n" + XML_GOOD[3]
+    for parallel in (None, True, False):
+        chat = SimpleNamespace(grammar=None, tools=OPENAI_TOOLS, tool_choice="required", response_format=None,
+                               parallel_tool_calls=parallel)
+        assert accepts(compiler, chat_grammar(chat, tokenizer), two) == (parallel is not False)
+    for disable in (False, True):
+        anthropic = SimpleNamespace(
+            grammar=None, tools=[SimpleNamespace(name=t.name, input_schema=t.schema, strict=False) for t in TOOLS],
+            tool_choice={"type": "any", "disable_parallel_tool_use": disable}, output_config=None,
+            output_format=None)
+        grammar = anthropic_grammar(anthropic, tokenizer)
+        assert accepts(compiler, grammar, XML_GOOD[0]) and accepts(compiler, grammar, two) == (not disable)
+    pattern = {"type": "function", "function": {"name": "t", "parameters": {
+        "type": "object", "properties": {"p": {"type": "string", "pattern": "a+"}}}}}
+    chat = SimpleNamespace(grammar=None, tools=[pattern], tool_choice="required", response_format=None)
+    assert chat_grammar(chat, tokenizer) is None  # left free (with a warning), not a 400
