@@ -29,7 +29,7 @@ from mlxkv.models.compat import added_token_id, tool_parser_name
 from mlxkv.server.api_errors import ApiError
 from mlxkv.structured.compiler import check_grammar
 from mlxkv.structured.grammar import Grammar
-from mlxkv.structured.tool_grammar import FORMATS, ToolSpec, UnsupportedTools, tool_call_grammar
+from mlxkv.structured.tool_grammar import FORMATS, TAGS, ToolSpec, UnsupportedTools, tool_call_grammar
 
 log = logging.getLogger(__name__)
 
@@ -166,8 +166,10 @@ def _tool_grammar(tokenizer, tools: list[ToolSpec], allow_text: bool, parallel: 
         return None
     start, end = tokenizer.tool_call_start, tokenizer.tool_call_end
     ids = (added_token_id(tokenizer, start), added_token_id(tokenizer, end))
+    tags = {tag: added_token_id(tokenizer, tag) for tag in TAGS.get(parser, ())}
     try:
-        grammar = tool_call_grammar(start, end, tools, allow_text, ids, parser, parallel)
+        grammar = tool_call_grammar(start, end, tools, allow_text, ids, parser, parallel,
+                                    {tag: i for tag, i in tags.items() if i is not None})
     except UnsupportedTools as e:
         log.warning("tool calls are not enforced for this request: %s", e)
         return None

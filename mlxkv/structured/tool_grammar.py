@@ -54,7 +54,8 @@ class ToolSpec:
 
 def tool_call_grammar(start: str, end: str, tools: list[ToolSpec], allow_text: bool,
                       token_ids: tuple[int | None, int | None] = (None, None),
-                      parser: str = "json_tools", parallel: bool = False) -> Grammar:
+                      parser: str = "json_tools", parallel: bool = False,
+                      tags: dict[str, int] | None = None) -> Grammar:
     """The Lark grammar of one call to one of `tools` between `start` and `end` (with
     `allow_text`: or of text, then maybe such a call), the call's body in `parser`'s format
     (one of FORMATS). `parallel`: one or more calls where one is written.
@@ -62,12 +63,13 @@ def tool_call_grammar(start: str, end: str, tools: list[ToolSpec], allow_text: b
     `token_ids`: the markers' ids where each is one added token of the tokenizer (Qwen's
     <tool_call>). llguidance keeps added tokens apart from text, so such a marker is written
     as its token (`<[id]>`): as text it could only be spelled out byte by byte, which the
-    model never does."""
+    model never does. `tags`: likewise, the format's inner tags that are added tokens, by
+    text (TAGS names them per format)."""
     if not tools:
         raise MlxkvError("a tool-call grammar needs at least one tool")
     if parser not in FORMATS:
         raise UnsupportedTools(f"no tool-call grammar for mlx-lm's {parser!r} format")
-    body = FORMATS[parser](tools, end)
+    body = FORMATS[parser](tools, end, tags or {})
     open_id, close_id = token_ids
     close = json.dumps(end) if close_id is None else f"<[{close_id}]>"
     opening = json.dumps(start) if open_id is None else f"<[{open_id}]>"
@@ -88,7 +90,7 @@ def tool_call_grammar(start: str, end: str, tools: list[ToolSpec], allow_text: b
         f"{body}\n")
 
 
-def _json_body(tools: list[ToolSpec], end: str) -> str:
+def _json_body(tools: list[ToolSpec], end: str, tags: dict[str, int]) -> str:
     calls = [{"type": "object", "properties": {"name": {"const": t.name}, "arguments": t.schema or ANY_OBJECT},
               "required": ["name", "arguments"], "additionalProperties": False} for t in tools]
     schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
@@ -102,7 +104,7 @@ _XML_NUMBER = "/-?(0|[1-9][0-9]{0,14})(\\.[0-9]{1,15})?/"
 _XML_NAME = re.compile(r"[^\s<>]+")  # what the parser reads as a function or parameter name
 
 
-def _xml_body(tools: list[ToolSpec], end: str) -> str:
+def _xml_body(tools: list[ToolSpec], end: str, tags: dict[str, int]) -> str:
     """Qwen3-Coder's `<function=f>\\n<parameter=p>\\nvalue\\n</parameter>\\n</function>`."""
     rules = [f"body: \"\\n\" ({' | '.join(f'f{i}' for i in range(len(tools)))}) \"\\n\""]
     closing = [_regex("</parameter>")] + ([_regex(end)] if end else [])
@@ -157,49 +159,57 @@ def _xml_value(tool: str, name: str, prop) -> str:
 _GLM_EDGE = "[^\\s\\x1c-\\x1f]"
 
 
-def _glm_body(tools: list[ToolSpec], end: str) -> str:
+def _glm_body(tools: list[ToolSpec], end: str, tags: dict[str, int]) -> str:
     """GLM-4.7's `name<arg_key>k</arg_key><arg_value>v</arg_value>...`: a string property's value
-    is read as its text, stripped; any other's as JSON."""
+    is read as its text, stripped; any other's as JSON. GLM's tokenizers have its tags as added
+    tokens: those are written as their tokens (`tags`)."""
     rules = [f"body: {' | '.join(f'f{i}' for i in range(len(tools)))}"]
-    closing = [_regex("</arg_value>")] + ([_regex(end)] if end else [])
-    banned = " ".join(f"& ~/(.|\\n)*{m}(.|\\n)*<\\/arg_value>/" for m in closing)
-    # A string value and its closing tag, one lexeme: text without the closing tags, and
-    # without the edge whitespace the parser would strip.
-    rules.append(f"STR: /({_GLM_EDGE}((.|\\n)*{_GLM_EDGE})?)?<\\/arg_value>/ {banned}")
+    close = _literal("</arg_value>", tags)
+    marks = [_regex(m) for m in ("</arg_value>", end) if m]
+    text = f"{_GLM_EDGE}((.|\\n)*{_GLM_EDGE})?"  # without the edge whitespace the parser would strip
+    if "</arg_value>" in tags:  # the value's text, then the closing token
+        banned = " ".join(f"& ~/(.|\\n)*{m}(.|\\n)*/" for m in marks)
+        rules += [f"STR: /{text}/ {banned}", f"str: STR? {close}"]
+    else:  # a string value and its closing tag, one lexeme: the lexer need not guess where the text ends
+        banned = " ".join(f"& ~/(.|\\n)*{m}(.|\\n)*<\\/arg_value>/" for m in marks)
+        rules += [f"STR: /({text})?<\\/arg_value>/ {banned}", "str: STR"]
+    key, key_end, value = (_literal(t, tags) for t in ("<arg_key>", "</arg_key>", "<arg_value>"))
     for i, tool in enumerate(tools):
         if not _XML_NAME.fullmatch(tool.name):
             raise UnsupportedTools(f"tool name {tool.name!r} cannot be written in the glm47 format")
         if tool.schema is None:
-            rules.append(f'any{i}: "<arg_key>" /[^\\s<>]+/ "</arg_key><arg_value>" STR')
+            rules.append(f"any{i}: {key} /[^\\s<>]+/ {key_end} {value} str")
             params = f"any{i}*"
         else:
-            params = _glm_params(tool, i, rules)
+            params = _glm_params(tool, i, rules, tags)
         rules.append(f"f{i}: {json.dumps(tool.name)} {params}")
     return "\n".join(rules)
 
 
-def _glm_params(tool: ToolSpec, i: int, rules: list[str]) -> str:
+def _glm_params(tool: ToolSpec, i: int, rules: list[str], tags: dict[str, int]) -> str:
     parts = []
+    key, key_end, value_open, close = (_literal(t, tags) for t in ("<arg_key>", "</arg_key>", "<arg_value>",
+                                                                   "</arg_value>"))
     for j, (name, prop) in enumerate(_properties(tool, "glm47").items()):
         where = f"tool {tool.name!r}, parameter {name!r}"
         if not isinstance(prop, dict):
             raise UnsupportedTools(f"{where}: its schema is not an object")
         if prop.get("type") == "string":  # the parser keeps the text
-            value = _glm_string(where, prop)
+            value = _glm_string(where, prop, close)
         else:  # json.loads reads it back: the schema holds as JSON does
-            value = f"%json {_compact({**prop, 'x-guidance': JSON_OPTIONS})} \"</arg_value>\""
-        rules.append(f"p{i}_{j}: {json.dumps(f'<arg_key>{name}</arg_key><arg_value>')} {value}")
+            value = f"%json {_compact({**prop, 'x-guidance': JSON_OPTIONS})} {close}"
+        rules.append(f"p{i}_{j}: {key} {json.dumps(name)} {key_end} {value_open} {value}")
         parts.append(f"p{i}_{j}" + ("" if name in (tool.schema.get("required") or []) else "?"))
     return " ".join(parts) if parts else '""'
 
 
-def _glm_string(where: str, prop: dict) -> str:
+def _glm_string(where: str, prop: dict, close: str) -> str:
     keys = set(prop) - _XML_ANNOTATIONS - {"type"}
     if not keys:
-        return "STR"
+        return "str"
     if keys == {"enum"} and all(isinstance(v, str) and v == v.strip() and "</arg_value>" not in v
                                 for v in prop["enum"]):
-        return "(" + " | ".join(json.dumps(v + "</arg_value>") for v in prop["enum"]) + ")"
+        return "(" + " | ".join(json.dumps(v) for v in prop["enum"]) + f") {close}"
     raise UnsupportedTools(f"{where}: the glm47 format's parser cannot read a {_compact(prop)} value back exactly")
 
 
@@ -223,7 +233,7 @@ def _properties(tool: ToolSpec, fmt: str) -> dict:
 _PY_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
-def _python_body(tools: list[ToolSpec], end: str) -> str:
+def _python_body(tools: list[ToolSpec], end: str, tags: dict[str, int]) -> str:
     """Pythonic `[name(k=value, ...)]`: each value JSON, which Python's parser reads as the same
     value (llguidance writes no `\\/` or `\\u` escapes; the parser maps true/false/null)."""
     import keyword
@@ -260,6 +270,15 @@ def _python_body(tools: list[ToolSpec], end: str) -> str:
 
 
 FORMATS = {"json_tools": _json_body, "qwen3_coder": _xml_body, "glm47": _glm_body, "pythonic": _python_body}
+
+
+# Each format's inner tags, which a tokenizer may hold as added tokens.
+TAGS = {"glm47": ("<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>")}
+
+
+def _literal(text: str, tags: dict[str, int]) -> str:
+    """`text` in Lark: its token where it is one added token, else the string."""
+    return f"<[{tags[text]}]>" if text in tags else json.dumps(text)
 
 
 def _compact(schema) -> str:

@@ -259,3 +259,30 @@ def test_each_api_s_parallel_switch_reaches_the_grammar_in_the_model_s_format(co
         "type": "object", "properties": {"p": {"type": "string", "pattern": "a+"}}}}}
     chat = SimpleNamespace(grammar=None, tools=[pattern], tool_choice="required", response_format=None)
     assert chat_grammar(chat, tokenizer) is None  # left free (with a warning), not a 400
+
+
+def test_glm47_tags_that_are_added_tokens_are_written_as_their_tokens(llama_dir):
+    from tokenizers import AddedToken, Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    from mlxkv.models.compat import added_token_id
+    from mlxkv.structured.compiler import GrammarCompiler
+    from mlxkv.structured.tool_grammar import TAGS
+
+    base = Tokenizer.from_file(f"{llama_dir}/tokenizer.json")
+    marks = ("<tool_call>", "</tool_call>", *TAGS["glm47"])
+    base.add_tokens([AddedToken(m, special=True, normalized=False) for m in marks])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=base)  # GLM's kind: every tag one added token
+    ids = {m: added_token_id(tokenizer, m) for m in marks}
+    compiler = GrammarCompiler(tokenizer, len(tokenizer), [0])
+    grammar = tool_call_grammar("<tool_call>", "</tool_call>", TOOLS, allow_text=True,
+                                token_ids=(ids["<tool_call>"], ids["</tool_call>"]), parser="glm47",
+                                tags={t: ids[t] for t in TAGS["glm47"]})
+    for text, good in [(t, True) for t in GLM_GOOD] + [(t, False) for t in GLM_BAD]:
+        tokens = tokenizer.encode("Let me see. " + text, add_special_tokens=False)
+        assert ids["<arg_key>"] in tokens or "noop" in text or "other" in text  # the model's tokens, not text
+        matcher = compiler.matcher(grammar)
+        whole = matcher.valid_prefix(tokens) == len(tokens)
+        if whole:
+            matcher.advance(tokens)
+        assert (whole and matcher.accepting) == good, text
