@@ -16,6 +16,10 @@ tool's schema as the parser converts them, the closing marker.
   property's value its text (stripped by the parser: no edge whitespace),
   any other's JSON valid against the property's schema.
 - `pythonic` (LFM2's): `[name(k=value, ...)]`, each value JSON.
+- `kimi_k2`: a section of `functions.name:i` + JSON arguments calls.
+
+Inner tags a tokenizer holds as added tokens (GLM's, Kimi's) are written as
+their tokens, as the markers are.
 
 A tool the format's parser cannot read back exactly (a string pattern or
 bounds where the value is raw text, a name with spaces) raises
@@ -69,25 +73,29 @@ def tool_call_grammar(start: str, end: str, tools: list[ToolSpec], allow_text: b
         raise MlxkvError("a tool-call grammar needs at least one tool")
     if parser not in FORMATS:
         raise UnsupportedTools(f"no tool-call grammar for mlx-lm's {parser!r} format")
-    body = FORMATS[parser](tools, end, tags or {})
+    rules = FORMATS[parser](tools, end, tags or {})
     open_id, close_id = token_ids
     close = json.dumps(end) if close_id is None else f"<[{close_id}]>"
     opening = json.dumps(start) if open_id is None else f"<[{open_id}]>"
-    more = f' ("\\n" {opening} body {close})*' if parallel else ""
+    # Several calls: in one section where the format has sections (its `calls` rule), else a
+    # newline apart, each between the markers.
+    inner = parallel and parser in SECTIONED
+    body = "calls" if inner else "body"
+    more = f' ("\\n" {opening} body {close})*' if parallel and not inner else ""
     if open_id is not None:  # a token, never text: text cannot run into it
         if not allow_text:
-            return Grammar.lark(f"start: {opening} body {close}{more}\n{body}\n")
-        return Grammar.lark(f"start: TEXT? ({opening} body {close}{more})?\nTEXT: /(.|\\n)+/\n{body}\n")
+            return Grammar.lark(f"start: {opening} {body} {close}{more}\n{rules}\n")
+        return Grammar.lark(f"start: TEXT? ({opening} {body} {close}{more})?\nTEXT: /(.|\\n)+/\n{rules}\n")
     if not allow_text:
-        return Grammar.lark(f"start: {opening} body {close}{more}\n{body}\n")
+        return Grammar.lark(f"start: {opening} {body} {close}{more}\n{rules}\n")
     marker = _regex(start)
     return Grammar.lark(
-        f"start: TEXT | CALL_OPEN body {close}{more}\n"
+        f"start: TEXT | CALL_OPEN {body} {close}{more}\n"
         f"TEXT: /(.|\\n)*/ & ~/(.|\\n)*{marker}(.|\\n)*/\n"
         # Text up to the first marker, the marker included, as one lexeme: the lexer need not guess
         # where the text ends (a text lexeme that stopped before "<tool_call" could not go on).
         f"CALL_OPEN: /(.|\\n)*{marker}/ & ~/(.|\\n)*{marker}(.|\\n)+/\n"
-        f"{body}\n")
+        f"{rules}\n")
 
 
 def _json_body(tools: list[ToolSpec], end: str, tags: dict[str, int]) -> str:
@@ -269,11 +277,30 @@ def _python_body(tools: list[ToolSpec], end: str, tags: dict[str, int]) -> str:
     return "\n".join(rules)
 
 
-FORMATS = {"json_tools": _json_body, "qwen3_coder": _xml_body, "glm47": _glm_body, "pythonic": _python_body}
+def _kimi_body(tools: list[ToolSpec], end: str, tags: dict[str, int]) -> str:
+    """Kimi-K2's section of calls, each `<|tool_call_begin|>functions.name:i
+    <|tool_call_argument_begin|>{json}<|tool_call_end|>` (the parser reads `functions.name:i` as
+    the call's id, the JSON as the arguments)."""
+    begin, arguments, call_end = (_literal(t, tags) for t in TAGS["kimi_k2"])
+    rules = [f"body: {begin} ({' | '.join(f'f{i}' for i in range(len(tools)))}) {call_end}", "calls: body+"]
+    for i, tool in enumerate(tools):
+        if not _KIMI_NAME.fullmatch(tool.name):
+            raise UnsupportedTools(f"tool name {tool.name!r} cannot be written in the kimi_k2 format")
+        schema = {**(tool.schema or ANY_OBJECT), "x-guidance": JSON_OPTIONS}
+        rules.append(f"f{i}: {json.dumps(f'functions.{tool.name}:')} /[0-9]{{1,4}}/ {arguments} "
+                     f"%json {_compact(schema)}")
+    return "\n".join(rules)
+
+
+_KIMI_NAME = re.compile(r"[^\s:<>]+")  # the parser reads the name up to ":<digits>"
+FORMATS = {"json_tools": _json_body, "qwen3_coder": _xml_body, "glm47": _glm_body, "pythonic": _python_body,
+           "kimi_k2": _kimi_body}
+SECTIONED = ("kimi_k2",)  # formats whose several calls share one pair of markers
 
 
 # Each format's inner tags, which a tokenizer may hold as added tokens.
-TAGS = {"glm47": ("<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>")}
+TAGS = {"glm47": ("<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"),
+        "kimi_k2": ("<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>")}
 
 
 def _literal(text: str, tags: dict[str, int]) -> str:

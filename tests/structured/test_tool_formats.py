@@ -286,3 +286,42 @@ def test_glm47_tags_that_are_added_tokens_are_written_as_their_tokens(llama_dir)
         if whole:
             matcher.advance(tokens)
         assert (whole and matcher.accepting) == good, text
+
+
+def kimi_call(*calls: tuple[str, int, dict]) -> str:
+    body = "".join(f"<|tool_call_begin|>functions.{name}:{i}<|tool_call_argument_begin|>"
+                   f"{json.dumps(args, ensure_ascii=False)}<|tool_call_end|>" for name, i, args in calls)
+    return f"<|tool_calls_section_begin|>{body}<|tool_calls_section_end|>"
+
+
+def test_kimi_k2_calls_in_one_section_parse_valid_with_the_tags_as_tokens_or_as_text(llama_dir):
+    from mlx_lm.tool_parsers import kimi_k2
+    from tokenizers import AddedToken, Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    from mlxkv.models.compat import added_token_id
+    from mlxkv.structured.compiler import GrammarCompiler
+    from mlxkv.structured.tool_grammar import TAGS
+
+    start, end = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
+    edit = ("edit", 0, {"path": "a <|x|>.py", "count": 2, "tags": ["t"]})
+    good, two = kimi_call(edit), kimi_call(edit, ("noop", 1, {}))
+    bad = [kimi_call(("edit", 0, {"path": "a"})), kimi_call(("other", 0, {})),
+           kimi_call(("edit", 0, {"path": "a", "count": "2"}))]
+    for as_tokens in (False, True):
+        base = Tokenizer.from_file(f"{llama_dir}/tokenizer.json")
+        if as_tokens:  # Kimi's kind: markers and tags are added tokens
+            base.add_tokens([AddedToken(m, special=True, normalized=False) for m in (start, end, *TAGS["kimi_k2"])])
+        tokenizer = PreTrainedTokenizerFast(tokenizer_object=base)
+        compiler = GrammarCompiler(tokenizer, len(tokenizer), [0])
+        tags = {t: i for t in TAGS["kimi_k2"] if (i := added_token_id(tokenizer, t)) is not None}
+        assert len(tags) == (3 if as_tokens else 0)
+        for parallel in (False, True):
+            grammar = tool_call_grammar(start, end, TOOLS, allow_text=True, parser="kimi_k2", parallel=parallel,
+                                        token_ids=(added_token_id(tokenizer, start), added_token_id(tokenizer, end)),
+                                        tags=tags)
+            assert accepts(compiler, grammar, "Sure. " + good) and accepts(compiler, grammar, two) == parallel
+            assert not any(accepts(compiler, grammar, text) for text in bad)
+        for text in (good, two):
+            calls = kimi_k2.parse_tool_call(text.removeprefix(start).removesuffix(end))
+            assert [c["name"] for c in calls] == ["edit", "noop"][:len(calls)] and all(valid(c) for c in calls)
