@@ -28,7 +28,8 @@ argument) is not kept from holding its format's closing text inside a JSON
 string: llguidance's JSON cannot exclude it.
 
 - `required` (or one named tool): the reply is one call, or with
-  `parallel` one or more, a newline apart.
+  `parallel` one or more, a newline apart (in one section where the format
+  has sections: SECTIONED).
 - `auto`: the reply is text without the opening marker, or such text
   followed by such calls: the model chooses, and a call it starts is a valid one.
 """
