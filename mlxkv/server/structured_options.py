@@ -11,9 +11,12 @@
 Precedence when several are sent: `grammar`, then a forced tool call, then
 the reply format, then `auto` with strict tools (text, or a valid call).
 A grammar llguidance cannot compile is a 400 naming the failing part.
-Tool calls are enforced in the model's own format when mlx-lm reads it as
-a JSON body (tool_grammar.py); for other formats the tools are left free,
-with a warning.
+Tool calls are enforced in the model's own format where mlxkv writes a
+grammar for mlx-lm's parser of it (tool_grammar.py FORMATS); for other
+formats, or schemas a format cannot carry exactly, the tools are left free,
+with a warning. Several calls in one reply unless the request turns
+parallel calls off (`parallel_tool_calls: false`; Anthropic's
+`disable_parallel_tool_use`).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from mlxkv.models.compat import added_token_id, tool_parser_name
 from mlxkv.server.api_errors import ApiError
 from mlxkv.structured.compiler import check_grammar
 from mlxkv.structured.grammar import Grammar
-from mlxkv.structured.tool_grammar import JSON_BODY_PARSERS, ToolSpec, tool_call_grammar
+from mlxkv.structured.tool_grammar import FORMATS, TAGS, ToolSpec, UnsupportedTools, tool_call_grammar
 
 log = logging.getLogger(__name__)
 
@@ -37,14 +40,16 @@ def chat_grammar(body, tokenizer) -> Grammar | None:
              if t.get("type", "function") == "function"]
     choice = _openai_choice(getattr(body, "tool_choice", None), nested=True)
     fmt = _reply_format(getattr(body, "response_format", None), "response_format")
-    return _choose(body.grammar, tools, choice, fmt, tokenizer)
+    parallel = getattr(body, "parallel_tool_calls", None) is not False  # OpenAI's default: true
+    return _choose(body.grammar, tools, choice, fmt, tokenizer, parallel)
 
 
 def responses_grammar(body, tokenizer) -> Grammar | None:
     tools = [_openai_tool(t) for t in body.tools or [] if t.get("type") == "function"]
     text = body.text if isinstance(body.text, dict) else {}
     return _choose(body.grammar, tools, _openai_choice(body.tool_choice, nested=False),
-                   _reply_format(text.get("format"), "text.format", flat=True), tokenizer)
+                   _reply_format(text.get("format"), "text.format", flat=True), tokenizer,
+                   body.parallel_tool_calls is not False)
 
 
 def anthropic_grammar(body, tokenizer) -> Grammar | None:
@@ -54,7 +59,8 @@ def anthropic_grammar(body, tokenizer) -> Grammar | None:
     mode = {"any": ("required", None), "tool": ("required", choice.get("name")),
             "none": ("none", None)}.get(kind, ("auto", None))
     fmt, param = _anthropic_format(body)
-    return _choose(body.grammar, tools, mode, _reply_format(fmt, param, flat=True), tokenizer)
+    return _choose(body.grammar, tools, mode, _reply_format(fmt, param, flat=True), tokenizer,
+                   not choice.get("disable_parallel_tool_use", False))
 
 
 def _anthropic_format(body) -> tuple[Any, str]:
@@ -128,9 +134,10 @@ def _grammar_field(value: Any) -> Grammar | None:
 
 
 def _choose(grammar: Any, tools: list[tuple[ToolSpec, bool]], choice: tuple[str, str | None],
-            reply_format: Grammar | None, tokenizer) -> Grammar | None:
+            reply_format: Grammar | None, tokenizer, parallel: bool) -> Grammar | None:
     """The request's one grammar by the precedence above, checked (400 if it does not compile).
-    `tools`: (tool, strict) each; a forced call enforces every tool's schema, `auto` the strict ones'."""
+    `tools`: (tool, strict) each; a forced call enforces every tool's schema, `auto` the strict ones'.
+    `parallel`: the request allows several calls in one reply."""
     explicit = _grammar_field(grammar)
     if explicit is not None:
         return explicit
@@ -140,26 +147,33 @@ def _choose(grammar: Any, tools: list[tuple[ToolSpec, bool]], choice: tuple[str,
         forced = [t for t in specs if name is None or t.name == name]
         if not forced:
             raise ApiError(400, f"tool_choice: no tool named {name!r} among the tools", param="tool_choice")
-        call = _tool_grammar(tokenizer, forced, allow_text=False)
+        call = _tool_grammar(tokenizer, forced, allow_text=False, parallel=parallel)
         if call is not None:
             return call
     if reply_format is not None:
         return reply_format
     if mode == "auto" and any(strict for _, strict in tools):
         return _tool_grammar(tokenizer, [spec if strict else ToolSpec(spec.name, None) for spec, strict in tools],
-                             allow_text=True)
+                             allow_text=True, parallel=parallel)
     return None
 
 
-def _tool_grammar(tokenizer, tools: list[ToolSpec], allow_text: bool) -> Grammar | None:
+def _tool_grammar(tokenizer, tools: list[ToolSpec], allow_text: bool, parallel: bool) -> Grammar | None:
     parser = tool_parser_name(tokenizer)
-    if parser not in JSON_BODY_PARSERS:
+    if parser not in FORMATS:
         log.warning("tool calls are not enforced for this model: its tool-call format (%s) is not one "
-                    "mlxkv writes grammars for (%s)", parser or "none", ", ".join(JSON_BODY_PARSERS))
+                    "mlxkv writes grammars for (%s)", parser or "none", ", ".join(FORMATS))
         return None
     start, end = tokenizer.tool_call_start, tokenizer.tool_call_end
     ids = (added_token_id(tokenizer, start), added_token_id(tokenizer, end))
-    return _checked(lambda: tool_call_grammar(start, end, tools, allow_text, ids), "tools")
+    tags = {tag: added_token_id(tokenizer, tag) for tag in TAGS.get(parser, ())}
+    try:
+        grammar = tool_call_grammar(start, end, tools, allow_text, ids, parser, parallel,
+                                    {tag: i for tag, i in tags.items() if i is not None})
+    except UnsupportedTools as e:
+        log.warning("tool calls are not enforced for this request: %s", e)
+        return None
+    return _checked(lambda: grammar, "tools")
 
 
 def _checked(make, param: str) -> Grammar:

@@ -6,8 +6,10 @@ gets a copy of the cached matcher (a copy is microseconds; a compile,
 milliseconds to more for a large schema). The stats say hits, misses and
 the time spent compiling.
 
-llguidance's tokenizer is built from the Hugging Face one on first use
-(about a second for a large vocabulary), with the model's EOS ids given
+llguidance's tokenizer is built from the Hugging Face one (about a second
+for a large vocabulary) on the compiler's worker thread, started when the
+compiler is made at load: built on the engine thread at first use, it
+stalled every running request's step. The model's EOS ids are given
 explicitly: left to itself, `LLTokenizer` took token 0.
 """
 
@@ -73,21 +75,22 @@ class GrammarCompiler:
         self.eos_ids = sorted(int(t) for t in eos_ids)
         self.capacity = capacity
         self.stats = CompileStats()
-        self._ll_tokenizer = None
         self._executor = None
         self._worker = None
         self._cache: OrderedDict[Grammar, object] = OrderedDict()
         self._lock = threading.Lock()
+        self._ll_tokenizer = self.worker.submit(self._build_tokenizer)  # a Future: ready by the first grammar
 
     @property
     def ll_tokenizer(self):
-        if self._ll_tokenizer is None:
-            from mlxkv.models.compat import hf_tokenizer
-            import llguidance.hf
+        """llguidance's tokenizer (waits for the worker thread's build if a grammar comes that soon)."""
+        return self._ll_tokenizer.result()
 
-            self._ll_tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer(self._hf), n_vocab=self.vocab_size,
-                                                             eos_token=self.eos_ids)
-        return self._ll_tokenizer
+    def _build_tokenizer(self):
+        from mlxkv.models.compat import hf_tokenizer
+        import llguidance.hf
+
+        return llguidance.hf.from_tokenizer(hf_tokenizer(self._hf), n_vocab=self.vocab_size, eos_token=self.eos_ids)
 
     @property
     def executor(self):

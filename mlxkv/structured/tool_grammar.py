@@ -1,16 +1,37 @@
 """Tool calls as a grammar, in the model's own call format.
 
 mlx-lm's tokenizer names the strings that open and close a model's tool
-call, and its parser reads what is between them (server/tool_calls.py);
-those stay the format of record. For the JSON-body format (mlx-lm's
-`json_tools` parser: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`,
-Qwen's and Hermes' models) the grammar writes exactly what that parser
-reads: the opening marker, a JSON object whose "name" is one of the tools
-and whose "arguments" match that tool's schema, the closing marker.
+call, and its parser (mlx_lm.tool_parsers.<name>) reads what is between
+them (server/tool_calls.py); those stay the format of record. For each
+format below the grammar writes exactly what that parser reads: the
+opening marker, a call to one of the tools whose arguments match that
+tool's schema as the parser converts them, the closing marker.
 
-- `required` (or one named tool): the reply is one call.
+- `json_tools` (Qwen's and Hermes' models): `{"name": ..., "arguments": {...}}`.
+- `qwen3_coder`: `<function=name>` then one `<parameter=p>value</parameter>`
+  per argument, the value's text converted by the parser per the type the
+  schema gives the property (string, integer, number, boolean, object,
+  array).
+- `glm47`: `name<arg_key>k</arg_key><arg_value>v</arg_value>...`, a string
+  property's value its text (stripped by the parser: no edge whitespace),
+  any other's JSON valid against the property's schema.
+- `pythonic` (LFM2's): `[name(k=value, ...)]`, each value JSON.
+- `kimi_k2`: a section of `functions.name:i` + JSON arguments calls.
+
+Inner tags a tokenizer holds as added tokens (GLM's, Kimi's) are written as
+their tokens, as the markers are.
+
+A tool the format's parser cannot read back exactly (a string pattern or
+bounds where the value is raw text, a name with spaces) raises
+UnsupportedTools. A JSON value (json_tools' body, an object or array
+argument) is not kept from holding its format's closing text inside a JSON
+string: llguidance's JSON cannot exclude it.
+
+- `required` (or one named tool): the reply is one call, or with
+  `parallel` one or more, a newline apart (in one section where the format
+  has sections: SECTIONED).
 - `auto`: the reply is text without the opening marker, or such text
-  followed by one call: the model chooses, and a call it starts is a valid one.
+  followed by such calls: the model chooses, and a call it starts is a valid one.
 """
 
 from __future__ import annotations
@@ -23,8 +44,11 @@ from mlxkv.errors import MlxkvError
 from mlxkv.structured.grammar import JSON_OPTIONS, Grammar
 
 ANY_OBJECT = {"type": "object"}
-# mlx-lm's parsers whose call body is JSON {"name", "arguments"} between the markers.
-JSON_BODY_PARSERS = ("json_tools",)
+
+
+class UnsupportedTools(MlxkvError):
+    """The tools' schemas cannot be written exactly in this call format (the caller leaves
+    the tools free)."""
 
 
 @dataclass(frozen=True)
@@ -34,41 +58,259 @@ class ToolSpec:
 
 
 def tool_call_grammar(start: str, end: str, tools: list[ToolSpec], allow_text: bool,
-                      token_ids: tuple[int | None, int | None] = (None, None)) -> Grammar:
+                      token_ids: tuple[int | None, int | None] = (None, None),
+                      parser: str = "json_tools", parallel: bool = False,
+                      tags: dict[str, int] | None = None) -> Grammar:
     """The Lark grammar of one call to one of `tools` between `start` and `end` (with
-    `allow_text`: or of text, then maybe such a call).
+    `allow_text`: or of text, then maybe such a call), the call's body in `parser`'s format
+    (one of FORMATS). `parallel`: one or more calls where one is written.
 
     `token_ids`: the markers' ids where each is one added token of the tokenizer (Qwen's
     <tool_call>). llguidance keeps added tokens apart from text, so such a marker is written
     as its token (`<[id]>`): as text it could only be spelled out byte by byte, which the
-    model never does."""
+    model never does. `tags`: likewise, the format's inner tags that are added tokens, by
+    text (TAGS names them per format)."""
     if not tools:
         raise MlxkvError("a tool-call grammar needs at least one tool")
-    body = f"body: %json {json.dumps(_body_schema(tools), separators=(',', ':'))}"
+    if parser not in FORMATS:
+        raise UnsupportedTools(f"no tool-call grammar for mlx-lm's {parser!r} format")
+    rules = FORMATS[parser](tools, end, tags or {})
     open_id, close_id = token_ids
     close = json.dumps(end) if close_id is None else f"<[{close_id}]>"
+    opening = json.dumps(start) if open_id is None else f"<[{open_id}]>"
+    # Several calls: in one section where the format has sections (its `calls` rule), else a
+    # newline apart, each between the markers.
+    inner = parallel and parser in SECTIONED
+    body = "calls" if inner else "body"
+    more = f' ("\\n" {opening} body {close})*' if parallel and not inner else ""
     if open_id is not None:  # a token, never text: text cannot run into it
-        opening = f"<[{open_id}]>"
         if not allow_text:
-            return Grammar.lark(f"start: {opening} body {close}\n{body}\n")
-        return Grammar.lark(f"start: TEXT? ({opening} body {close})?\nTEXT: /(.|\\n)+/\n{body}\n")
+            return Grammar.lark(f"start: {opening} {body} {close}{more}\n{rules}\n")
+        return Grammar.lark(f"start: TEXT? ({opening} {body} {close}{more})?\nTEXT: /(.|\\n)+/\n{rules}\n")
     if not allow_text:
-        return Grammar.lark(f"start: {json.dumps(start)} body {close}\n{body}\n")
+        return Grammar.lark(f"start: {opening} {body} {close}{more}\n{rules}\n")
     marker = _regex(start)
     return Grammar.lark(
-        f"start: TEXT | CALL_OPEN body {close}\n"
+        f"start: TEXT | CALL_OPEN {body} {close}{more}\n"
         f"TEXT: /(.|\\n)*/ & ~/(.|\\n)*{marker}(.|\\n)*/\n"
         # Text up to the first marker, the marker included, as one lexeme: the lexer need not guess
         # where the text ends (a text lexeme that stopped before "<tool_call" could not go on).
         f"CALL_OPEN: /(.|\\n)*{marker}/ & ~/(.|\\n)*{marker}(.|\\n)+/\n"
-        f"{body}\n")
+        f"{rules}\n")
 
 
-def _body_schema(tools: list[ToolSpec]) -> dict:
+def _json_body(tools: list[ToolSpec], end: str, tags: dict[str, int]) -> str:
     calls = [{"type": "object", "properties": {"name": {"const": t.name}, "arguments": t.schema or ANY_OBJECT},
               "required": ["name", "arguments"], "additionalProperties": False} for t in tools]
     schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
-    return {**schema, "x-guidance": JSON_OPTIONS}
+    return f"body: %json {_compact({**schema, 'x-guidance': JSON_OPTIONS})}"
+
+
+# The qwen3_coder parser's conversion of a parameter's text, by the property's "type".
+_XML_ANNOTATIONS = {"description", "title", "default", "examples", "$comment"}
+_XML_INTEGER = "/-?(0|[1-9][0-9]{0,14})/"  # float() reads it back exactly: at most 15 digits
+_XML_NUMBER = "/-?(0|[1-9][0-9]{0,14})(\\.[0-9]{1,15})?/"
+_XML_NAME = re.compile(r"[^\s<>]+")  # what the parser reads as a function or parameter name
+
+
+def _xml_body(tools: list[ToolSpec], end: str, tags: dict[str, int]) -> str:
+    """Qwen3-Coder's `<function=f>\\n<parameter=p>\\nvalue\\n</parameter>\\n</function>`."""
+    rules = [f"body: \"\\n\" ({' | '.join(f'f{i}' for i in range(len(tools)))}) \"\\n\""]
+    closing = [_regex("</parameter>")] + ([_regex(end)] if end else [])
+    # A string value and its closing tag, one lexeme: text holding neither closing tag nor the
+    # call's end marker, and not "null" (the parser reads any case of it as None).
+    banned = " ".join(f"& ~/(.|\\n)*{m}(.|\\n)*\\n<\\/parameter>/" for m in closing)
+    rules.append(f"STR: /(.|\\n)*\\n<\\/parameter>/ {banned} & ~/[nN][uU][lL][lL]\\n<\\/parameter>/")
+    for i, tool in enumerate(tools):
+        if not _XML_NAME.fullmatch(tool.name):
+            raise UnsupportedTools(f"tool name {tool.name!r} cannot be written in the qwen3_coder format")
+        params = _xml_params(tool, i, rules)
+        rules.append(f"f{i}: {json.dumps(f'<function={tool.name}>')} \"\\n\" {params} \"</function>\"")
+    return "\n".join(rules)
+
+
+def _xml_params(tool: ToolSpec, i: int, rules: list[str]) -> str:
+    schema = tool.schema
+    if schema is None:  # any parameters, read back as text
+        rules.append(f'any{i}: "<parameter=" /[^\\s<>]+/ ">\\n" STR "\\n"')
+        return f"any{i}*"
+    required = set(schema.get("required") or [])
+    parts = []
+    for j, (name, prop) in enumerate(_properties(tool, "qwen3_coder").items()):
+        value = _xml_value(tool.name, name, prop)
+        rules.append(f"p{i}_{j}: {json.dumps(f'<parameter={name}>')} \"\\n\" {value} \"\\n\"")
+        parts.append(f"p{i}_{j}" + ("" if name in required else "?"))
+    return " ".join(parts) if parts else '""'
+
+
+def _xml_value(tool: str, name: str, prop) -> str:
+    """The value's text and its closing tag, as the parser converts it to a value valid against `prop`."""
+    where = f"tool {tool!r}, parameter {name!r}"
+    if not isinstance(prop, dict):
+        raise UnsupportedTools(f"{where}: its schema is not an object")
+    kind, keys = prop.get("type"), set(prop) - _XML_ANNOTATIONS - {"type"}
+    if kind in ("object", "array"):  # json.loads of the text: the schema holds as JSON does
+        return f"%json {_compact({**prop, 'x-guidance': JSON_OPTIONS})} \"\\n</parameter>\""
+    if kind == "string" and keys <= {"enum"} and all(isinstance(v, str) for v in prop.get("enum", [""])):
+        if "enum" not in prop:
+            return "STR"
+        if any(v.lower() == "null" or "</parameter>" in v for v in prop["enum"]):
+            raise UnsupportedTools(f"{where}: an enum value the parser would not read back")
+        return "(" + " | ".join(json.dumps(v + "\n</parameter>") for v in prop["enum"]) + ")"
+    if kind in ("integer", "number", "boolean") and not keys:
+        value = {"integer": _XML_INTEGER, "number": _XML_NUMBER, "boolean": '("true" | "false")'}[kind]
+        return f"{value} \"\\n</parameter>\""
+    raise UnsupportedTools(f"{where}: the qwen3_coder format's parser cannot read a {_compact(prop)} "
+                           f"value back exactly")
+
+
+# What GLM's parser strips from a value (Python's str.strip: Rust's \s lacks \x1c-\x1f).
+_GLM_EDGE = "[^\\s\\x1c-\\x1f]"
+
+
+def _glm_body(tools: list[ToolSpec], end: str, tags: dict[str, int]) -> str:
+    """GLM-4.7's `name<arg_key>k</arg_key><arg_value>v</arg_value>...`: a string property's value
+    is read as its text, stripped; any other's as JSON. GLM's tokenizers have its tags as added
+    tokens: those are written as their tokens (`tags`)."""
+    rules = [f"body: {' | '.join(f'f{i}' for i in range(len(tools)))}"]
+    close = _literal("</arg_value>", tags)
+    marks = [_regex(m) for m in ("</arg_value>", end) if m]
+    text = f"{_GLM_EDGE}((.|\\n)*{_GLM_EDGE})?"  # without the edge whitespace the parser would strip
+    if "</arg_value>" in tags:  # the value's text, then the closing token
+        banned = " ".join(f"& ~/(.|\\n)*{m}(.|\\n)*/" for m in marks)
+        rules += [f"STR: /{text}/ {banned}", f"str: STR? {close}"]
+    else:  # a string value and its closing tag, one lexeme: the lexer need not guess where the text ends
+        banned = " ".join(f"& ~/(.|\\n)*{m}(.|\\n)*<\\/arg_value>/" for m in marks)
+        rules += [f"STR: /({text})?<\\/arg_value>/ {banned}", "str: STR"]
+    key, key_end, value = (_literal(t, tags) for t in ("<arg_key>", "</arg_key>", "<arg_value>"))
+    for i, tool in enumerate(tools):
+        if not _XML_NAME.fullmatch(tool.name):
+            raise UnsupportedTools(f"tool name {tool.name!r} cannot be written in the glm47 format")
+        if tool.schema is None:
+            rules.append(f"any{i}: {key} /[^\\s<>]+/ {key_end} {value} str")
+            params = f"any{i}*"
+        else:
+            params = _glm_params(tool, i, rules, tags)
+        rules.append(f"f{i}: {json.dumps(tool.name)} {params}")
+    return "\n".join(rules)
+
+
+def _glm_params(tool: ToolSpec, i: int, rules: list[str], tags: dict[str, int]) -> str:
+    parts = []
+    key, key_end, value_open, close = (_literal(t, tags) for t in ("<arg_key>", "</arg_key>", "<arg_value>",
+                                                                   "</arg_value>"))
+    for j, (name, prop) in enumerate(_properties(tool, "glm47").items()):
+        where = f"tool {tool.name!r}, parameter {name!r}"
+        if not isinstance(prop, dict):
+            raise UnsupportedTools(f"{where}: its schema is not an object")
+        if prop.get("type") == "string":  # the parser keeps the text
+            value = _glm_string(where, prop, close)
+        else:  # json.loads reads it back: the schema holds as JSON does
+            value = f"%json {_compact({**prop, 'x-guidance': JSON_OPTIONS})} {close}"
+        rules.append(f"p{i}_{j}: {key} {json.dumps(name)} {key_end} {value_open} {value}")
+        parts.append(f"p{i}_{j}" + ("" if name in (tool.schema.get("required") or []) else "?"))
+    return " ".join(parts) if parts else '""'
+
+
+def _glm_string(where: str, prop: dict, close: str) -> str:
+    keys = set(prop) - _XML_ANNOTATIONS - {"type"}
+    if not keys:
+        return "str"
+    if keys == {"enum"} and all(isinstance(v, str) and v == v.strip() and "</arg_value>" not in v
+                                for v in prop["enum"]):
+        return "(" + " | ".join(json.dumps(v) for v in prop["enum"]) + f") {close}"
+    raise UnsupportedTools(f"{where}: the glm47 format's parser cannot read a {_compact(prop)} value back exactly")
+
+
+def _properties(tool: ToolSpec, fmt: str) -> dict:
+    """The tool's properties by name, each name one the format's parser reads back (else UnsupportedTools)."""
+    schema = tool.schema
+    extra = set(schema) - _XML_ANNOTATIONS - {"type", "properties", "required", "additionalProperties", "$schema"}
+    if schema.get("type", "object") != "object" or extra:
+        raise UnsupportedTools(f"tool {tool.name!r}: only an object schema of properties can be written "
+                               f"in the {fmt} format")
+    properties = schema.get("properties") or {}
+    missing = set(schema.get("required") or []) - set(properties)
+    if missing:
+        raise UnsupportedTools(f"tool {tool.name!r}: required {sorted(missing)} are not among its properties")
+    for name in properties:
+        if not _XML_NAME.fullmatch(name):
+            raise UnsupportedTools(f"tool {tool.name!r}: parameter {name!r} cannot be written in the {fmt} format")
+    return properties
+
+
+_PY_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def _python_body(tools: list[ToolSpec], end: str, tags: dict[str, int]) -> str:
+    """Pythonic `[name(k=value, ...)]`: each value JSON, which Python's parser reads as the same
+    value (llguidance writes no `\\/` or `\\u` escapes; the parser maps true/false/null)."""
+    import keyword
+
+    rules = [f"body: \"[\" ({' | '.join(f'f{i}' for i in range(len(tools)))}) \"]\""]
+    for i, tool in enumerate(tools):
+        if not all(_PY_NAME.fullmatch(part) and not keyword.iskeyword(part) for part in tool.name.split(".")):
+            raise UnsupportedTools(f"tool name {tool.name!r} cannot be written in the pythonic format")
+        if tool.schema is None:
+            arg = f'/[A-Za-z_][A-Za-z0-9_]*/ "=" %json {_compact({"x-guidance": JSON_OPTIONS})}'
+            rules.append(f"a{i}: {arg}")
+            rules.append(f"f{i}: {json.dumps(tool.name + '(')} (a{i} (\", \" a{i})*)? \")\"")
+            continue
+        properties = _properties(tool, "pythonic")
+        required = set(tool.schema.get("required") or [])
+        names = list(properties)
+        for j, name in enumerate(names):
+            if keyword.iskeyword(name) or not _PY_NAME.fullmatch(name):
+                raise UnsupportedTools(f"tool {tool.name!r}: parameter {name!r} is not a Python keyword argument")
+            rules.append(f"p{i}_{j}: {json.dumps(name + '=')} %json "
+                         f"{_compact({**properties[name], 'x-guidance': JSON_OPTIONS})}")
+        # Commas between the arguments written, optional ones anywhere: t{k} is the rest from
+        # argument k when none is written yet, s{k} when one is.
+        n = len(names)
+        rules += [f't{i}_{n}: ""', f's{i}_{n}: ""']
+        for j in reversed(range(n)):
+            if names[j] in required:
+                rules += [f"t{i}_{j}: p{i}_{j} s{i}_{j + 1}", f's{i}_{j}: ", " p{i}_{j} s{i}_{j + 1}']
+            else:
+                rules += [f"t{i}_{j}: p{i}_{j} s{i}_{j + 1} | t{i}_{j + 1}",
+                          f's{i}_{j}: (", " p{i}_{j})? s{i}_{j + 1}']
+        rules.append(f"f{i}: {json.dumps(tool.name + '(')} t{i}_0 \")\"")
+    return "\n".join(rules)
+
+
+def _kimi_body(tools: list[ToolSpec], end: str, tags: dict[str, int]) -> str:
+    """Kimi-K2's section of calls, each `<|tool_call_begin|>functions.name:i
+    <|tool_call_argument_begin|>{json}<|tool_call_end|>` (the parser reads `functions.name:i` as
+    the call's id, the JSON as the arguments)."""
+    begin, arguments, call_end = (_literal(t, tags) for t in TAGS["kimi_k2"])
+    rules = [f"body: {begin} ({' | '.join(f'f{i}' for i in range(len(tools)))}) {call_end}", "calls: body+"]
+    for i, tool in enumerate(tools):
+        if not _KIMI_NAME.fullmatch(tool.name):
+            raise UnsupportedTools(f"tool name {tool.name!r} cannot be written in the kimi_k2 format")
+        schema = {**(tool.schema or ANY_OBJECT), "x-guidance": JSON_OPTIONS}
+        rules.append(f"f{i}: {json.dumps(f'functions.{tool.name}:')} /[0-9]{{1,4}}/ {arguments} "
+                     f"%json {_compact(schema)}")
+    return "\n".join(rules)
+
+
+_KIMI_NAME = re.compile(r"[^\s:<>]+")  # the parser reads the name up to ":<digits>"
+FORMATS = {"json_tools": _json_body, "qwen3_coder": _xml_body, "glm47": _glm_body, "pythonic": _python_body,
+           "kimi_k2": _kimi_body}
+SECTIONED = ("kimi_k2",)  # formats whose several calls share one pair of markers
+
+
+# Each format's inner tags, which a tokenizer may hold as added tokens.
+TAGS = {"glm47": ("<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"),
+        "kimi_k2": ("<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>")}
+
+
+def _literal(text: str, tags: dict[str, int]) -> str:
+    """`text` in Lark: its token where it is one added token, else the string."""
+    return f"<[{tags[text]}]>" if text in tags else json.dumps(text)
+
+
+def _compact(schema) -> str:
+    return json.dumps(schema, separators=(",", ":"))
 
 
 def _regex(text: str) -> str:

@@ -237,3 +237,27 @@ def test_markers_that_are_added_tokens_are_written_as_their_tokens(llama_dir):
         assert matcher.valid_prefix(call) == len(call)
         text = tokenizer.encode("Let me see. ", add_special_tokens=False)
         assert matcher.valid_prefix(text + call) == (len(text + call) if allow_text else 0)
+
+
+def test_the_llguidance_tokenizer_is_built_on_the_compiler_s_worker_not_the_engine_thread(llama_dir, monkeypatch):
+    import threading
+
+    import llguidance.hf
+    from transformers import PreTrainedTokenizerFast
+
+    from mlxkv.structured.compiler import GrammarCompiler
+
+    built_on, build = [], llguidance.hf.from_tokenizer
+
+    def recording(*args, **kwargs):
+        built_on.append(threading.current_thread().name)
+        return build(*args, **kwargs)
+
+    monkeypatch.setattr(llguidance.hf, "from_tokenizer", recording)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_file=f"{llama_dir}/tokenizer.json")
+    compiler = GrammarCompiler(tokenizer, len(tokenizer), [0])
+    engine_thread = threading.Thread(target=lambda: compiler.matcher(Grammar.regex("ab")), name="mlxkv-engine")
+    engine_thread.start()
+    engine_thread.join()
+    assert len(built_on) == 1 and built_on[0].startswith("mlxkv-masks"), built_on
+    assert compiler.stats.misses == 1  # the engine thread's grammar compiled, with that tokenizer
