@@ -120,7 +120,7 @@ def test_a_quantized_pools_steps_are_timed_on_its_own_reference_path(monkeypatch
             assert kernel.shape == (batch, 4, queries, 64) and mx.allclose(kernel, reference, atol=1e-4).item()
     monkeypatch.delenv(ATTENTION_ENV, raising=False)
     choice = choose_attention("auto", mx.float16, 64, 64, 16, 4, 2, run=harness_run(), timer=FakeGPU(TIMES).timer,
-                              metal=True, kv_bits=8, kv_group_size=64)
+                              metal=True, kv=KVFormat(8, 64))
     assert choice.path == "kernel" and choice.gate is not None  # auto times a quantized pool too
     assert [choice.path_for(1, c) for c in (512, 4096, 16384)] == ["reference", "reference", "kernel"]
 
