@@ -60,6 +60,8 @@ class ToolCallSplitter:
         content, done = "", []
         while True:
             marker = self.end if self._in_call else self.start
+            if not marker:  # no end marker (Mistral's [TOOL_CALLS]...): the calls run to the reply's end
+                break
             at = self._buffer.find(marker)
             if at < 0:
                 break

@@ -92,6 +92,17 @@ def test_tool_calls_split_across_deltas_and_left_open():
     assert rest == "" and open_call.name == "g" and len(splitter.calls) == 2
 
 
+def test_calls_without_an_end_marker_run_to_the_replys_end():
+    """Mistral's format: `[TOOL_CALLS]name[ARGS]{...}` and no end marker, read by mlx-lm's own parser."""
+    from mlx_lm.tool_parsers import mistral
+
+    splitter = ToolCallSplitter(mistral.tool_call_start, mistral.tool_call_end, mistral.parse_tool_call, None)
+    out = [splitter.feed(p) for p in ["Checking. [TOOL", "_CALLS]get_weather[ARGS]{\"city\": ", "\"Oslo\"}"]]
+    assert "".join(text for text, _ in out) == "Checking. " and all(calls == [] for _, calls in out)
+    rest, [call] = splitter.finish()
+    assert rest == "" and call.name == "get_weather" and call.input() == {"city": "Oslo"}
+
+
 def test_a_malformed_tool_call_is_dropped_not_fatal():
     splitter = ToolCallSplitter("<tool_call>", "</tool_call>", json_parser, None)
     text, calls = splitter.feed("a<tool_call>{not json</tool_call>b")
