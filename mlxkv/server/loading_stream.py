@@ -55,7 +55,9 @@ async def _after_load(request, handler, task: asyncio.Task):
         request.state.error = e.message  # for the access log
         yield _error_event(path, e)
     finally:
-        if not task.done():  # the client left while its model loaded: the lease goes back once it is taken
+        # The client left before the lease was handed over (while its model loaded, or in the
+        # turn its load finished): the lease goes back once it is taken (at once if it was).
+        if getattr(request.state, "model_slot", None) is None:
             task.add_done_callback(lambda t: _release(request, t))
 
 

@@ -200,8 +200,10 @@ class Server:
 
     def _stop(self, backend: ServingBackend) -> None:
         """Unload: the engine closes, and its cached blocks and checkpoints finish going to the tiers."""
-        backend.close()
-        self._stop_thread(backend.thread)
+        try:
+            backend.close()
+        finally:  # a close that fails must still end the engine thread: the budget counts it gone
+            self._stop_thread(backend.thread)
 
     def _stop_thread(self, thread) -> None:
         thread.close()
