@@ -91,7 +91,8 @@ class StagedLoad:
     def _as_mlx(self, batch: list[Staged]) -> list[LoadedBlock]:
         if len(batch) == 1:
             s = batch[0]
-            run, first = KVRun(self._mx(s.keys), self._mx(s.values)), s.first
+            wanted = slice(s.first, s.first + len(s.hashes))  # not the whole file's run: the step's budget counts these
+            run, first = KVRun(self._mx(s.keys[:, wanted]), self._mx(s.values[:, wanted])), 0
         else:
             run = KVRun(self._mx(np.concatenate([s.keys[:, s.first : s.first + 1] for s in batch], axis=1)),
                         self._mx(np.concatenate([s.values[:, s.first : s.first + 1] for s in batch], axis=1)))
