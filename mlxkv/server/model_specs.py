@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mlxkv.errors import MlxkvError
+from mlxkv.kv_format import BITS
 
 # A name is what a client sends in "model": no "/" (a source's path or Hugging Face id has one).
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@+-]*")
@@ -42,7 +43,7 @@ class ModelSpec:
             raise MlxkvError(f"model name {self.name!r}: it must be non-empty, without spaces around it")
         if not self.source:
             raise MlxkvError(f"model {self.name!r}: its source is empty")
-        if self.kv_bits not in (None, 4, 8):
+        if self.kv_bits is not None and self.kv_bits not in BITS:
             raise MlxkvError(f"model {self.name!r}: kv_bits must be 4 or 8, got {self.kv_bits!r}")
         if self.speculative not in (None, "lookup", "draft"):
             raise MlxkvError(f"model {self.name!r}: speculative must be \"lookup\" or \"draft\", "
