@@ -22,7 +22,6 @@ from mlx.utils import tree_flatten
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from mlxkv.errors import MlxkvError
-from mlxkv.models import compat
 from mlxkv.models.tiny_families import (  # noqa: F401  (RECURRENT_FAMILIES: the tests take it from here)
     FAMILIES, MIN_LAYERS, RECURRENT_FAMILIES, TEXT_CONFIG_FAMILIES, WINDOWED_FAMILIES, family_config, mixer_scale,
     mlp_layers,
@@ -176,6 +175,8 @@ def model_config(spec: TinyModelSpec) -> dict:
 
 def _random_weights(config: dict, spec: TinyModelSpec) -> dict[str, mx.array]:
     """Weights named and shaped by mlx-lm's own class, drawn from `spec.seed`."""
+    from mlxkv.models import compat  # here, not at the top: it imports mlx-lm, and the CLI's parser imports this module
+
     model_class, args_class = compat.model_classes(spec.family)
     return random_weights(model_class(args_class.from_dict(config)), spec.seed, DTYPES[spec.dtype])
 

@@ -66,6 +66,14 @@ def test_a_bad_flag_is_one_line():
         "mlxkv generate: error: argument --kv-bits: invalid choice: 3 (choose from 8, 4)"]
 
 
+def test_the_parser_leaves_mlx_lm_unimported():
+    """A bad flag or --help answers without loading mlx-lm (it imports transformers: a second of CPU)."""
+    probe = ("import sys, mlxkv.cli; mlxkv.cli.build_parser(); "
+             "print(sorted(m for m in ('mlx_lm', 'transformers') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert done.stdout.strip() == "[]", done.stdout + done.stderr
+
+
 @pytest.mark.slow
 def test_commands_under_load_all_come_back(llama_dir):
     burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
