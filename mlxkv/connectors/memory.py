@@ -81,13 +81,18 @@ class InMemoryKVCacheConnector:
     def contains(self, block_hash: BlockHash) -> bool:
         return block_hash in self._blocks
 
-    def get_computed_blocks(self, block_hashes: Sequence[BlockHash]) -> int:
-        self._stats.lookups += 1
+    def leading(self, block_hashes: Sequence[BlockHash]) -> int:
+        """How many leading blocks this tier holds, without counting a lookup."""
         n = 0
         for h in block_hashes:
             if h not in self._blocks:
                 break
             n += 1
+        return n
+
+    def get_computed_blocks(self, block_hashes: Sequence[BlockHash]) -> int:
+        self._stats.lookups += 1
+        n = self.leading(block_hashes)
         self._stats.hit_blocks += n
         self._stats.hit_tokens += n * self.block_size
         return n

@@ -171,7 +171,8 @@ class TieredLoad:
     def __init__(self, tiered: TieredKVCacheConnector, block_hashes: list[BlockHash]):
         self.tiered, self.block_hashes = tiered, block_hashes
         memory = tiered.memory
-        m = memory.get_computed_blocks(block_hashes) if memory is not None else 0
+        # Counted, not looked up: the lookup that led here (tiers_of) already counted this one.
+        m = memory.leading(block_hashes) if memory is not None else 0
         self._parts: list[tuple[object, LoadJob, int]] = []  # (tier, job, blocks wanted of it)
         if m:
             self._parts.append((memory, SyncLoad(memory, block_hashes[:m]), m))

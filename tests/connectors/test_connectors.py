@@ -152,6 +152,20 @@ def test_memory_tier_lru_budget_pushes_to_next_tier():
     assert s["blocks_held"] == 3 and s["bytes_held"] == 3 * _kv(0).nbytes and s["evictions"] == 1
 
 
+def test_a_tiered_load_from_memory_counts_one_lookup_and_its_hits_once():
+    from mlxkv.connectors.tiered import TieredKVCacheConnector
+
+    tiered = TieredKVCacheConnector(None, 4 * _kv(0).nbytes, BLOCK)
+    keys = [bytes([i]) * 32 for i in range(3)]
+    tiered.memory.evict_blocks(keys[:2], lambda: [_kv(0.0), _kv(1.0)])
+    assert tiered.tiers_of(keys) == ["memory", "memory"]  # the coordinator's lookup
+    load = tiered.begin_load(keys[:2])
+    load.run()
+    assert [b.block_hash for b in load.take(1 << 30)] == keys[:2]
+    s = tiered.stats()["memory"]
+    assert (s["lookups"], s["hit_blocks"], s["hydrations"]) == (1, 2, 2)
+
+
 def test_blocks_evicted_together_are_kept_as_runs_no_longer_than_the_tier_keeps(monkeypatch):
     from mlxkv.connectors import memory
 
