@@ -1,0 +1,68 @@
+"""What every tool-call format's grammar is built from: the tools, and Lark pieces.
+
+tool_grammar.py (and tagged_formats.py) write one grammar per mlx-lm call
+format; the tool, the refusal of a tool a format cannot carry, and the Lark
+spelling of literals, tags and JSON values are shared here.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+
+from mlxkv.errors import MlxkvError
+from mlxkv.structured.grammar import JSON_OPTIONS
+from mlxkv.structured.json_strings import without_markers
+
+ANY_OBJECT = {"type": "object"}
+ANNOTATIONS = {"description", "title", "default", "examples", "$comment"}
+CALL_NAME = re.compile(r"[^\s<>]+")  # what the XML-style parsers read as a function or parameter name
+
+
+class UnsupportedTools(MlxkvError):
+    """The tools' schemas cannot be written exactly in this call format (the caller leaves
+    the tools free)."""
+
+
+@dataclass(frozen=True)
+class ToolSpec:
+    name: str
+    schema: dict | None  # the arguments' JSON schema; None: any JSON object
+
+
+def properties(tool: ToolSpec, fmt: str, names: re.Pattern = CALL_NAME) -> dict:
+    """The tool's properties by name, each name one the format's parser reads back (else UnsupportedTools)."""
+    schema = tool.schema
+    extra = set(schema) - ANNOTATIONS - {"type", "properties", "required", "additionalProperties", "$schema"}
+    if schema.get("type", "object") != "object" or extra:
+        raise UnsupportedTools(f"tool {tool.name!r}: only an object schema of properties can be written "
+                               f"in the {fmt} format")
+    props = schema.get("properties") or {}
+    missing = set(schema.get("required") or []) - set(props)
+    if missing:
+        raise UnsupportedTools(f"tool {tool.name!r}: required {sorted(missing)} are not among its properties")
+    for name in props:
+        if not names.fullmatch(name):
+            raise UnsupportedTools(f"tool {tool.name!r}: parameter {name!r} cannot be written in the {fmt} format")
+    return props
+
+
+def json_value(schema, markers: tuple[str, ...] = ()) -> str:
+    """A JSON value valid against `schema` in Lark (compact), its strings kept from holding any
+    of `markers`: the texts where the format's parser would end the call or the argument."""
+    return f"%json {compact({**without_markers(schema, markers), 'x-guidance': JSON_OPTIONS})}"
+
+
+def literal(text: str, tags: dict[str, int]) -> str:
+    """`text` in Lark: its token where it is one added token, else the string."""
+    return f"<[{tags[text]}]>" if text in tags else json.dumps(text)
+
+
+def compact(schema) -> str:
+    return json.dumps(schema, separators=(",", ":"))
+
+
+def regex(text: str) -> str:
+    """`text` as a literal inside a Lark /regex/."""
+    return re.escape(text).replace("/", "\\/")
