@@ -40,6 +40,7 @@ import json
 import re
 
 from mlxkv.errors import MlxkvError
+from mlxkv.structured import tagged_formats
 from mlxkv.structured.grammar import Grammar
 from mlxkv.structured.tool_specs import ANNOTATIONS as _XML_ANNOTATIONS
 from mlxkv.structured.tool_specs import ANY_OBJECT, ToolSpec, UnsupportedTools  # noqa: F401 (the callers' names)
@@ -49,6 +50,7 @@ from mlxkv.structured.tool_specs import json_value
 from mlxkv.structured.tool_specs import literal as _literal
 from mlxkv.structured.tool_specs import properties as _properties
 from mlxkv.structured.tool_specs import regex as _regex
+from mlxkv.structured.tool_specs import spelled as _spelled
 
 def tool_call_grammar(start: str, end: str, tools: list[ToolSpec], allow_text: bool,
                       token_ids: tuple[int | None, int | None] = (None, None),
@@ -69,14 +71,15 @@ def tool_call_grammar(start: str, end: str, tools: list[ToolSpec], allow_text: b
         raise UnsupportedTools(f"no tool-call grammar for mlx-lm's {parser!r} format")
     rules = FORMATS[parser](tools, end, tags or {})
     open_id, close_id = token_ids
-    close = json.dumps(end) if close_id is None else f"<[{close_id}]>"
-    opening = json.dumps(start) if open_id is None else f"<[{open_id}]>"
+    close = _spelled(end, tags or {}) if close_id is None else f"<[{close_id}]>"
+    opening = _spelled(start, tags or {}) if open_id is None else f"<[{open_id}]>"
     # Several calls: in one section where the format has sections (its `calls` rule), else a
     # newline apart, each between the markers.
     inner = parallel and parser in SECTIONED
     body = "calls" if inner else "body"
-    more = f' ("\\n" {opening} body {close})*' if parallel and not inner else ""
-    if open_id is not None:  # a token, never text: text cannot run into it
+    sep = json.dumps(SEPARATORS.get(parser, "\n"))
+    more = f' ({sep} {opening} body {close})*' if parallel and not inner else ""
+    if opening.startswith("<["):  # a token, never text: text cannot run into it
         if not allow_text:
             return Grammar.lark(f"start: {opening} {body} {close}{more}\n{rules}\n")
         return Grammar.lark(f"start: TEXT? ({opening} {body} {close}{more})?\nTEXT: /(.|\\n)+/\n{rules}\n")
@@ -183,8 +186,29 @@ def _glm_body(tools: list[ToolSpec], end: str, tags: dict[str, int], names: tupl
             params = f"any{i}*"
         else:
             params = _glm_params(tool, i, rules, (key, key_end, value, value_end), (raw_end, end), fmt)
-        rules.append(f"f{i}: {json.dumps(tool.name)} {params}")
+        call = f"{json.dumps(tool.name)} {params}"
+        rules.append(f"f{i}: {_some_or_json(tool, params) if fmt == 'longcat' else call}")
     return "\n".join(rules)
+
+
+def _longcat_body(tools: list[ToolSpec], end: str, tags: dict[str, int]) -> str:
+    """LongCat's: GLM's format under its own tag names."""
+    return _glm_body(tools, end, tags, tagged_formats.LONGCAT_TAGS, "longcat")
+
+
+def _some_or_json(tool: ToolSpec, params: str) -> str:
+    """LongCat's parser reads a call's name up to its first argument, so a call without any is
+    written as the JSON it reads instead: `{"name": "f", "arguments": {}}`."""
+    empty = json.dumps(json.dumps({"name": tool.name, "arguments": {}}))
+    name, parts = json.dumps(tool.name), params.split()
+    if params == '""':
+        return empty
+    if parts[0].endswith("*"):  # any arguments
+        return f"{name} {parts[0][:-1]}+ | {empty}"
+    if not all(p.endswith("?") for p in parts):  # a required one is always written
+        return f"{name} {params}"
+    firsts = [" ".join([parts[k][:-1], *parts[k + 1:]]) for k in range(len(parts))]
+    return f"{name} ({' | '.join(firsts)}) | {empty}"
 
 
 def _glm_params(tool: ToolSpec, i: int, rules: list[str], tags: tuple[str, ...], marks: tuple[str, ...],
@@ -268,13 +292,15 @@ def _kimi_body(tools: list[ToolSpec], end: str, tags: dict[str, int]) -> str:
 
 _KIMI_NAME = re.compile(r"[^\s:<>]+")  # the parser reads the name up to ":<digits>"
 FORMATS = {"json_tools": _json_body, "qwen3_coder": _xml_body, "glm47": _glm_body, "pythonic": _python_body,
-           "kimi_k2": _kimi_body}
-SECTIONED = ("kimi_k2",)  # formats whose several calls share one pair of markers
+           "kimi_k2": _kimi_body, "longcat": _longcat_body, **tagged_formats.FORMATS}
+SECTIONED = ("kimi_k2", *tagged_formats.SECTIONED)  # formats whose several calls share one pair of markers
+SEPARATORS = tagged_formats.SEPARATORS
 
 
 # Each format's inner tags, which a tokenizer may hold as added tokens.
 TAGS = {"glm47": ("<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"),
-        "kimi_k2": ("<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>")}
+        "kimi_k2": ("<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"),
+        **tagged_formats.TAGS}
 
 
 def _marks(*texts: str) -> tuple[str, ...]:

@@ -59,6 +59,18 @@ def literal(text: str, tags: dict[str, int]) -> str:
     return f"<[{tags[text]}]>" if text in tags else json.dumps(text)
 
 
+def spelled(text: str, tags: dict[str, int]) -> str:
+    """`text` in Lark, each added-token tag in it written as its token (Kimi-K3's
+    `<|open|>tools<|sep|>`: two tokens around a word)."""
+    if not text:
+        return '""'
+    found = [t for t in tags if t in text]
+    if not found:
+        return json.dumps(text)
+    parts = re.split("(" + "|".join(re.escape(t) for t in found) + ")", text)
+    return " ".join(f"<[{tags[p]}]>" if p in tags else json.dumps(p) for p in parts if p)
+
+
 def compact(schema) -> str:
     return json.dumps(schema, separators=(",", ":"))
 
