@@ -174,3 +174,47 @@ def test_calls_the_grammar_accepts_read_back_valid_and_the_rest_would_not(compil
         assert not reads_back_valid(case, calls), text
     for text in case.bad:
         assert not accepts(compiler, parallel, text), text
+
+
+@pytest.fixture(scope="module")
+def tagged(llama_dir):
+    """A tokenizer whose markers and inner tags are added tokens, as the models' own are, and its compiler."""
+    from tokenizers import AddedToken, Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    from mlxkv.structured.compiler import GrammarCompiler
+    from mlxkv.structured.tool_grammar import TAGS
+
+    base = Tokenizer.from_file(f"{llama_dir}/tokenizer.json")
+    marks = ["<minimax:tool_call>", "</minimax:tool_call>", "[TOOL_CALLS]", "<start_function_call>",
+             "<end_function_call>", *(t for c in CASES for t in TAGS.get(c.parser, ()))]
+    base.add_tokens([AddedToken(m, special=True, normalized=False) for m in dict.fromkeys(marks)])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=base)
+    return tokenizer, GrammarCompiler(tokenizer, len(tokenizer), [0])
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.parser in ("minimax_m2", "kimi_k3", "function_gemma",
+                                                                    "mistral", "longcat")], ids=lambda c: c.parser)
+def test_a_chat_request_s_forced_call_writes_the_tags_the_tokenizer_has_as_tokens(tagged, case):
+    """Through the server's own choice of grammar (chat_grammar): a marker or tag that is one added
+    token is written as that token (as text the model would have to spell it byte by byte)."""
+    from types import SimpleNamespace
+
+    from mlxkv.server.structured_options import chat_grammar
+
+    tokenizer, compiler = tagged
+    module = importlib.import_module(f"mlx_lm.tool_parsers.{case.parser}")
+    model = SimpleNamespace(has_tool_calling=True, tool_parser=module.parse_tool_call,
+                            tool_call_start=module.tool_call_start, tool_call_end=module.tool_call_end,
+                            added_tokens_decoder=tokenizer.added_tokens_decoder)
+    body = SimpleNamespace(grammar=None, tools=openai_tools(case.tools), tool_choice="required",
+                           response_format=None, parallel_tool_calls=True)
+    grammar = chat_grammar(body, model)
+    added = set(tokenizer.added_tokens_decoder)
+    for calls in ([EDIT], [EDIT, NOOP]):
+        tokens = tokenizer.encode(case.write(calls), add_special_tokens=False)
+        assert added & set(tokens)  # the text's tags are the model's tokens
+        matcher = compiler.matcher(grammar)
+        assert matcher.valid_prefix(tokens) == len(tokens)
+        matcher.advance(tokens)
+        assert matcher.accepting, case.write(calls)
