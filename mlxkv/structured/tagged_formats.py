@@ -13,6 +13,9 @@ Each writes exactly what its parser (mlx_lm.tool_parsers.<name>) reads back:
 - `function_gemma`: `call:f{p:<escape>text<escape>,q:3}`: strings between `<escape>` tags,
   numbers and flags bare (no arrays or objects: the parser splits at commas and the call ends
   at the first `}`).
+- `gemma4`: `call:f{p:<|"|>text<|"|>,q:[1,2]}`: JSON with bare keys and strings between
+  `<|"|>` delimiters (raw text), written per schema (strings, numbers, flags, null, arrays,
+  objects of properties; other keywords are refused).
 - `mistral`: `[TOOL_CALLS]f[ARGS]{JSON}`, repeated for several calls (no end marker).
 - `longcat`: GLM's format under LongCat's tag names (tool_grammar's `_glm_body`).
 
@@ -35,6 +38,7 @@ _INTEGER = "/-?(0|[1-9][0-9]*)/"
 _NUMBER = "/-?(0|[1-9][0-9]{0,14})(\\.[0-9]{1,15})?/"  # float() reads it back exactly
 _ATTR_NAME = re.compile(r'[^\s"&<>]+')  # a name the parsers read back from name="..."
 _WORD = re.compile(r"[A-Za-z0-9_]+")
+_DASHED_NAME = re.compile(r"[A-Za-z0-9_-]+")  # Mistral's and Gemma 4's parsers' tool names
 
 
 @dataclass(frozen=True)
@@ -94,21 +98,22 @@ def _alternatives(tools: list[ToolSpec]) -> str:
     return " | ".join(f"f{i}" for i in range(len(tools)))
 
 
-def _in_order(tool: ToolSpec, i: int, rules: list[str], written: list[str], sep: str = "") -> str:
-    """The tool's arguments in the schema's order, required ones present, optional ones maybe,
-    `sep` between those written: rule t{i}_k is the rest from argument k before any is written,
-    s{i}_k after one is."""
-    required = set(tool.schema.get("required") or [])
-    names = list(tool.schema.get("properties") or {})
+def _in_order(schema: dict, key: str, rules: list[str], written: list[str], sep: str = "") -> str:
+    """An object's arguments in the schema's order, required ones present, optional ones maybe,
+    `sep` between those written: rule t{key}_k is the rest from argument k before any is
+    written, s{key}_k after one is."""
+    required = set(schema.get("required") or [])
+    names = list(schema.get("properties") or {})
     n, sep = len(names), json.dumps(sep) if sep else ""
-    rules += [f't{i}_{n}: ""', f's{i}_{n}: ""']
+    rules += [f't{key}_{n}: ""', f's{key}_{n}: ""']
     for j in reversed(range(n)):
         p = written[j]
         if names[j] in required:
-            rules += [f"t{i}_{j}: {p} s{i}_{j + 1}", f"s{i}_{j}: {sep} {p} s{i}_{j + 1}"]
+            rules += [f"t{key}_{j}: {p} s{key}_{j + 1}", f"s{key}_{j}: {sep} {p} s{key}_{j + 1}"]
         else:
-            rules += [f"t{i}_{j}: {p} s{i}_{j + 1} | t{i}_{j + 1}", f"s{i}_{j}: ({sep} {p})? s{i}_{j + 1}"]
-    return f"t{i}_0"
+            rules += [f"t{key}_{j}: {p} s{key}_{j + 1} | t{key}_{j + 1}",
+                      f"s{key}_{j}: ({sep} {p})? s{key}_{j + 1}"]
+    return f"t{key}_0"
 
 
 def _tag_params(tool: ToolSpec, i: int, rules: list[str], fmt: str, names: re.Pattern, param) -> str:
@@ -117,7 +122,7 @@ def _tag_params(tool: ToolSpec, i: int, rules: list[str], fmt: str, names: re.Pa
     for j, (name, prop) in enumerate(properties(tool, fmt, names).items()):
         rules.append(f"p{i}_{j}: {param(j, name, prop)}")
         written.append(f"p{i}_{j}")
-    return _in_order(tool, i, rules, written)
+    return _in_order(tool.schema, str(i), rules, written)
 
 
 def _check_name(tool: ToolSpec, names: re.Pattern, fmt: str):
@@ -249,12 +254,81 @@ def _function_gemma_body(tools: list[ToolSpec], end: str, tags: dict[str, int]) 
             for j, (name, prop) in enumerate(properties(tool, "function_gemma", _WORD).items()):
                 rules.append(f"p{i}_{j}: {param(j, name, prop)}")
                 written.append(f"p{i}_{j}")
-            params = _in_order(tool, i, rules, written, sep=",")
+            params = _in_order(tool.schema, str(i), rules, written, sep=",")
         rules.append(f'f{i}: {json.dumps(f"call:{tool.name}" + "{")} {params} "}}"')
     return "\n".join(rules)
 
 
-_MISTRAL_NAME = re.compile(r"[A-Za-z0-9_-]+")  # the parser's name before [ARGS]
+GEMMA4_QUOTE = '<|"|>'  # Gemma 4's string delimiter
+
+
+class _Gemma4Values:
+    """Gemma 4's argument values as Lark, per schema: JSON with bare keys (`{city:...}`) and
+    strings between `<|"|>` delimiters (raw text, no escapes), which the parser turns into JSON."""
+
+    def __init__(self, rules: list[str], end: str, tags: dict[str, int]):
+        self.rules, self.tags, self.count = rules, tags, 0
+        self.quote = literal(GEMMA4_QUOTE, tags)
+        self.raw = RawText(GEMMA4_QUOTE, (end,))
+        self.text = f"{self.quote} {raw_text(rules, 'GSTR', self.raw, tags)}"
+        rules += [f'gany: {self.text} | {_NUMBER} | "true" | "false" | "null" | "[" (gany ("," gany)*)? "]" '
+                  f'| "{{" (/[A-Za-z0-9_]+/ ":" gany ("," /[A-Za-z0-9_]+/ ":" gany)*)? "}}"']
+
+    def value(self, where: str, schema) -> str:
+        if schema is True or schema == {} or schema is None:
+            return "gany"
+        if not isinstance(schema, dict):
+            raise UnsupportedTools(f"{where}: its schema is not an object")
+        kind, keys = schema.get("type"), set(schema) - ANNOTATIONS - {"type"}
+        if kind == "string" and keys <= {"enum"}:
+            if "enum" not in schema:
+                return self.text
+            if not all(isinstance(v, str) and _reads_back(v, self.raw) for v in schema["enum"]):
+                raise UnsupportedTools(f"{where}: an enum value the parser would not read back")
+            return "(" + " | ".join(f"{self.quote} {json.dumps(v)} {self.quote}" for v in schema["enum"]) + ")"
+        scalars = {"integer": _INTEGER, "number": _NUMBER, "boolean": '("true" | "false")', "null": '"null"'}
+        if kind in scalars and not keys:
+            return scalars[kind]
+        if kind == "array" and keys <= {"items"}:
+            item = self.value(f"{where} items", schema.get("items"))
+            return f'"[" ({item} ("," {item})*)? "]"'
+        if kind == "object" and keys <= {"properties", "required", "additionalProperties"}:
+            return self.object(where, schema)
+        raise UnsupportedTools(f"{where}: the gemma4 format's parser cannot read a {json.dumps(schema)} value "
+                               f"back exactly")
+
+    def object(self, where: str, schema: dict) -> str:
+        props = schema.get("properties") or {}
+        if not props:
+            return "gany"  # an open object: any keys
+        if not set(schema.get("required") or []) <= set(props):
+            raise UnsupportedTools(f"{where}: required properties missing from its properties")
+        self.count += 1
+        key, written = f"g{self.count}", []
+        for j, (name, prop) in enumerate(props.items()):
+            if not _WORD.fullmatch(name):
+                raise UnsupportedTools(f"{where}: key {name!r} cannot be written bare in the gemma4 format")
+            self.rules.append(f"{key}p{j}: {json.dumps(name + ':')} {self.value(f'{where}.{name}', prop)}")
+            written.append(f"{key}p{j}")
+        return f'"{{" {_in_order(schema, key, self.rules, written, sep=",")} "}}"'
+
+
+def _gemma4_body(tools: list[ToolSpec], end: str, tags: dict[str, int]) -> str:
+    """`call:f{key:value,...}`: each tool's arguments as Gemma 4 writes them."""
+    rules = [f"body: {_alternatives(tools)}"]
+    values = _Gemma4Values(rules, end, tags)
+    for i, tool in enumerate(tools):
+        _check_name(tool, _DASHED_NAME, "gemma4")
+        schema = tool.schema if tool.schema is not None else {"type": "object"}
+        if schema.get("type", "object") != "object":
+            raise UnsupportedTools(f"tool {tool.name!r}: its arguments' schema is not an object")
+        arguments = values.object(f"tool {tool.name!r}", {**schema, "type": "object"})
+        if arguments == "gany":  # an open object: gany may be any value
+            arguments = '"{" (/[A-Za-z0-9_]+/ ":" gany ("," /[A-Za-z0-9_]+/ ":" gany)*)? "}"'
+        rules.append(f"f{i}: {json.dumps(f'call:{tool.name}')} {arguments}")
+    return "\n".join(rules)
+
+
 
 
 def _mistral_body(tools: list[ToolSpec], end: str, tags: dict[str, int]) -> str:
@@ -263,14 +337,15 @@ def _mistral_body(tools: list[ToolSpec], end: str, tags: dict[str, int]) -> str:
     args = literal("[ARGS]", tags)
     rules = [f"body: {_alternatives(tools)}"]
     for i, tool in enumerate(tools):
-        _check_name(tool, _MISTRAL_NAME, "mistral")
+        _check_name(tool, _DASHED_NAME, "mistral")
         rules.append(f"f{i}: {json.dumps(tool.name)} {args} {json_value(tool.schema or {'type': 'object'})}")
     return "\n".join(rules)
 
 
 LONGCAT_TAGS = ("<longcat_arg_key>", "</longcat_arg_key>", "<longcat_arg_value>", "</longcat_arg_value>")
 FORMATS = {"minimax_m2": _minimax_body, "minicpm5": _minicpm_body, "muse_spark": _muse_body,
-           "kimi_k3": _kimi_k3_body, "function_gemma": _function_gemma_body, "mistral": _mistral_body}
+           "kimi_k3": _kimi_k3_body, "function_gemma": _function_gemma_body, "mistral": _mistral_body,
+           "gemma4": _gemma4_body}
 SECTIONED = ("minimax_m2", "muse_spark", "kimi_k3")
-TAGS = {"kimi_k3": KIMI_K3_TAGS, "function_gemma": ("<escape>",), "mistral": ("[ARGS]",), "longcat": LONGCAT_TAGS}
+TAGS = {"kimi_k3": KIMI_K3_TAGS, "gemma4": (GEMMA4_QUOTE,), "function_gemma": ("<escape>",), "mistral": ("[ARGS]",), "longcat": LONGCAT_TAGS}
 SEPARATORS = {"mistral": ""}  # what stands between several calls' markers (else a newline)

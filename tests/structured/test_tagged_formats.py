@@ -15,7 +15,8 @@ import pytest
 
 from mlxkv.server.tool_calls import ToolCallSplitter
 from mlxkv.structured.tool_grammar import ToolSpec, tool_call_grammar
-from test_tool_formats import SCHEMA, TOOLS, accepts, compiler  # noqa: F401 (the fixture)
+from test_tool_formats import SCHEMA, TOOLS, accepts
+from test_tool_formats import compiler  # noqa: F401 (the module's fixture, shared)
 
 FLAT = {**SCHEMA, "properties": {k: v for k, v in SCHEMA["properties"].items() if k != "tags"}}
 FLAT_TOOLS = [ToolSpec("edit", FLAT), TOOLS[1]]
@@ -65,6 +66,18 @@ def function_gemma(calls):
                      + "}<end_function_call>" for n, a in calls)
 
 
+def gemma4(calls):
+    def value(v):
+        if isinstance(v, str):
+            return f'<|"|>{v}<|"|>'
+        if isinstance(v, list):
+            return "[" + ",".join(value(x) for x in v) + "]"
+        if isinstance(v, dict):
+            return "{" + ",".join(f"{k}:{value(x)}" for k, x in v.items()) + "}"
+        return json.dumps(v)
+    return "\n".join(f"<|tool_call>call:{n}{value(a)}<tool_call|>" for n, a in calls)
+
+
 def mistral(calls):
     return "".join(f"[TOOL_CALLS]{n}[ARGS]{json.dumps(a, ensure_ascii=False)}" for n, a in calls)
 
@@ -104,10 +117,11 @@ CASES = [
     Case("minimax_m2", minimax, "</parameter>",
          bad=[minimax([("edit", {"path": "null", "count": 1})]), minimax([("edit", {"path": " a.py", "count": 1})])]),
     Case("minicpm5", minicpm, "</param>", bad=[minicpm([("edit", {"path": "<![CDATA[a]]>", "count": 1})])]),
-    Case("muse_spark", muse, "</atem:parameter>", bad=[muse([("edit", {"path": "a", "count": 1.5})])]),
+    Case("muse_spark", muse, "</atem:parameter>", bad=[muse([("edit", {"path": "a", "count": "1"})])]),
     Case("kimi_k3", kimi_k3, "<|close|>call<|sep|>",
          bad=[kimi_k3([EDIT]).replace('type="integer"', 'type="string"')]),
     Case("function_gemma", function_gemma, "}", tools=[ToolSpec("edit", FLAT), TOOLS[1]]),
+    Case("gemma4", gemma4, '<|"|>'),
     Case("mistral", mistral, ""),
     Case("longcat", longcat, "</longcat_arg_value>",
          bad=[longcat([("edit", {"path": " a.py", "count": 1})]), "<longcat_tool_call>noop</longcat_tool_call>"]),
@@ -162,6 +176,7 @@ def test_calls_the_grammar_accepts_read_back_valid_and_the_rest_would_not(compil
     assert accepts(compiler, grammar(case, parallel=False, allow_text=True), "Sure. " + case.write([EDIT]))
     bad = [[("edit", {"path": "a.py"})],  # count is required
            [("edit", {"path": "a.py", "count": "1.5"})],
+           [("edit", {"path": "a.py", "count": 1.5})],
            [("edit", {"path": "a.py", "count": 1, "mode": "x"})],
            [("other", {})]]
     if case.marker:  # a string holding the closing marker: the parser would cut the call there
@@ -187,14 +202,14 @@ def tagged(llama_dir):
 
     base = Tokenizer.from_file(f"{llama_dir}/tokenizer.json")
     marks = ["<minimax:tool_call>", "</minimax:tool_call>", "[TOOL_CALLS]", "<start_function_call>",
-             "<end_function_call>", *(t for c in CASES for t in TAGS.get(c.parser, ()))]
+             "<end_function_call>", "<|tool_call>", "<tool_call|>", *(t for c in CASES for t in TAGS.get(c.parser, ()))]
     base.add_tokens([AddedToken(m, special=True, normalized=False) for m in dict.fromkeys(marks)])
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=base)
     return tokenizer, GrammarCompiler(tokenizer, len(tokenizer), [0])
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c.parser in ("minimax_m2", "kimi_k3", "function_gemma",
-                                                                    "mistral", "longcat")], ids=lambda c: c.parser)
+                                                                    "gemma4", "mistral", "longcat")], ids=lambda c: c.parser)
 def test_a_chat_request_s_forced_call_writes_the_tags_the_tokenizer_has_as_tokens(tagged, case):
     """Through the server's own choice of grammar (chat_grammar): a marker or tag that is one added
     token is written as that token (as text the model would have to spell it byte by byte)."""
