@@ -233,3 +233,21 @@ def test_a_chat_request_s_forced_call_writes_the_tags_the_tokenizer_has_as_token
         assert matcher.valid_prefix(tokens) == len(tokens)
         matcher.advance(tokens)
         assert matcher.accepting, case.write(calls)
+
+
+def test_every_tool_parser_of_the_installed_mlx_lm_has_a_grammar():
+    """A parser mlx-lm adds fails here, not as a model whose calls silently stay free."""
+    import pkgutil
+    from types import SimpleNamespace
+
+    import mlx_lm.tool_parsers
+
+    from mlxkv.models.compat import tool_parser_name
+    from mlxkv.structured.tool_grammar import FORMATS
+
+    names = [m.name for m in pkgutil.iter_modules(mlx_lm.tool_parsers.__path__)]
+    assert len(names) >= 14
+    for name in names:
+        module = importlib.import_module(f"mlx_lm.tool_parsers.{name}")
+        model = SimpleNamespace(has_tool_calling=True, tool_parser=module.parse_tool_call)
+        assert tool_parser_name(model) in FORMATS, name
