@@ -22,19 +22,21 @@ _VALUE_KEYS = ("type", "enum", "const", "$ref", *_COMBINATORS, "not")
 def excluding(marker: str) -> str:
     """A regex (Rust/llguidance syntax) of the texts that do not contain `marker`.
 
-    Built from the marker's matcher: a text is read as runs that go back to "nothing matched";
-    it is regular and needs no lookaround, which llguidance's regexes lack. The marker's first
-    character may not occur again in it (true of every tool-call marker), so a failed match can
-    only restart at that character."""
-    c0, rest = marker[0], marker[1:]
+    The marker's first character may not occur again in it (true of every tool-call marker):
+    then a text is a run without that character, then blocks that each start with it and hold
+    it nowhere else, and the marker could only lie inside one block, at its start. So no block
+    may start with the whole marker: after each matched character of it, the block ends, or
+    goes on with any character but the next one. It is regular and needs no lookaround, which
+    llguidance's regexes lack, and its size grows with the marker's length, not its square."""
+    c0, rest = marker[:1], marker[1:]
     if not marker or c0 in rest:
         raise ValueError(f"cannot build a regex excluding {marker!r}")
-    heads = [_escaped(rest[:j]) for j in range(len(rest))]  # what follows c0 before a mismatch
-    again = "|".join(h + _escaped(c0) for h in heads)  # back to "c0 matched"
-    out = "|".join(h + f"[^{_in_class(rest[j])}{_in_class(c0)}]" for j, h in enumerate(heads))
-    first = _escaped(c0)
-    tail = f"(?:{first}(?:{again})*(?:{'|'.join(heads)}))?"
-    return f"(?:[^{_in_class(c0)}]|{first}(?:{again})*(?:{out}))*{tail}"
+    free = f"[^{_in_class(c0)}]*"
+    block = ""  # the block's continuation after rest[:j], built from the marker's end
+    for j in reversed(range(len(rest))):
+        stop = f"[^{_in_class(rest[j])}{_in_class(c0)}]{free}"
+        block = f"(?:{stop}|{_escaped(rest[j])}{block})?" if block else f"(?:{stop})?"
+    return f"{free}(?:{_escaped(c0)}{block})*"
 
 
 def without_markers(schema, markers: tuple[str, ...]) -> dict:
@@ -45,7 +47,7 @@ def without_markers(schema, markers: tuple[str, ...]) -> dict:
     rewritten = _rewrite(schema, patterns)
     if not isinstance(rewritten, dict):
         rewritten = {} if rewritten is True else {"not": {}}
-    string = {"type": "string", "allOf": [{"pattern": p["pattern"]} for p in patterns]}
+    string = _keep_out({"type": "string"}, patterns)
     any_value = {"anyOf": [string, {"type": ["number", "integer", "boolean", "null"]},
                            {"type": "array", "items": {"$ref": ANY}}, _open_object(patterns, {"$ref": ANY})]}
     return {**rewritten, "$defs": {**rewritten.get("$defs", {}), "mlxkv_any": any_value}}
@@ -71,7 +73,7 @@ def _rewrite(schema, patterns):
     kinds = out.get("type")
     kinds = [kinds] if isinstance(kinds, str) else kinds or []
     if "string" in kinds:
-        out["allOf"] = [*out.get("allOf", []), *({"pattern": p["pattern"]} for p in patterns)]
+        _keep_out(out, patterns)
     named = set(out.get("properties") or {})
     if named and set(out.get("required") or []) <= named or "patternProperties" in out:
         # Only the named keys: narrower than the schema, never outside it. (Open keys beside
@@ -85,6 +87,17 @@ def _rewrite(schema, patterns):
     elif not any(k in out for k in _VALUE_KEYS):  # annotations only: any value
         out = {**out, "$ref": ANY}
     return out
+
+
+def _keep_out(string: dict, patterns) -> dict:
+    """A string schema given the patterns: as its own `pattern` where it has none (llguidance
+    compiles that faster than an allOf), the rest in allOf."""
+    rest = [{"pattern": p["pattern"]} for p in patterns]
+    if "pattern" not in string and "format" not in string:
+        string["pattern"], rest = rest[0]["pattern"], rest[1:]
+    if rest:
+        string["allOf"] = [*string.get("allOf", []), *rest]
+    return string
 
 
 def _open_object(patterns, values, base: dict | None = None) -> dict:
