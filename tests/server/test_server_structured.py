@@ -133,6 +133,30 @@ def test_anthropic_forced_tool_and_output_format_validate(server):
 
 
 @pytest.mark.slow
+def test_responses_text_format_and_forced_calls_validate_streamed(server):
+    """#44's "streamed and not", for the Responses text.format and the forced tools of Responses
+    and Anthropic: the streamed reply (read back by each official client) validates too."""
+    fmt = {"format": {"type": "json_schema", "name": "trip", "schema": SCHEMA, "strict": True}}
+    events = list(openai_client(server).responses.create(model="x", input="Plan a trip to Oslo.",
+                                                         max_output_tokens=60, text=fmt, stream=True))
+    [done] = [e.response for e in events if e.type == "response.completed"]
+    jsonschema.validate(json.loads(done.output_text), SCHEMA)
+    tool = {"type": "function", "name": "get_weather", "strict": True, "parameters": SCHEMA}
+    events = list(openai_client(server).responses.create(model="x", input="Weather in Oslo?", max_output_tokens=80,
+                                                         tools=[tool], tool_choice="required", stream=True))
+    [done] = [e.response for e in events if e.type == "response.completed"]
+    [call] = [item for item in done.output if item.type == "function_call"]
+    jsonschema.validate(json.loads(call.arguments), SCHEMA)
+    with anthropic_client(server).messages.stream(
+            model="x", max_tokens=80, messages=ask("Oslo"), tool_choice={"type": "any"},
+            tools=[{"name": "get_weather", "input_schema": SCHEMA}]) as stream:
+        final = stream.get_final_message()
+    [use] = [b for b in final.content if b.type == "tool_use"]
+    assert final.stop_reason == "tool_use"
+    jsonschema.validate(use.input, SCHEMA)
+
+
+@pytest.mark.slow
 def test_eight_mixed_clients_each_get_their_solo_tokens(server, oracle):
     topics = ["owls", "bridges", "volcanoes", "bread", "comets", "violins", "deserts", "trains"]
     grammar = Grammar.json_schema(SCHEMA)
