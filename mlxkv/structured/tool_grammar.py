@@ -21,11 +21,15 @@ tool's schema as the parser converts them, the closing marker.
 Inner tags a tokenizer holds as added tokens (GLM's, Kimi's) are written as
 their tokens, as the markers are.
 
+The newer formats (minimax_m2, minicpm5, muse_spark, kimi_k3, gemma4,
+function_gemma, mistral) are in tagged_formats.py; `longcat` is GLM's under
+its own tag names.
+
 A tool the format's parser cannot read back exactly (a string pattern or
 bounds where the value is raw text, a name with spaces) raises
 UnsupportedTools. A JSON value (json_tools' body, an object or array
-argument) is not kept from holding its format's closing text inside a JSON
-string: llguidance's JSON cannot exclude it.
+argument) is kept from holding its format's closing text inside a string
+(json_strings.py), as raw text values are by their terminals.
 
 - `required` (or one named tool): the reply is one call, or with
   `parallel` one or more, a newline apart (in one section where the format
