@@ -130,20 +130,27 @@ def _check_name(tool: ToolSpec, names: re.Pattern, fmt: str):
         raise UnsupportedTools(f"tool name {tool.name!r} cannot be written in the {fmt} format")
 
 
+def _typed_params(tool: ToolSpec, i: int, rules: list[str], fmt: str, raw: RawText, tags: dict[str, int],
+                  tag: str, after: str = "") -> str:
+    """MiniMax's and MiniCPM's arguments: `<tag name="p">` then the value as their shared
+    conversion reads it (then `after`), each; any names, read as text, for a tool without a schema."""
+    _check_name(tool, _ATTR_NAME, fmt)
+    if tool.schema is None:
+        rules.append(f'any{i}: "<{tag} name=\\"" /[^\\s"&<>]+/ "\\">" {raw_text(rules, f"R{i}", raw, tags)}{after}')
+        return f"any{i}*"
+
+    def param(j, name, prop):
+        value = typed_value(f"tool {tool.name!r}, parameter {name!r}", prop, raw, tags, rules, f"S{i}_{j}")
+        return f'{json.dumps(f"<{tag} name={json.dumps(name)}>")} {value}{after}'
+    return _tag_params(tool, i, rules, fmt, _ATTR_NAME, param)
+
+
 def _minimax_body(tools: list[ToolSpec], end: str, tags: dict[str, int]) -> str:
     """`\\n<invoke name="f">\\n<parameter name="p">value</parameter>\\n...</invoke>\\n` per call."""
     raw = RawText("</parameter>", ("</invoke>", end), strip=True, no_null=True)
     rules = [f'one: ({_alternatives(tools)}) "\\n"', 'body: "\\n" one', 'calls: "\\n" one+']
     for i, tool in enumerate(tools):
-        _check_name(tool, _ATTR_NAME, "minimax_m2")
-        if tool.schema is None:  # any arguments, read as text
-            rules.append(f'any{i}: "<parameter name=\\"" /[^\\s"&<>]+/ "\\">" {raw_text(rules, f"R{i}", raw, tags)} "\\n"')
-            params = f"any{i}*"
-        else:
-            def param(j, name, prop, i=i):
-                value = typed_value(f"tool {tool.name!r}, parameter {name!r}", prop, raw, tags, rules, f"S{i}_{j}")
-                return f'{json.dumps(f"<parameter name={json.dumps(name)}>")} {value} "\\n"'
-            params = _tag_params(tool, i, rules, "minimax_m2", _ATTR_NAME, param)
+        params = _typed_params(tool, i, rules, "minimax_m2", raw, tags, "parameter", after=' "\\n"')
         rules.append(f'f{i}: {json.dumps(f"<invoke name={json.dumps(tool.name)}>")} "\\n" {params} "</invoke>"')
     return "\n".join(rules)
 
@@ -154,15 +161,7 @@ def _minicpm_body(tools: list[ToolSpec], end: str, tags: dict[str, int]) -> str:
                   refused=("<!\\[CDATA\\[(.|\\n)*",))  # the parser unwraps a CDATA block
     rules = [f"body: {_alternatives(tools)}"]
     for i, tool in enumerate(tools):
-        _check_name(tool, _ATTR_NAME, "minicpm5")
-        if tool.schema is None:
-            rules.append(f'any{i}: "<param name=\\"" /[^\\s"&<>]+/ "\\">" {raw_text(rules, f"R{i}", raw, tags)}')
-            params = f"any{i}*"
-        else:
-            def param(j, name, prop, i=i):
-                value = typed_value(f"tool {tool.name!r}, parameter {name!r}", prop, raw, tags, rules, f"S{i}_{j}")
-                return f'{json.dumps(f"<param name={json.dumps(name)}>")} {value}'
-            params = _tag_params(tool, i, rules, "minicpm5", _ATTR_NAME, param)
+        params = _typed_params(tool, i, rules, "minicpm5", raw, tags, "param")
         rules.append(f'f{i}: {json.dumps(json.dumps(tool.name) + ">")} {params}')
     return "\n".join(rules)
 
@@ -199,8 +198,9 @@ def _kimi_k3_body(tools: list[ToolSpec], end: str, tags: dict[str, int]) -> str:
     for i, tool in enumerate(tools):
         _check_name(tool, _ATTR_NAME, "kimi_k3")
         if tool.schema is None:
-            rules.append(f'any{i}: {opening} "argument key=\\"" /[^\\s"&<>]+/ "\\" type=\\"json\\"" {sep} '
-                         f'{json_value(True, ("<|close|>",))} {argument_end}')
+            rules.append(f'any{i}: {opening} "argument key=\\"" /[^\\s"&<>]+/ ("\\" type=\\"json\\"" {sep} '
+                         f'{json_value(True, ("<|close|>",))} {argument_end} | "\\" type=\\"string\\"" {sep} '
+                         f'{raw_text(rules, f"R{i}", raw, tags)})')
             params = f"any{i}*"
         else:
             def param(j, name, prop, i=i):

@@ -251,3 +251,12 @@ def test_every_tool_parser_of_the_installed_mlx_lm_has_a_grammar():
         module = importlib.import_module(f"mlx_lm.tool_parsers.{name}")
         model = SimpleNamespace(has_tool_calling=True, tool_parser=module.parse_tool_call)
         assert tool_parser_name(model) in FORMATS, name
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.parser)
+def test_a_tool_without_a_schema_takes_any_arguments_in_each_format(compiler, case):
+    case = Case(case.parser, case.write, case.marker, tools=[ToolSpec("free", None)])
+    text = case.write([("free", {"q": "any text", "n": "two words"})])
+    assert accepts(compiler, grammar(case, parallel=False, allow_text=True), "Sure. " + text), text
+    assert read_back(case, text) == [("free", {"q": "any text", "n": "two words"})]
+    assert not accepts(compiler, grammar(case, parallel=False), case.write([("other", {"q": "x"})]))
