@@ -137,6 +137,7 @@ def test_a_tool_call_is_parsed_with_mlx_lm_s_parser(llama_dir):
     assert plain.choices[0].message.tool_calls is None and "<tool_call>" in plain.choices[0].message.content
 
 
+@pytest.mark.slow  # a server and five replies: ~0.8 s
 def test_kimi_call_ids_are_unique_per_call_across_turns_and_apis(llama_dir):
     """Kimi's parser gives `functions.name:i` as a call's id, the same every turn: a client that
     keys tool results by id would mix them up. Each call gets its own id, in every API shape."""

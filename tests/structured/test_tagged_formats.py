@@ -16,7 +16,6 @@ import pytest
 from mlxkv.server.tool_calls import ToolCallSplitter
 from mlxkv.structured.tool_grammar import ToolSpec, tool_call_grammar
 from test_tool_formats import SCHEMA, TOOLS, accepts
-from test_tool_formats import compiler  # noqa: F401 (the module's fixture, shared)
 
 FLAT = {**SCHEMA, "properties": {k: v for k, v in SCHEMA["properties"].items() if k != "tags"}}
 FLAT_TOOLS = [ToolSpec("edit", FLAT), TOOLS[1]]
@@ -208,6 +207,7 @@ def tagged(llama_dir):
     return tokenizer, GrammarCompiler(tokenizer, len(tokenizer), [0])
 
 
+@pytest.mark.slow  # a second tokenizer and compiler: ~0.5 s
 @pytest.mark.parametrize("case", [c for c in CASES if c.parser in ("minimax_m2", "kimi_k3", "function_gemma",
                                                                     "gemma4", "mistral", "longcat")], ids=lambda c: c.parser)
 def test_a_chat_request_s_forced_call_writes_the_tags_the_tokenizer_has_as_tokens(tagged, case):
@@ -253,6 +253,7 @@ def test_every_tool_parser_of_the_installed_mlx_lm_has_a_grammar():
         assert tool_parser_name(model) in FORMATS, name
 
 
+@pytest.mark.slow  # ~0.1 s a format
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.parser)
 def test_a_tool_without_a_schema_takes_any_arguments_in_each_format(compiler, case):
     case = Case(case.parser, case.write, case.marker, tools=[ToolSpec("free", None)])

@@ -21,16 +21,6 @@ TOOLS = [ToolSpec("edit", SCHEMA), ToolSpec("noop", {"type": "object", "properti
 OPENAI_TOOLS = [{"type": "function", "function": {"name": t.name, "parameters": t.schema}} for t in TOOLS]
 
 
-@pytest.fixture(scope="module")
-def compiler(llama_dir):
-    from transformers import PreTrainedTokenizerFast
-
-    from mlxkv.structured.compiler import GrammarCompiler
-
-    tokenizer = PreTrainedTokenizerFast(tokenizer_file=f"{llama_dir}/tokenizer.json")
-    return GrammarCompiler(tokenizer, len(tokenizer), [tokenizer.eos_token_id or 0])
-
-
 def accepts(compiler, grammar, text: str) -> bool:
     """The whole of `text` is a complete reply of `grammar`."""
     ids = compiler._hf.encode(text, add_special_tokens=False)
@@ -367,7 +357,7 @@ def test_the_regex_excluding_a_marker_matches_exactly_the_texts_without_it():
     rng = random.Random(3)
     for marker in ("</tool_call>", "<|tool_call_end|>", "<escape>", "</a"):
         pattern, alphabet = re.compile(excluding(marker)), [*set(marker), "x", "\n"]
-        for _ in range(3000):
+        for _ in range(1000):
             text = "".join(rng.choice(alphabet) for _ in range(rng.randrange(12)))
             text = text[:4] + marker + text[4:] if rng.random() < 0.2 else text
             assert (pattern.fullmatch(text) is not None) == (marker not in text), (marker, text)
