@@ -236,7 +236,9 @@ def _function_gemma_body(tools: list[ToolSpec], end: str, tags: dict[str, int]) 
         else:
             def param(j, name, prop, i=i):
                 where = f"tool {tool.name!r}, parameter {name!r}"
-                kind, keys = (prop.get("type"), set(prop) - ANNOTATIONS - {"type"}) if isinstance(prop, dict) else (0, 0)
+                if not isinstance(prop, dict):
+                    raise UnsupportedTools(f"{where}: its schema is not an object")
+                kind, keys = prop.get("type"), set(prop) - ANNOTATIONS - {"type"}
                 if kind == "string" and keys <= {"enum"}:
                     if "enum" not in prop:
                         value = f"{escape} {raw_text(rules, f'S{i}_{j}', raw, tags)}"
@@ -347,5 +349,6 @@ FORMATS = {"minimax_m2": _minimax_body, "minicpm5": _minicpm_body, "muse_spark":
            "kimi_k3": _kimi_k3_body, "function_gemma": _function_gemma_body, "mistral": _mistral_body,
            "gemma4": _gemma4_body}
 SECTIONED = ("minimax_m2", "muse_spark", "kimi_k3")
-TAGS = {"kimi_k3": KIMI_K3_TAGS, "gemma4": (GEMMA4_QUOTE,), "function_gemma": ("<escape>",), "mistral": ("[ARGS]",), "longcat": LONGCAT_TAGS}
+TAGS = {"kimi_k3": KIMI_K3_TAGS, "gemma4": (GEMMA4_QUOTE,), "function_gemma": ("<escape>",), "mistral": ("[ARGS]",),
+        "longcat": LONGCAT_TAGS}
 SEPARATORS = {"mistral": ""}  # what stands between several calls' markers (else a newline)

@@ -207,9 +207,11 @@ def tagged(llama_dir):
     return tokenizer, GrammarCompiler(tokenizer, len(tokenizer), [0])
 
 
+TOKEN_TAGGED = ("minimax_m2", "kimi_k3", "function_gemma", "gemma4", "mistral", "longcat")
+
+
 @pytest.mark.slow  # a second tokenizer and compiler: ~0.5 s
-@pytest.mark.parametrize("case", [c for c in CASES if c.parser in ("minimax_m2", "kimi_k3", "function_gemma",
-                                                                    "gemma4", "mistral", "longcat")], ids=lambda c: c.parser)
+@pytest.mark.parametrize("case", [c for c in CASES if c.parser in TOKEN_TAGGED], ids=lambda c: c.parser)
 def test_a_chat_request_s_forced_call_writes_the_tags_the_tokenizer_has_as_tokens(tagged, case):
     """Through the server's own choice of grammar (chat_grammar): a marker or tag that is one added
     token is written as that token (as text the model would have to spell it byte by byte)."""
