@@ -13,6 +13,8 @@ value is given a definition of any JSON built the same way.
 from __future__ import annotations
 
 ANY = "#/$defs/mlxkv_any"  # the added definition of any JSON whose strings lack the markers
+STRING = "#/$defs/mlxkv_string"  # and of such a string: plain strings refer to it, compiled once
+_ANNOTATIONS = ("description", "title", "default", "examples", "$comment")
 _COMBINATORS = ("anyOf", "oneOf", "allOf")
 _SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
 _SUBSCHEMAS = ("items", "additionalProperties", "contains", "not", "if", "then", "else")
@@ -48,9 +50,9 @@ def without_markers(schema, markers: tuple[str, ...]) -> dict:
     if not isinstance(rewritten, dict):
         rewritten = {} if rewritten is True else {"not": {}}
     string = _keep_out({"type": "string"}, patterns)
-    any_value = {"anyOf": [string, {"type": ["number", "integer", "boolean", "null"]},
+    any_value = {"anyOf": [{"$ref": STRING}, {"type": ["number", "integer", "boolean", "null"]},
                            {"type": "array", "items": {"$ref": ANY}}, _open_object(patterns, {"$ref": ANY})]}
-    return {**rewritten, "$defs": {**rewritten.get("$defs", {}), "mlxkv_any": any_value}}
+    return {**rewritten, "$defs": {**rewritten.get("$defs", {}), "mlxkv_any": any_value, "mlxkv_string": string}}
 
 
 def _rewrite(schema, patterns):
@@ -72,6 +74,8 @@ def _rewrite(schema, patterns):
         out["prefixItems"] = [_rewrite(s, patterns) for s in out["prefixItems"]]
     kinds = out.get("type")
     kinds = [kinds] if isinstance(kinds, str) else kinds or []
+    if out.get("type") == "string" and not set(out) - {"type", *_ANNOTATIONS}:
+        return {"$ref": STRING}
     if "string" in kinds:
         _keep_out(out, patterns)
     named = set(out.get("properties") or {})
