@@ -15,6 +15,10 @@ from __future__ import annotations
 ANY = "#/$defs/mlxkv_any"  # the added definition of any JSON whose strings lack the markers
 STRING = "#/$defs/mlxkv_string"  # and of such a string: plain strings refer to it, compiled once
 _ANNOTATIONS = ("description", "title", "default", "examples", "$comment")
+# A string with its own pattern, format or minimum length is left as it is: llguidance cannot
+# always meet such a rule with the markers' pattern ("Unable to determine if regex is empty"
+# for a minLength of 100 already), and a request that compiled must not become a 400.
+_OWN_STRING_RULES = {"pattern", "format", "minLength"}
 _COMBINATORS = ("anyOf", "oneOf", "allOf")
 _SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
 _SUBSCHEMAS = ("items", "additionalProperties", "contains", "not", "if", "then", "else")
@@ -76,7 +80,7 @@ def _rewrite(schema, patterns):
     kinds = [kinds] if isinstance(kinds, str) else kinds or []
     if out.get("type") == "string" and not set(out) - {"type", *_ANNOTATIONS}:
         return {"$ref": STRING}
-    if "string" in kinds:
+    if "string" in kinds and not _OWN_STRING_RULES & set(out):
         _keep_out(out, patterns)
     named = set(out.get("properties") or {})
     if named and set(out.get("required") or []) <= named or "patternProperties" in out:
@@ -94,13 +98,10 @@ def _rewrite(schema, patterns):
 
 
 def _keep_out(string: dict, patterns) -> dict:
-    """A string schema given the patterns: as its own `pattern` where it has none (llguidance
-    compiles that faster than an allOf), the rest in allOf."""
-    rest = [{"pattern": p["pattern"]} for p in patterns]
-    if "pattern" not in string and "format" not in string:
-        string["pattern"], rest = rest[0]["pattern"], rest[1:]
-    if rest:
-        string["allOf"] = [*string.get("allOf", []), *rest]
+    """A string schema given the patterns: the first as its own `pattern`, the rest in allOf."""
+    string["pattern"] = patterns[0]["pattern"]
+    if patterns[1:]:
+        string["allOf"] = [*string.get("allOf", []), *({"pattern": p["pattern"]} for p in patterns[1:])]
     return string
 
 

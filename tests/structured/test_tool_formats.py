@@ -361,3 +361,18 @@ def test_the_regex_excluding_a_marker_matches_exactly_the_texts_without_it():
             text = "".join(rng.choice(alphabet) for _ in range(rng.randrange(12)))
             text = text[:4] + marker + text[4:] if rng.random() < 0.2 else text
             assert (pattern.fullmatch(text) is not None) == (marker not in text), (marker, text)
+
+
+def test_strings_with_their_own_rules_keep_compiling_beside_the_marker_exclusion():
+    """llguidance cannot meet every string rule with the markers' pattern (a minLength of 100
+    already fails): such strings are left as they were, never turned into a 400."""
+    from mlxkv.structured.compiler import check_grammar
+
+    schema = {"type": "object", "properties": {
+        "content": {"type": "string", "minLength": 4000}, "code": {"type": "string", "pattern": "^(ab|c)+$"},
+        "when": {"type": "string", "format": "date-time"}, "name": {"type": "string", "maxLength": 500}}}
+    for parser in ("json_tools", "qwen3_coder", "glm47", "kimi_k2"):
+        check_grammar(tool_call_grammar("<tool_call>", "</tool_call>", [ToolSpec("t", {
+            "type": "object", "properties": {"p": {"type": "object", "properties": schema["properties"]}}})],
+            allow_text=False, parser=parser))
+    check_grammar(tool_call_grammar("<tool_call>", "</tool_call>", [ToolSpec("t", schema)], allow_text=False))
