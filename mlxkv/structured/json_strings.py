@@ -17,8 +17,9 @@ STRING = "#/$defs/mlxkv_string"  # and of such a string: plain strings refer to 
 _ANNOTATIONS = ("description", "title", "default", "examples", "$comment")
 # A string with its own pattern, format or minimum length is left as it is: llguidance cannot
 # always meet such a rule with the markers' pattern ("Unable to determine if regex is empty"
-# for a minLength of 100 already), and a request that compiled must not become a 400.
-_OWN_STRING_RULES = {"pattern", "format", "minLength"}
+# for a minLength of 100 already), and a request that compiled must not become a 400. An enum
+# or const string is the schema's own text: a pattern there could only empty it.
+_OWN_STRING_RULES = {"pattern", "format", "minLength", "enum", "const"}
 _COMBINATORS = ("anyOf", "oneOf", "allOf")
 _SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
 _SUBSCHEMAS = ("items", "additionalProperties", "contains", "not", "if", "then", "else")
