@@ -165,7 +165,10 @@ def test_kimi_call_ids_are_unique_per_call_across_turns_and_apis(llama_dir):
             model="x", max_tokens=9, messages=messages,
             tools=[{"name": "lookup", "input_schema": {"type": "object"}}])
         ids += [b.id for b in message.content if b.type == "tool_use"]
-    assert len(ids) == 8 and len(set(ids)) == 8, ids
+        response = client.responses.create(model="x", input="Tides?", max_output_tokens=9, tools=[
+            {"type": "function", "name": "lookup", "parameters": {"type": "object"}}])
+        ids += [item.call_id for item in response.output if item.type == "function_call"]
+    assert len(ids) == 10 and len(set(ids)) == 10, ids
 
 
 def test_models_lists_the_loaded_model(server):
