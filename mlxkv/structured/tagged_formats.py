@@ -30,8 +30,9 @@ import json
 import re
 from dataclasses import dataclass
 
+from mlxkv.structured.tool_refs import deref, ref_name
 from mlxkv.structured.tool_specs import (ANNOTATIONS, ToolSpec, UnsupportedTools, json_value, literal,
-                                         properties, regex, spelled)
+                                         parser_typed, properties, regex, spelled)
 
 _EDGE = "[^\\s\\x1c-\\x1f]"  # a character str.strip() keeps
 _INTEGER = "/-?(0|[1-9][0-9]*)/"
@@ -66,15 +67,17 @@ def raw_text(rules: list[str], name: str, raw: RawText, tags: dict[str, int]) ->
     return name
 
 
-def typed_value(where: str, prop, raw: RawText, tags: dict[str, int], rules: list[str], name: str) -> str:
+def typed_value(where: str, prop, raw: RawText, tags: dict[str, int], rules: list[str], name: str,
+                defs: dict | None = None) -> str:
     """A value as MiniMax's parser converts its text by the property's type (as Qwen3-Coder's
     does): a string's text, an integer, number or flag's text, an object or array's JSON."""
     if not isinstance(prop, dict):
         raise UnsupportedTools(f"{where}: its schema is not an object")
+    prop = parser_typed(where, prop, defs or {}, ("string",))
     kind, keys = prop.get("type"), set(prop) - ANNOTATIONS - {"type"}
     close = spelled(raw.close, tags)
     if kind in ("object", "array"):  # json.loads of the text: the schema holds as JSON does
-        return f"{json_value(prop, (raw.close, *raw.banned))} {close}"
+        return f"{json_value(prop, (raw.close, *raw.banned), defs)} {close}"
     if kind == "string" and keys <= {"enum"} and all(isinstance(v, str) for v in prop.get("enum", [""])):
         if "enum" not in prop:
             return raw_text(rules, name, raw, tags)
@@ -140,7 +143,8 @@ def _typed_params(tool: ToolSpec, i: int, rules: list[str], fmt: str, raw: RawTe
         return f"any{i}*"
 
     def param(j, name, prop):
-        value = typed_value(f"tool {tool.name!r}, parameter {name!r}", prop, raw, tags, rules, f"S{i}_{j}")
+        value = typed_value(f"tool {tool.name!r}, parameter {name!r}", prop, raw, tags, rules, f"S{i}_{j}",
+                            tool.defs)
         return f'{json.dumps(f"<{tag} name={json.dumps(name)}>")} {value}{after}'
     return _tag_params(tool, i, rules, fmt, _ATTR_NAME, param)
 
@@ -178,7 +182,8 @@ def _muse_body(tools: list[ToolSpec], end: str, tags: dict[str, int]) -> str:
             params = f"any{i}*"
         else:
             def param(j, name, prop):
-                return (f'{json.dumps(f"<atem:parameter name={json.dumps(name)}>")} {json_value(prop, marks)} '
+                return (f'{json.dumps(f"<atem:parameter name={json.dumps(name)}>")} '
+                        f'{json_value(prop, marks, tool.defs)} '
                         f'"</atem:parameter>"')
             params = _tag_params(tool, i, rules, "muse_spark", _ATTR_NAME, param)
         rules.append(f'f{i}: {json.dumps(f"<atem:invoke name={json.dumps(tool.name)}>")} {params} "</atem:invoke>"')
@@ -204,6 +209,7 @@ def _kimi_k3_body(tools: list[ToolSpec], end: str, tags: dict[str, int]) -> str:
             params = f"any{i}*"
         else:
             def param(j, name, prop, i=i):
+                prop = deref(prop, tool.defs)  # the type="..." written tells the parser how to read it
                 head = f'{opening} {json.dumps(f"argument key={json.dumps(name)} type=")}'
                 keys = set(prop) - ANNOTATIONS - {"type"} if isinstance(prop, dict) else {0}
                 if prop.get("type") == "string" and not keys:
@@ -214,7 +220,8 @@ def _kimi_k3_body(tools: list[ToolSpec], end: str, tags: dict[str, int]) -> str:
                     return f'{head} "\\"string\\"" {sep} ({values}) {argument_end}'
                 kind = prop.get("type") if isinstance(prop, dict) and isinstance(prop.get("type"), str) else "json"
                 kind = "json" if kind == "string" else kind  # a constrained string: its JSON
-                return f'{head} {json.dumps(json.dumps(kind))} {sep} {json_value(prop, ("<|close|>",))} {argument_end}'
+                value = json_value(prop, ("<|close|>",), tool.defs)
+                return f'{head} {json.dumps(json.dumps(kind))} {sep} {value} {argument_end}'
             params = _tag_params(tool, i, rules, "kimi_k3", _ATTR_NAME, param)
         rules.append(f'f{i}: {opening} {json.dumps(f"call tool={json.dumps(tool.name)} index=")} '
                      f'/"[0-9]{{1,4}}"/ {sep} {params} {closing} "call" {sep}')
@@ -235,6 +242,7 @@ def _function_gemma_body(tools: list[ToolSpec], end: str, tags: dict[str, int]) 
             params = f'(any{i} ("," any{i})*)?'
         else:
             def param(j, name, prop, i=i):
+                prop = deref(prop, tool.defs)  # the parser reads no schema: strings and numbers by their look
                 where = f"tool {tool.name!r}, parameter {name!r}"
                 if not isinstance(prop, dict):
                     raise UnsupportedTools(f"{where}: its schema is not an object")
@@ -268,8 +276,9 @@ class _Gemma4Values:
     """Gemma 4's argument values as Lark, per schema: JSON with bare keys (`{city:...}`) and
     strings between `<|"|>` delimiters (raw text, no escapes), which the parser turns into JSON."""
 
-    def __init__(self, rules: list[str], end: str, tags: dict[str, int]):
+    def __init__(self, rules: list[str], end: str, tags: dict[str, int], defs: dict):
         self.rules, self.tags, self.count = rules, tags, 0
+        self.defs, self.def_rules = defs, {}  # the tools' lifted definitions; each one's rule, once written
         self.quote = literal(GEMMA4_QUOTE, tags)
         self.raw = RawText(GEMMA4_QUOTE, (end,))
         self.text = f"{self.quote} {raw_text(rules, 'GSTR', self.raw, tags)}"
@@ -281,6 +290,8 @@ class _Gemma4Values:
             return "gany"
         if not isinstance(schema, dict):
             raise UnsupportedTools(f"{where}: its schema is not an object")
+        if ref_name(schema) in self.defs:
+            return self.definition(where, ref_name(schema))
         kind, keys = schema.get("type"), set(schema) - ANNOTATIONS - {"type"}
         if kind == "string" and keys <= {"enum"}:
             if "enum" not in schema:
@@ -298,6 +309,13 @@ class _Gemma4Values:
             return self.object(where, schema)
         raise UnsupportedTools(f"{where}: the gemma4 format's parser cannot read a {json.dumps(schema)} value "
                                f"back exactly")
+
+    def definition(self, where: str, name: str) -> str:
+        """A lifted definition as one rule, named before it is written: it may refer to itself."""
+        if name not in self.def_rules:
+            self.def_rules[name] = rule = f"gd{len(self.def_rules)}"
+            self.rules.append(f"{rule}: {self.value(where, self.defs[name])}")
+        return self.def_rules[name]
 
     def object(self, where: str, schema: dict) -> str:
         props = schema.get("properties") or {}
@@ -318,7 +336,7 @@ class _Gemma4Values:
 def _gemma4_body(tools: list[ToolSpec], end: str, tags: dict[str, int]) -> str:
     """`call:f{key:value,...}`: each tool's arguments as Gemma 4 writes them."""
     rules = [f"body: {_alternatives(tools)}"]
-    values = _Gemma4Values(rules, end, tags)
+    values = _Gemma4Values(rules, end, tags, {k: d for t in tools for k, d in t.defs.items()})
     for i, tool in enumerate(tools):
         _check_name(tool, _DASHED_NAME, "gemma4")
         schema = tool.schema if tool.schema is not None else {"type": "object"}
@@ -340,7 +358,8 @@ def _mistral_body(tools: list[ToolSpec], end: str, tags: dict[str, int]) -> str:
     rules = [f"body: {_alternatives(tools)}"]
     for i, tool in enumerate(tools):
         _check_name(tool, _DASHED_NAME, "mistral")
-        rules.append(f"f{i}: {json.dumps(tool.name)} {args} {json_value(tool.schema or {'type': 'object'})}")
+        value = json_value(tool.schema or {"type": "object"}, (), tool.defs)
+        rules.append(f"f{i}: {json.dumps(tool.name)} {args} {value}")
     return "\n".join(rules)
 
 

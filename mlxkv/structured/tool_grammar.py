@@ -50,7 +50,7 @@ from mlxkv.structured.tool_specs import ANNOTATIONS as _XML_ANNOTATIONS
 from mlxkv.structured.tool_specs import ANY_OBJECT, ToolSpec, UnsupportedTools  # noqa: F401 (the callers' names)
 from mlxkv.structured.tool_specs import CALL_NAME as _XML_NAME
 from mlxkv.structured.tool_specs import compact as _compact
-from mlxkv.structured.tool_specs import json_value
+from mlxkv.structured.tool_specs import json_value, lifted, parser_typed
 from mlxkv.structured.tool_specs import literal as _literal
 from mlxkv.structured.tool_specs import properties as _properties
 from mlxkv.structured.tool_specs import regex as _regex
@@ -73,7 +73,7 @@ def tool_call_grammar(start: str, end: str, tools: list[ToolSpec], allow_text: b
         raise MlxkvError("a tool-call grammar needs at least one tool")
     if parser not in FORMATS:
         raise UnsupportedTools(f"no tool-call grammar for mlx-lm's {parser!r} format")
-    rules = FORMATS[parser](tools, end, tags or {})
+    rules = FORMATS[parser](lifted(tools), end, tags or {})
     open_id, close_id = token_ids
     close = _spelled(end, tags or {}) if close_id is None else f"<[{close_id}]>"
     opening = _spelled(start, tags or {}) if open_id is None else f"<[{open_id}]>"
@@ -103,7 +103,7 @@ def _json_body(tools: list[ToolSpec], end: str, tags: dict[str, int]) -> str:
     calls = [{"type": "object", "properties": {"name": {"const": t.name}, "arguments": t.schema or ANY_OBJECT},
               "required": ["name", "arguments"], "additionalProperties": False} for t in tools]
     schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
-    return f"body: {json_value(schema, _marks(end))}"
+    return f"body: {json_value(schema, _marks(end), {k: d for t in tools for k, d in t.defs.items()})}"
 
 
 # The qwen3_coder parser's conversion of a parameter's text, by the property's "type".
@@ -135,20 +135,21 @@ def _xml_params(tool: ToolSpec, i: int, rules: list[str], end: str) -> str:
     required = set(schema.get("required") or [])
     parts = []
     for j, (name, prop) in enumerate(_properties(tool, "qwen3_coder").items()):
-        value = _xml_value(tool.name, name, prop, end)
+        value = _xml_value(tool, name, prop, end)
         rules.append(f"p{i}_{j}: {json.dumps(f'<parameter={name}>')} \"\\n\" {value} \"\\n\"")
         parts.append(f"p{i}_{j}" + ("" if name in required else "?"))
     return " ".join(parts) if parts else '""'
 
 
-def _xml_value(tool: str, name: str, prop, end: str) -> str:
+def _xml_value(tool: ToolSpec, name: str, prop, end: str) -> str:
     """The value's text and its closing tag, as the parser converts it to a value valid against `prop`."""
-    where = f"tool {tool!r}, parameter {name!r}"
+    where = f"tool {tool.name!r}, parameter {name!r}"
     if not isinstance(prop, dict):
         raise UnsupportedTools(f"{where}: its schema is not an object")
+    prop = parser_typed(where, prop, tool.defs, ("object", "array"))
     kind, keys = prop.get("type"), set(prop) - _XML_ANNOTATIONS - {"type"}
     if kind in ("object", "array"):  # json.loads of the text: the schema holds as JSON does
-        return f"{json_value(prop, _marks('</parameter>', end))} \"\\n</parameter>\""
+        return f"{json_value(prop, _marks('</parameter>', end), tool.defs)} \"\\n</parameter>\""
     if kind == "string" and keys <= {"enum"} and all(isinstance(v, str) for v in prop.get("enum", [""])):
         if "enum" not in prop:
             return "STR"
@@ -226,7 +227,7 @@ def _glm_params(tool: ToolSpec, i: int, rules: list[str], tags: tuple[str, ...],
         if prop.get("type") == "string":  # the parser keeps the text
             value = _glm_string(where, prop, close, marks[0], fmt)
         else:  # json.loads reads it back: the schema holds as JSON does
-            value = f"{json_value(prop, _marks(*marks))} {close}"
+            value = f"{json_value(prop, _marks(*marks), tool.defs)} {close}"
         rules.append(f"p{i}_{j}: {key} {json.dumps(name)} {key_end} {value_open} {value}")
         parts.append(f"p{i}_{j}" + ("" if name in (tool.schema.get("required") or []) else "?"))
     return " ".join(parts) if parts else '""'
@@ -265,7 +266,7 @@ def _python_body(tools: list[ToolSpec], end: str, tags: dict[str, int]) -> str:
         for j, name in enumerate(names):
             if keyword.iskeyword(name) or not _PY_NAME.fullmatch(name):
                 raise UnsupportedTools(f"tool {tool.name!r}: parameter {name!r} is not a Python keyword argument")
-            rules.append(f"p{i}_{j}: {json.dumps(name + '=')} {json_value(properties[name], _marks(end))}")
+            rules.append(f"p{i}_{j}: {json.dumps(name + '=')} {json_value(properties[name], _marks(end), tool.defs)}")
         # Commas between the arguments written, optional ones anywhere: t{k} is the rest from
         # argument k when none is written yet, s{k} when one is.
         n = len(names)
@@ -289,7 +290,7 @@ def _kimi_body(tools: list[ToolSpec], end: str, tags: dict[str, int]) -> str:
     for i, tool in enumerate(tools):
         if not _KIMI_NAME.fullmatch(tool.name):
             raise UnsupportedTools(f"tool name {tool.name!r} cannot be written in the kimi_k2 format")
-        value = json_value(tool.schema or ANY_OBJECT, _marks(*TAGS["kimi_k2"], end))
+        value = json_value(tool.schema or ANY_OBJECT, _marks(*TAGS["kimi_k2"], end), tool.defs)
         rules.append(f"f{i}: {json.dumps(f'functions.{tool.name}:')} /[0-9]{{1,4}}/ {arguments} {value}")
     return "\n".join(rules)
 

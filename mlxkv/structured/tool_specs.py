@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from mlxkv.errors import MlxkvError
 from mlxkv.structured.grammar import JSON_OPTIONS
 from mlxkv.structured.json_strings import without_markers
+from mlxkv.structured.tool_refs import deref, lift, reachable, ref_name
 
 ANY_OBJECT = {"type": "object"}
 ANNOTATIONS = {"description", "title", "default", "examples", "$comment"}
@@ -29,6 +30,18 @@ class UnsupportedTools(MlxkvError):
 class ToolSpec:
     name: str
     schema: dict | None  # the arguments' JSON schema; None: any JSON object
+    defs: dict = field(default_factory=dict)  # what its refs name, by lifted names (tool_refs.py)
+
+
+def lifted(tools: list[ToolSpec]) -> list[ToolSpec]:
+    """The tools with their refs' targets lifted out of their schemas under names no two tools
+    share (tool_refs.py): a format may then nest a schema, or a part of it, anywhere."""
+    out = []
+    for i, tool in enumerate(tools):
+        if isinstance(tool.schema, dict) and not tool.defs:
+            tool = ToolSpec(tool.name, *lift(tool.schema, tool.name, i))
+        out.append(tool)
+    return out
 
 
 def properties(tool: ToolSpec, fmt: str, names: re.Pattern = CALL_NAME) -> dict:
@@ -48,9 +61,26 @@ def properties(tool: ToolSpec, fmt: str, names: re.Pattern = CALL_NAME) -> dict:
     return props
 
 
-def json_value(schema, markers: tuple[str, ...] = ()) -> str:
+def parser_typed(where: str, prop, defs: dict, kinds: tuple[str, ...]):
+    """A property the parser converts by its "type" (Qwen3-Coder's, MiniMax's): one that is only a
+    $ref has none for it, so it is read as `kinds` (text, or JSON objects and arrays) and
+    is written only when what it refers to is of those kinds."""
+    if ref_name(prop) is None:
+        return prop
+    target = deref(prop, defs)
+    if not (isinstance(target, dict) and target.get("type") in kinds):
+        raise UnsupportedTools(f"{where}: the format's parser reads a parameter that is only a $ref "
+                               f"as {' or '.join(kinds)} alone")
+    return target
+
+
+def json_value(schema, markers: tuple[str, ...] = (), defs: dict | None = None) -> str:
     """A JSON value valid against `schema` in Lark (compact), its strings kept from holding any
-    of `markers`: the texts where the format's parser would end the call or the argument."""
+    of `markers`: the texts where the format's parser would end the call or the argument.
+    `defs`: the tools' lifted definitions; those `schema` reaches go to its root."""
+    used = reachable(schema, defs or {})
+    if used:
+        schema = {**schema, "$defs": {**schema.get("$defs", {}), **used}}
     return f"%json {compact({**without_markers(schema, markers), 'x-guidance': JSON_OPTIONS})}"
 
 
