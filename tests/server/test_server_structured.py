@@ -86,6 +86,28 @@ def test_an_uncompilable_schema_is_a_400_in_each_api(server):
             output_config={"format": {"type": "json_schema", "schema": BAD_SCHEMA}})
 
 
+BAD_REF = {"type": "object", "properties": {"item": {"$ref": "#/$defs/Missing"}}, "$defs": {"Item": {"type": "string"}}}
+
+
+def test_a_tool_ref_that_does_not_resolve_is_a_400_naming_the_tool_in_each_api(server):
+    """Each API's own error shape (the clients raise BadRequestError only from it), before any decoding."""
+    says = r"tools: tool 'lookup': \$ref '#/\$defs/Missing' does not resolve"
+    with pytest.raises(openai.BadRequestError, match=says) as chat:
+        openai_client(server).chat.completions.create(
+            model="x", messages=ask("Oslo"), max_tokens=8, tool_choice="required",
+            tools=[{"type": "function", "function": {"name": "lookup", "parameters": BAD_REF}}])
+    assert chat.value.body["param"] == "tools"
+    with pytest.raises(openai.BadRequestError, match=says):  # auto with a strict tool constrains too
+        openai_client(server).responses.create(
+            model="x", input="hi", max_output_tokens=8,
+            tools=[{"type": "function", "name": "lookup", "strict": True, "parameters": BAD_REF}])
+    with pytest.raises(anthropic.BadRequestError, match=says) as messages:
+        anthropic_client(server).messages.create(
+            model="x", max_tokens=8, messages=ask("Oslo"), tool_choice={"type": "tool", "name": "lookup"},
+            tools=[{"name": "lookup", "input_schema": BAD_REF}])
+    assert messages.value.body["error"]["type"] == "invalid_request_error"
+
+
 @pytest.mark.slow  # over ~0.7 s under load: the not-slow budget is nearly spent
 def test_responses_text_format_validates(server):
     reply = openai_client(server).responses.create(
