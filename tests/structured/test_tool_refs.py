@@ -98,6 +98,15 @@ def test_two_tools_defining_the_same_name_differently_each_get_their_own(compile
         assert reads_back_valid(this, calls_) == good, text
 
 
+@pytest.mark.parametrize("parser, kind", [("qwen3_coder", "scalar"), ("minimax_m2", "array"), ("minicpm5", "scalar")])
+def test_a_ref_parameter_a_typed_parser_would_read_as_another_kind_is_left_free(parser, kind):
+    """Its parser reads the value as text (or JSON) whatever the definition says: refused, so
+    the server leaves the tools free rather than enforce what would read back wrong."""
+    first, second, _, _ = ITEMS[kind]
+    with pytest.raises(UnsupportedTools, match="tool 'count', parameter 'n': .* only a \\$ref"):
+        grammar(case(parser, [ToolSpec("count", with_item(first)), ToolSpec("pick", with_item(second))]), False)
+
+
 NODE = {"type": "object", "properties": {
     "v": {"type": "integer"}, "label": {"$ref": "#/definitions/Label"},
     "kids": {"type": "array", "items": {"$ref": "#/definitions/Node"}}}, "required": ["v"]}
