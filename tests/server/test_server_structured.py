@@ -86,6 +86,24 @@ def test_an_uncompilable_schema_is_a_400_in_each_api(server):
             output_config={"format": {"type": "json_schema", "schema": BAD_SCHEMA}})
 
 
+# What Pydantic writes for a model with a nested one: the nested model under $defs, by $ref.
+PYDANTIC = {"type": "object", "title": "Trip", "required": ["city", "stops"], "$defs": {"Stop": {
+    "type": "object", "title": "Stop", "required": ["name"], "properties": {
+        "name": {"type": "string", "maxLength": 8}, "days": {"type": "integer", "minimum": 0, "maximum": 9}}}},
+    "properties": {"city": {"type": "string", "maxLength": 8},
+                   "stops": {"type": "array", "maxItems": 2, "items": {"$ref": "#/$defs/Stop"}}}}
+
+
+@pytest.mark.slow  # decodes a call: ~1 s under load
+def test_a_forced_call_to_a_tool_with_its_own_defs_validates(server):
+    tool = {"type": "function", "function": {"name": "plan", "parameters": PYDANTIC}}
+    reply = openai_client(server).chat.completions.create(model="x", messages=ask("Oslo"), max_tokens=120,
+                                                          tools=[tool], tool_choice="required")
+    [call] = reply.choices[0].message.tool_calls
+    assert call.function.name == "plan"
+    jsonschema.validate(json.loads(call.function.arguments), PYDANTIC)
+
+
 BAD_REF = {"type": "object", "properties": {"item": {"$ref": "#/$defs/Missing"}}, "$defs": {"Item": {"type": "string"}}}
 
 
