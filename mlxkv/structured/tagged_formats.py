@@ -211,14 +211,15 @@ def _kimi_k3_body(tools: list[ToolSpec], end: str, tags: dict[str, int]) -> str:
             def param(j, name, prop, i=i):
                 prop = deref(prop, tool.defs)  # the type="..." written tells the parser how to read it
                 head = f'{opening} {json.dumps(f"argument key={json.dumps(name)} type=")}'
+                # A schema of true/false is no object: any JSON, or none.
+                kind = prop.get("type") if isinstance(prop, dict) and isinstance(prop.get("type"), str) else "json"
                 keys = set(prop) - ANNOTATIONS - {"type"} if isinstance(prop, dict) else {0}
-                if prop.get("type") == "string" and not keys:
+                if kind == "string" and not keys:
                     return f'{head} "\\"string\\"" {sep} {raw_text(rules, f"S{i}_{j}", raw, tags)}'
-                if prop.get("type") == "string" and keys == {"enum"} and all(
+                if kind == "string" and keys == {"enum"} and all(
                         isinstance(v, str) and _reads_back(v, raw) for v in prop["enum"]):
                     values = " | ".join(json.dumps(v) for v in prop["enum"])
                     return f'{head} "\\"string\\"" {sep} ({values}) {argument_end}'
-                kind = prop.get("type") if isinstance(prop, dict) and isinstance(prop.get("type"), str) else "json"
                 kind = "json" if kind == "string" else kind  # a constrained string: its JSON
                 value = json_value(prop, ("<|close|>",), tool.defs)
                 return f'{head} {json.dumps(json.dumps(kind))} {sep} {value} {argument_end}'

@@ -263,3 +263,17 @@ def test_a_tool_without_a_schema_takes_any_arguments_in_each_format(compiler, ca
     assert accepts(compiler, grammar(case, parallel=False, allow_text=True), "Sure. " + text), text
     assert read_back(case, text) == [("free", {"q": "any text", "n": "two words"})]
     assert not accepts(compiler, grammar(case, parallel=False), case.write([("other", {"q": "x"})]))
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.parser)
+def test_a_property_whose_schema_is_true_or_false_never_crashes(case):
+    """A grammar, or a clear MlxkvError (UnsupportedTools: the tools left free; else a 400):
+    never another exception (a 500)."""
+    from mlxkv.errors import MlxkvError
+
+    for schema in (True, False):
+        tool = ToolSpec("t", {"type": "object", "properties": {"p": schema}})
+        try:
+            grammar(Case(case.parser, case.write, case.marker, [tool]), parallel=False)
+        except MlxkvError:
+            pass
