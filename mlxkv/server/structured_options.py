@@ -173,6 +173,8 @@ def _tool_grammar(tokenizer, tools: list[ToolSpec], allow_text: bool, parallel: 
     except UnsupportedTools as e:
         log.warning("tool calls are not enforced for this request: %s", e)
         return None
+    except MlxkvError as e:  # a schema that is wrong in itself (a $ref that does not resolve)
+        raise ApiError(400, f"tools: {e}", param="tools") from None
     return _checked(lambda: grammar, "tools")
 
 

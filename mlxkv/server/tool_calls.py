@@ -99,6 +99,8 @@ class ToolCallSplitter:
                 continue
             args = item.get("arguments", {})
             text_args = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
-            calls.append(ToolCall(item.get("id") or f"call_{uuid.uuid4().hex[:24]}", str(item["name"]), text_args))
+            # A fresh id per call, never the parser's: Kimi's `functions.name:i` (and a model's own
+            # ids) repeat across turns, and a client keys results by id.
+            calls.append(ToolCall(f"call_{uuid.uuid4().hex[:24]}", str(item["name"]), text_args))
         return calls
 

@@ -7,7 +7,7 @@ import threading
 import openai
 import pytest
 
-from server_support import ScriptedThread, raw, openai_client
+from server_support import ScriptedThread, anthropic_client, raw, openai_client
 from mlxkv.server.server import Server, ServerOptions
 
 
@@ -135,6 +135,40 @@ def test_a_tool_call_is_parsed_with_mlx_lm_s_parser(llama_dir):
     # The tools reached the chat template; without tools the text is just text.
     assert b"get_weather" in bytes(thread.engine.tokenizer.decode(thread.submitted[0][0]), "utf-8")
     assert plain.choices[0].message.tool_calls is None and "<tool_call>" in plain.choices[0].message.content
+
+
+@pytest.mark.slow  # a server and five replies: ~0.8 s
+def test_kimi_call_ids_are_unique_per_call_across_turns_and_apis(llama_dir):
+    """Kimi's parser gives `functions.name:i` as a call's id, the same every turn: a client that
+    keys tool results by id would mix them up. Each call gets its own id, in every API shape."""
+    from mlx_lm.tool_parsers import kimi_k2
+
+    call = ('<|tool_call_begin|>functions.lookup:0<|tool_call_argument_begin|>{"q": "tides"}<|tool_call_end|>'
+            '<|tool_call_begin|>functions.lookup:1<|tool_call_argument_begin|>{"q": "moon"}<|tool_call_end|>')
+    thread = ScriptedThread(llama_dir, ["<|tool_calls_section_begin|>", call, "<|tool_calls_section_end|>", ""])
+    tokenizer = thread.engine.tokenizer  # the llama tokenizer, speaking Kimi's tool calls
+    tokenizer._tool_parser, tokenizer._tool_call_start, tokenizer._tool_call_end = (
+        kimi_k2.parse_tool_call, kimi_k2.tool_call_start, kimi_k2.tool_call_end)
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]
+    messages = [{"role": "user", "content": "Tides?"}]
+    ids = []
+    with Server(thread, "scripted", ServerOptions(port=0)).start() as server:
+        client = openai_client(server)
+        for _ in range(2):  # two turns
+            calls = client.chat.completions.create(model="x", messages=messages, tools=tools,
+                                                   max_tokens=9).choices[0].message.tool_calls
+            assert [c.function.arguments for c in calls] == ['{"q": "tides"}', '{"q": "moon"}']
+            ids += [c.id for c in calls]
+        stream = client.chat.completions.create(model="x", messages=messages, tools=tools, max_tokens=9, stream=True)
+        ids += [d.id for c in stream if c.choices for d in c.choices[0].delta.tool_calls or [] if d.id]
+        message = anthropic_client(server).messages.create(
+            model="x", max_tokens=9, messages=messages,
+            tools=[{"name": "lookup", "input_schema": {"type": "object"}}])
+        ids += [b.id for b in message.content if b.type == "tool_use"]
+        response = client.responses.create(model="x", input="Tides?", max_output_tokens=9, tools=[
+            {"type": "function", "name": "lookup", "parameters": {"type": "object"}}])
+        ids += [item.call_id for item in response.output if item.type == "function_call"]
+    assert len(ids) == 10 and len(set(ids)) == 10, ids
 
 
 def test_models_lists_the_loaded_model(server):

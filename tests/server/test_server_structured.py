@@ -86,6 +86,46 @@ def test_an_uncompilable_schema_is_a_400_in_each_api(server):
             output_config={"format": {"type": "json_schema", "schema": BAD_SCHEMA}})
 
 
+# What Pydantic writes for a model with a nested one: the nested model under $defs, by $ref.
+PYDANTIC = {"type": "object", "title": "Trip", "required": ["city", "stops"], "$defs": {"Stop": {
+    "type": "object", "title": "Stop", "required": ["name"], "properties": {
+        "name": {"type": "string", "maxLength": 8}, "days": {"type": "integer", "minimum": 0, "maximum": 9}}}},
+    "properties": {"city": {"type": "string", "maxLength": 8},
+                   "stops": {"type": "array", "maxItems": 2, "items": {"$ref": "#/$defs/Stop"}}}}
+
+
+@pytest.mark.slow  # decodes a call: ~1 s under load
+def test_a_forced_call_to_a_tool_with_its_own_defs_validates(server):
+    tool = {"type": "function", "function": {"name": "plan", "parameters": PYDANTIC}}
+    reply = openai_client(server).chat.completions.create(model="x", messages=ask("Oslo"), max_tokens=120,
+                                                          tools=[tool], tool_choice="required")
+    [call] = reply.choices[0].message.tool_calls
+    assert call.function.name == "plan"
+    jsonschema.validate(json.loads(call.function.arguments), PYDANTIC)
+
+
+BAD_REF = {"type": "object", "properties": {"item": {"$ref": "#/$defs/Missing"}}, "$defs": {"Item": {"type": "string"}}}
+
+
+def test_a_tool_ref_that_does_not_resolve_is_a_400_naming_the_tool_in_each_api(server):
+    """Each API's own error shape (the clients raise BadRequestError only from it), before any decoding."""
+    says = r"tools: tool 'lookup': \$ref '#/\$defs/Missing' does not resolve"
+    with pytest.raises(openai.BadRequestError, match=says) as chat:
+        openai_client(server).chat.completions.create(
+            model="x", messages=ask("Oslo"), max_tokens=8, tool_choice="required",
+            tools=[{"type": "function", "function": {"name": "lookup", "parameters": BAD_REF}}])
+    assert chat.value.body["param"] == "tools"
+    with pytest.raises(openai.BadRequestError, match=says):  # auto with a strict tool constrains too
+        openai_client(server).responses.create(
+            model="x", input="hi", max_output_tokens=8,
+            tools=[{"type": "function", "name": "lookup", "strict": True, "parameters": BAD_REF}])
+    with pytest.raises(anthropic.BadRequestError, match=says) as messages:
+        anthropic_client(server).messages.create(
+            model="x", max_tokens=8, messages=ask("Oslo"), tool_choice={"type": "tool", "name": "lookup"},
+            tools=[{"name": "lookup", "input_schema": BAD_REF}])
+    assert messages.value.body["error"]["type"] == "invalid_request_error"
+
+
 @pytest.mark.slow  # over ~0.7 s under load: the not-slow budget is nearly spent
 def test_responses_text_format_validates(server):
     reply = openai_client(server).responses.create(
@@ -130,6 +170,30 @@ def test_anthropic_forced_tool_and_output_format_validate(server):
         model="x", max_tokens=60, messages=ask("Quito"),
         output_config={"format": {"type": "json_schema", "schema": SCHEMA}})
     jsonschema.validate(json.loads(shaped.content[0].text), SCHEMA)
+
+
+@pytest.mark.slow
+def test_responses_text_format_and_forced_calls_validate_streamed(server):
+    """#44's "streamed and not", for the Responses text.format and the forced tools of Responses
+    and Anthropic: the streamed reply (read back by each official client) validates too."""
+    fmt = {"format": {"type": "json_schema", "name": "trip", "schema": SCHEMA, "strict": True}}
+    events = list(openai_client(server).responses.create(model="x", input="Plan a trip to Oslo.",
+                                                         max_output_tokens=60, text=fmt, stream=True))
+    [done] = [e.response for e in events if e.type == "response.completed"]
+    jsonschema.validate(json.loads(done.output_text), SCHEMA)
+    tool = {"type": "function", "name": "get_weather", "strict": True, "parameters": SCHEMA}
+    events = list(openai_client(server).responses.create(model="x", input="Weather in Oslo?", max_output_tokens=80,
+                                                         tools=[tool], tool_choice="required", stream=True))
+    [done] = [e.response for e in events if e.type == "response.completed"]
+    [call] = [item for item in done.output if item.type == "function_call"]
+    jsonschema.validate(json.loads(call.arguments), SCHEMA)
+    with anthropic_client(server).messages.stream(
+            model="x", max_tokens=80, messages=ask("Oslo"), tool_choice={"type": "any"},
+            tools=[{"name": "get_weather", "input_schema": SCHEMA}]) as stream:
+        final = stream.get_final_message()
+    [use] = [b for b in final.content if b.type == "tool_use"]
+    assert final.stop_reason == "tool_use"
+    jsonschema.validate(use.input, SCHEMA)
 
 
 @pytest.mark.slow

@@ -21,16 +21,6 @@ TOOLS = [ToolSpec("edit", SCHEMA), ToolSpec("noop", {"type": "object", "properti
 OPENAI_TOOLS = [{"type": "function", "function": {"name": t.name, "parameters": t.schema}} for t in TOOLS]
 
 
-@pytest.fixture(scope="module")
-def compiler(llama_dir):
-    from transformers import PreTrainedTokenizerFast
-
-    from mlxkv.structured.compiler import GrammarCompiler
-
-    tokenizer = PreTrainedTokenizerFast(tokenizer_file=f"{llama_dir}/tokenizer.json")
-    return GrammarCompiler(tokenizer, len(tokenizer), [tokenizer.eos_token_id or 0])
-
-
 def accepts(compiler, grammar, text: str) -> bool:
     """The whole of `text` is a complete reply of `grammar`."""
     ids = compiler._hf.encode(text, add_special_tokens=False)
@@ -325,3 +315,64 @@ def test_kimi_k2_calls_in_one_section_parse_valid_with_the_tags_as_tokens_or_as_
         for text in (good, two):
             calls = kimi_k2.parse_tool_call(text.removeprefix(start).removesuffix(end))
             assert [c["name"] for c in calls] == ["edit", "noop"][:len(calls)] and all(valid(c) for c in calls)
+
+
+# A call whose JSON value's string holds its format's closing marker, per format: its parser
+# (through the server's splitter) would cut the call there.
+MARKED = [("json_tools", "<tool_call>", "</tool_call>",
+           '<tool_call>{"name": "edit", "arguments": {"path": "a%s", "count": 1}}</tool_call>', "</tool_call>"),
+          ("qwen3_coder", "<tool_call>", "</tool_call>", xml_call("edit", path="a", count=1, tags='["x%s"]'),
+           "</parameter>"),
+          ("glm47", "<tool_call>", "</tool_call>", glm_call("edit", path="a", count=1, tags='["x%s"]'),
+           "</arg_value>"),
+          ("pythonic", "<|tool_call_start|>", "<|tool_call_end|>", py_call("edit", path='"a%s"', count=1),
+           "<|tool_call_end|>"),
+          ("kimi_k2", "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>",
+           kimi_call(("edit", 0, {"path": "a%s", "count": 1})), "<|tool_call_end|>")]
+
+
+@pytest.mark.parametrize("parser, start, end, text, marker", MARKED, ids=[m[0] for m in MARKED])
+def test_a_json_string_holding_the_closing_marker_is_refused(compiler, parser, start, end, text, marker):
+    from mlx_lm.tool_parsers import glm47, json_tools, kimi_k2, pythonic, qwen3_coder
+
+    from mlxkv.server.tool_calls import ToolCallSplitter
+
+    module = {"json_tools": json_tools, "qwen3_coder": qwen3_coder, "glm47": glm47, "pythonic": pythonic,
+              "kimi_k2": kimi_k2}[parser]
+    grammar = tool_call_grammar(start, end, TOOLS, allow_text=False, parser=parser)
+    for held, refused in (("<b>", False), (marker, True)):
+        call = text.replace("%s", held)
+        assert accepts(compiler, grammar, call) != refused, call
+        splitter = ToolCallSplitter(start, end, module.parse_tool_call, OPENAI_TOOLS)
+        calls = splitter.feed(call)[1] + splitter.finish()[1]
+        read = [c.input() for c in calls]  # {} where the arguments are not JSON
+        assert (len(read) == 1 and held in json.dumps(read[0], ensure_ascii=False)) != refused, read
+
+
+def test_the_regex_excluding_a_marker_matches_exactly_the_texts_without_it():
+    import re
+
+    from mlxkv.structured.json_strings import excluding
+
+    rng = random.Random(3)
+    for marker in ("</tool_call>", "<|tool_call_end|>", "<escape>", "</a"):
+        pattern, alphabet = re.compile(excluding(marker)), [*set(marker), "x", "\n"]
+        for _ in range(1000):
+            text = "".join(rng.choice(alphabet) for _ in range(rng.randrange(12)))
+            text = text[:4] + marker + text[4:] if rng.random() < 0.2 else text
+            assert (pattern.fullmatch(text) is not None) == (marker not in text), (marker, text)
+
+
+def test_strings_with_their_own_rules_keep_compiling_beside_the_marker_exclusion():
+    """llguidance cannot meet every string rule with the markers' pattern (a minLength of 100
+    already fails): such strings are left as they were, never turned into a 400."""
+    from mlxkv.structured.compiler import check_grammar
+
+    schema = {"type": "object", "properties": {
+        "content": {"type": "string", "minLength": 4000}, "code": {"type": "string", "pattern": "^(ab|c)+$"},
+        "when": {"type": "string", "format": "date-time"}, "name": {"type": "string", "maxLength": 500}}}
+    for parser in ("json_tools", "qwen3_coder", "glm47", "kimi_k2"):
+        check_grammar(tool_call_grammar("<tool_call>", "</tool_call>", [ToolSpec("t", {
+            "type": "object", "properties": {"p": {"type": "object", "properties": schema["properties"]}}})],
+            allow_text=False, parser=parser))
+    check_grammar(tool_call_grammar("<tool_call>", "</tool_call>", [ToolSpec("t", schema)], allow_text=False))
