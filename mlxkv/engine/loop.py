@@ -43,15 +43,18 @@ class BatchLoop:
     running now, and how many requests it has served."""
 
     def __init__(self, cache: KVCacheCoordinator, runner: ModelRunner, eos, prefill_chunk: int,
-                 max_running: int, wired: WiredLimit, speculation: Speculation | None = None):
-        """`wired`: the limit held while steps run (system/wired.py; a test gives it a fake device)."""
+                 max_running: int, wired: WiredLimit, speculation: Speculation | None = None,
+                 background_loads: bool = True):
+        """`wired`: the limit held while steps run (system/wired.py; a test gives it a fake device);
+        `background_loads`: the scheduler's."""
         self.cache = cache
         self.speculation = speculation
         self.runner = runner
         self.wired = wired
         self.eos = eos
         self.scheduler = Scheduler(cache, prefill_chunk, max_running,
-                                   on_start=self._on_start, on_release=self._on_release)
+                                   on_start=self._on_start, on_release=self._on_release,
+                                   background_loads=background_loads)
         self.running: dict[int, Sequence] = {}  # by request id: what a pool view reads
         self.requests_served = 0
         self._in_flight: _InFlight | None = None
