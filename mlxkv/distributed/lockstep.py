@@ -51,8 +51,9 @@ class RankLink:
 class LockstepCore:
     """One rank's engine core, stepped in lockstep with the others'."""
 
-    def __init__(self, core, channel: PlanChannel, check: bool = False):
-        self.core, self.channel, self.check = core, channel, check
+    def __init__(self, core, channel: PlanChannel, check: bool = False, on_lost=lambda message: None):
+        """`on_lost(message)`: called once, on the stepping thread, when a rank is lost."""
+        self.core, self.channel, self.check, self.on_lost = core, channel, check, on_lost
         self.lost: str | None = None  # why the set ended, once a rank was lost
         self.steps = 0
         self._live: dict[int, Request] = {}  # requests every rank holds, by id
@@ -84,6 +85,8 @@ class LockstepCore:
         plan = StepPlan(STEP, new=[_describe(r) for r in self._new], cancel=self._poll_cancels(),
                         abort=self._aborts, decisions=self.core.decisions())
         added, self._new, self._aborts = self._new, [], []
+        if self.lost is not None:
+            return self._end_all(self.lost, added)
         try:
             plan = self._exchange(plan)
         except RankLost as e:
@@ -200,11 +203,15 @@ class LockstepCore:
 
     def _end_all(self, message: str, unsent: list[Request]) -> list[Request]:
         """A rank is gone: every open request ends with `message`; nothing more is stepped."""
+        first = self.lost is None
         self.lost = message
         log.error("%s: ending %d open requests", message, len(self._live) + len(unsent))
         failed = self.core.fail_all(message)
         for request in unsent:
             request.sink(RequestFailed(message))
+        self._live.clear()
+        if first:
+            self.on_lost(message)
         return failed + unsent
 
 

@@ -25,9 +25,9 @@ log = logging.getLogger(__name__)
 
 
 def load_rank_engine(model: str, config=None, *, kind: str, cluster: Cluster | None = None, backend: str = "any",
-                     check: bool = False, report=lambda text, fraction=None: None):
+                     check: bool = False, report=lambda text, fraction=None: None, on_lost=lambda message: None):
     """This rank's Engine of `model` split `kind`-wise over the set; rank 0's drives the set,
-    every other rank's serves it with `engine.core.follow()`."""
+    every other rank's serves it with `engine.core.follow()`; `on_lost`: LockstepCore's."""
     from mlxkv.engine.core import build_core
     from mlxkv.engine.engine import Engine
 
@@ -40,7 +40,7 @@ def load_rank_engine(model: str, config=None, *, kind: str, cluster: Cluster | N
     loaded = _agreed(channel, lambda: load_shard(model, spec, cluster.group, report))
     report("sizing the KV pool and opening the cache tiers", None)
     core = build_core(loaded, config, lockstep=RankLink(channel, spec))
-    return Engine(loaded, config, core=LockstepCore(core, channel, check))
+    return Engine(loaded, config, core=LockstepCore(core, channel, check, on_lost))
 
 
 def load_shard(name: str, spec: ShardSpec, group, report):
