@@ -22,7 +22,7 @@ import hashlib
 import logging
 import secrets
 
-from mlxkv.distributed.channel import PlanChannel, RankLost
+from mlxkv.distributed.channel import PlanChannel, PlanMismatch, RankLost
 from mlxkv.distributed.identity import cluster_fingerprint
 from mlxkv.distributed.sharding import ShardSpec
 from mlxkv.distributed.step_plan import CLOSE, IDLE, STEP, NewRequest, StepPlan
@@ -92,7 +92,10 @@ class LockstepCore:
         except RankLost as e:
             return self._end_all(str(e), added)
         self._apply(plan, added)
-        return self._run(plan)
+        try:
+            return self._run(plan)
+        except (RankLost, PlanMismatch) as e:  # the set cannot go on: nothing may hang on it
+            return self._end_all(str(e), [])
 
     def abort(self, request: Request) -> None:
         if request in self._new:  # never sent: no rank holds it
