@@ -50,14 +50,14 @@ def _batch_ran_in_step(got: dict) -> None:
     assert [len(tokens) for tokens in batch["batch"]] == [6, 1, 6, 6]
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_tensor_parallel_gives_the_one_process_tokens_and_hits(tmp_path, model_dirs, family):
+@pytest.mark.parametrize("family, kind", [("llama", "tensor"), ("qwen3", "tensor"), ("qwen2", "pipeline")])
+def test_a_split_model_gives_the_one_process_tokens_and_hits(tmp_path, model_dirs, family, kind):
     model = model_dirs[family]
-    got = _launch(tmp_path, model, "tensor", "first")
+    got = _launch(tmp_path, model, kind, "first")
     _same_as_one_process(got, _one_process(model))
     _batch_ran_in_step(got)
     if family == "llama":  # a restart of both ranks restores the prefix from their SSD tiers
-        again = _launch(tmp_path, model, "tensor", "restart")
+        again = _launch(tmp_path, model, kind, "restart")
         assert again["first"]["tokens"] == got["first"]["tokens"]
         assert again["first"]["tiers"]["disk"] == 32
         # Each rank wrote its own shard's bytes, under the set's identity and its shard tag.
