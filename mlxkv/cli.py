@@ -35,6 +35,7 @@ def _add_generate(sub) -> None:
     shape.add_argument("--json-schema", metavar="FILE", help="replies are JSON valid against this schema file")
     shape.add_argument("--grammar", metavar="FILE", help="replies match this Lark grammar file (llguidance's Lark)")
     shape.add_argument("--regex", metavar="PATTERN", help="replies match this regular expression")
+    _add_distributed_flags(p)
     p.set_defaults(func=cmd_generate)
 
 

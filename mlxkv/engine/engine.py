@@ -51,14 +51,15 @@ class Engine:
 
     @classmethod
     def load(cls, model: str, config: CacheConfig | EngineConfig | None = None, *, report=None,
-             distributed: str | None = None, distributed_check: bool = False, **cache_fields) -> Engine:
+             distributed: str | None = None, distributed_check: bool = False, backend: str = "any",
+             **cache_fields) -> Engine:
         """Load `model` (a path, a Hugging Face id, or "demo") onto a new pool.
 
         `config` or the CacheConfig fields as keywords (block_size=16,
         disk_tier=...); `report(text, fraction)` hears of downloads and loading.
         `distributed` ("tensor" or "pipeline"): this process is one rank of a set started
-        by `mlx.launch` (docs/distributed.md); rank 0's engine drives the set, every other
-        rank's serves it with `engine.core.follow()`."""
+        by `mlx.launch` over `backend` (docs/distributed.md); rank 0's engine drives the set,
+        every other rank's serves it with `engine.core.follow()`."""
         if config is not None and cache_fields:
             raise MlxkvError("give a config or its fields as keywords, not both")
         config = config or CacheConfig(**cache_fields)
@@ -66,7 +67,8 @@ class Engine:
         if distributed is not None:
             from mlxkv.distributed.rank_engine import load_rank_engine
 
-            return load_rank_engine(model, config, kind=distributed, check=distributed_check, report=report)
+            return load_rank_engine(model, config, kind=distributed, backend=backend, check=distributed_check,
+                                    report=report)
         loaded = load_named(model, report)
         report("sizing the KV pool and opening the cache tiers", None)
         return cls(loaded, config)
