@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import secrets
+import time
 
 from mlxkv.distributed.channel import PlanChannel, PlanMismatch, RankLost
 from mlxkv.distributed.identity import cluster_fingerprint
@@ -51,11 +52,13 @@ class RankLink:
 class LockstepCore:
     """One rank's engine core, stepped in lockstep with the others'."""
 
-    def __init__(self, core, channel: PlanChannel, check: bool = False, on_lost=lambda message: None):
+    def __init__(self, core, channel: PlanChannel, spec: ShardSpec, check: bool = False,
+                 on_lost=lambda message: None):
         """`on_lost(message)`: called once, on the stepping thread, when a rank is lost."""
-        self.core, self.channel, self.check, self.on_lost = core, channel, check, on_lost
+        self.core, self.channel, self.spec, self.check, self.on_lost = core, channel, spec, check, on_lost
         self.lost: str | None = None  # why the set ended, once a rank was lost
         self.steps = 0
+        self.step_seconds = 0.0  # in the core's steps (the model's own collectives included)
         self._live: dict[int, Request] = {}  # requests every rank holds, by id
         self._new: list[Request] = []  # rank 0's, not sent yet
         self._stops: dict[int, object] = {}  # rank 0's requests' own should_stop, until it says stop
@@ -158,9 +161,19 @@ class LockstepCore:
             self.core.add(request)
         self.core.follow(plan.decisions)
 
+    def stats(self) -> dict:
+        """The core's, and the set's: this rank, its split, and the plan channel's cost."""
+        ch = self.channel
+        return {**self.core.stats(), "distributed": {
+            "rank": ch.cluster.rank, "ranks": ch.cluster.size, "split": self.spec.kind, "shard": self.spec.tag,
+            "steps": self.steps, "step_s": round(self.step_seconds, 6), "plan_collectives": ch.collectives,
+            "plan_bytes": ch.bytes_moved, "plan_s": round(ch.seconds, 6), "check": self.check, "lost": self.lost}}
+
     def _run(self, plan: StepPlan) -> list[Request]:
         self._tokens = []
+        began = time.perf_counter()
         finished = self.core.step() if self.core.has_work else []
+        self.step_seconds += time.perf_counter() - began
         for request in finished:
             self._live.pop(request.request_id, None)
             self._stops.pop(request.request_id, None)

@@ -40,7 +40,7 @@ def load_rank_engine(model: str, config=None, *, kind: str, cluster: Cluster | N
     loaded = _agreed(channel, lambda: load_shard(model, spec, cluster.group, report))
     report("sizing the KV pool and opening the cache tiers", None)
     core = build_core(loaded, config, lockstep=RankLink(channel, spec))
-    return Engine(loaded, config, core=LockstepCore(core, channel, check, on_lost))
+    return Engine(loaded, config, core=LockstepCore(core, channel, spec, check, on_lost))
 
 
 def load_shard(name: str, spec: ShardSpec, group, report):
