@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,9 +18,8 @@ import anthropic
 import openai
 import pytest
 
-from ranks import write_hostfile
-
 from mlxkv.config import CacheConfig
+from mlxkv.distributed.loopback import free_ports, loopback_hostfile
 from mlxkv.server.server import Server, ServerOptions
 
 pytestmark = pytest.mark.slow
@@ -29,12 +27,6 @@ MLXKV = str(Path(sys.executable).parent / "mlxkv")
 CACHE = dict(block_size=8, num_blocks=512, memory_tier_bytes=0)
 MESSAGES = [{"role": "user", "content": "Name three colours of the sea at dawn."}]
 START_S = 90
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _healthy(url: str) -> bool:
@@ -49,8 +41,8 @@ class RankPair:
     """Two `mlxkv serve --distributed` processes; a hang dumps their stacks (SIGABRT) when stopped."""
 
     def __init__(self, model: str, tmp_path: Path):
-        hostfile = write_hostfile(tmp_path / "hosts.json", 2)
-        self.port = _port()
+        hostfile = loopback_hostfile(tmp_path / "hosts.json", 2)
+        (self.port,) = free_ports(1)
         self.url = f"http://127.0.0.1:{self.port}"
         command = [MLXKV, "serve", "--model", model, "--distributed", "tensor", "--distributed-backend", "ring",
                    "--distributed-check", "--port", str(self.port), "--block-size", "8", "--num-blocks", "512",
