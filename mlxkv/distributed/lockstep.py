@@ -179,6 +179,11 @@ class LockstepCore:
             self._stops.pop(request.request_id, None)
             self._cancelled.discard(request.request_id)
         self.steps += 1
+        if self.core.step_failure is not None:
+            # A step that failed on one rank (a model collective that lost its peer, say) leaves
+            # the ranks out of step, and a ring that lost a peer can hang the next collective
+            # rather than fail it: the set stops here, with no collective more.
+            raise RankLost(f"{self.channel.cluster.describe()}: a step failed ({self.core.step_failure})")
         if self.check:
             self._agree(plan)
         return finished

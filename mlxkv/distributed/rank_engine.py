@@ -14,7 +14,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from mlxkv.config import EngineConfig, engine_config
+from mlxkv.config import engine_config
 from mlxkv.distributed.channel import PlanChannel
 from mlxkv.distributed.cluster import Cluster, join
 from mlxkv.distributed.lockstep import LockstepCore, RankLink

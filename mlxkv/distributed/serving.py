@@ -11,13 +11,19 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
+import sys
+import threading
 
-from mlxkv.distributed.channel import RankLost
+from mlxkv.distributed.channel import PlanMismatch, RankLost
 from mlxkv.distributed.cluster import Cluster, join
 from mlxkv.distributed.rank_engine import load_rank_engine
 from mlxkv.errors import MlxkvError
 
 log = logging.getLogger(__name__)
+
+# After a rank is lost, how long rank 0's server may take to answer its open requests and stop.
+EXIT_DEADLINE_S = 20.0
 
 
 def serve_rank(args, specs: list, cache, options, models) -> int:
@@ -41,6 +47,9 @@ def _lead(args, spec, cache, options, models, cluster: Cluster) -> int:
 
     def on_lost(message: str) -> None:  # on the engine thread: its requests have ended with the error
         lost.append(message)
+        deadline = threading.Timer(EXIT_DEADLINE_S, _exit_now, (message,))  # whatever hangs on the broken set
+        deadline.daemon = True
+        deadline.start()
         if server is not None:
             server.uvicorn.should_exit = True
 
@@ -51,7 +60,7 @@ def _lead(args, spec, cache, options, models, cluster: Cluster) -> int:
     server = Server.load_models([spec], cache, options, models, load=load)
     server.serve_forever()
     if lost:
-        raise MlxkvError(f"the distributed set stopped: {lost[0]}")
+        _exit_now(lost[0])
     return 0
 
 
@@ -63,7 +72,15 @@ def _follow(args, spec, cache, cluster: Cluster) -> int:
     print(f"mlxkv serve: {cluster.describe()} ready, serving rank 0's plans", flush=True)
     try:
         engine.core.follow()
-    except RankLost as e:
-        raise MlxkvError(f"{e}; this rank stops") from None
+    except (RankLost, PlanMismatch) as e:
+        _exit_now(str(e))
     log.info("%s: rank 0 closed the set", cluster.describe())
     return 0
+
+
+def _exit_now(message: str) -> None:
+    """Leave at once, non-zero: a collective on a ring that lost a peer may never return, and
+    MLX's teardown at a normal exit would wait for it. The SSD tiers' files are whole or absent
+    (written aside, then renamed), so the next start reads them."""
+    print(f"mlxkv serve: the distributed set stopped: {message}", file=sys.stderr, flush=True)
+    os._exit(1)

@@ -13,7 +13,7 @@ model runner, batch loop, speculation) from a loaded model and a config;
   step code (engine/sequences.py), what a draft model's proposer runs.
 - a rank of a distributed set (distributed/lockstep.py): `decisions()`,
   what the next step would decide by this process's clock, and `follow(...)`
-  rank 0's instead; `fail_all(message)` when the set is lost.
+  rank 0's instead; `step_failure`, and `fail_all(message)` when the set is lost.
 
 The Python API (engine.py), the engine thread (host/), the server and the
 draft proposer (speculative/) use this surface alone; the target model, a
@@ -93,6 +93,11 @@ class EngineCore:
 
     def abort(self, request: Request) -> None:
         self.loop.abort(request)
+
+    @property
+    def step_failure(self) -> str | None:
+        """Why the last step failed, its requests ended; None if it did not fail."""
+        return self.loop.step_failure
 
     def fail_all(self, message: str) -> list[Request]:
         """End every request with `message` (the set of ranks this core ran on is gone)."""

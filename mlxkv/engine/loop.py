@@ -64,6 +64,7 @@ class BatchLoop:
         # This step's tokens handed out and whether it prefilled: the step's cost (speculative/step_cost.py).
         self._handed_out, self._prefilled = 0, False
         self._owner_lock = threading.Lock()
+        self.step_failure: str | None = None  # why the last step failed (None: it did not)
 
     def add(self, request: Request) -> None:
         """Queue a request, from the thread that steps the loop.
@@ -98,6 +99,7 @@ class BatchLoop:
         finished: list[Request] = []
         self.wired.hold()  # from the first step after idle (system/wired.py)
         self._handed_out, self._prefilled = 0, False
+        self.step_failure = None
         try:
             decoding = self.scheduler.decoding()
             speculate = self.speculation is not None and self.speculation.wants_step(decoding)
@@ -117,7 +119,8 @@ class BatchLoop:
                 self._in_flight = flight
         except Exception as e:  # a bug or a failed step ends the requests in it, not the loop
             log.exception("a step failed; ending the requests in it")
-            finished += self.fail_all(f"{type(e).__name__}: {e}")
+            self.step_failure = f"{type(e).__name__}: {e}"
+            finished += self.fail_all(self.step_failure)
         self.requests_served += len(finished)
         if self.speculation is not None:
             self.speculation.cost.finish(self._handed_out, self._prefilled)

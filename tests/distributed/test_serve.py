@@ -6,10 +6,12 @@ One launched pair serves the whole module (each start costs seconds)."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -114,6 +116,28 @@ def test_rank_zero_answers_every_api_as_one_process_does(pair, one_process):
     got, oracle = _answers(pair.url), _answers(one_process.url)
     assert got == oracle
     assert all(cached > 0 for _, cached in got[3:])  # the second round hit the first's prefix
+    with urllib.request.urlopen(pair.url + "/v1/cache/stats", timeout=10) as r:
+        ranks = json.load(r)["distributed"]
+    assert (ranks["rank"], ranks["ranks"], ranks["shard"], ranks["lost"]) == (0, 2, "tp2r0", None)
+    assert ranks["plan_collectives"] >= ranks["steps"] > 0
+
+
+def _drained(stream, timeout: float) -> str:
+    """How `stream` ended within `timeout` seconds: its error, "ended", or "hung"."""
+    outcome = ["hung"]
+
+    def drain():
+        try:
+            for _ in stream:
+                pass
+            outcome[0] = "ended"
+        except openai.APIError as e:
+            outcome[0] = str(e)
+
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
+    reader.join(timeout)
+    return outcome[0]
 
 
 def test_killing_rank_one_mid_stream_ends_the_stream_with_an_error_and_both_processes(pair):
@@ -123,10 +147,10 @@ def test_killing_rank_one_mid_stream_ends_the_stream_with_an_error_and_both_proc
     next(iter(stream))
     pair.procs[1].kill()
     killed = time.monotonic()
-    with pytest.raises(openai.APIError, match="peer was lost|connection"):
-        for _ in stream:
-            pass
-    assert time.monotonic() - killed < 30
-    pair.procs[0].wait(60 - (time.monotonic() - killed))
+    assert "peer was lost" in _drained(stream, 30)
+    try:
+        pair.procs[0].wait(60 - (time.monotonic() - killed))
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"rank 0 still runs 60 s after rank 1 died:\n{pair.output()}")
     assert pair.procs[0].returncode not in (0, None)
-    assert "peer was lost" in pair.procs[0].communicate()[1]
+    assert "the distributed set stopped" in pair.procs[0].communicate()[1]
