@@ -30,7 +30,6 @@ from mlxkv.distributed.step_plan import CLOSE, IDLE, STEP, NewRequest, StepPlan
 from mlxkv.engine.records import GenerationChunk, RequestFailed
 from mlxkv.engine.request import Request, RequestState
 from mlxkv.engine.sampling import MAX_SEED, Sampler
-from mlxkv.errors import MlxkvError
 
 log = logging.getLogger(__name__)
 
@@ -72,10 +71,13 @@ class LockstepCore:
     # -- rank 0: EngineCore's surface ----------------------------------------
 
     def add(self, request: Request) -> None:
-        if request.grammar is not None or request.image_spans:
-            raise MlxkvError("grammars and images are not served by a distributed set yet (docs/distributed.md)")
-        if self.lost is not None:
-            raise MlxkvError(self.lost)
+        """Queue a request for the next plan; one this set cannot serve ends at once with why
+        (its first record: the callers' threads go on, as for any failed request)."""
+        refused = self.lost or ("grammars and images are not served by a distributed set yet (docs/distributed.md)"
+                                if request.grammar is not None or request.image_spans else None)
+        if refused is not None:
+            request.sink(RequestFailed(refused))
+            return
         sampler = request.sampler
         if not sampler.greedy and sampler.seed is None:  # every rank must draw the same token
             request.sampler = Sampler(sampler.temperature, sampler.top_p, sampler.min_p, sampler.top_k,

@@ -9,6 +9,7 @@ from mlxkv.distributed.sharding import ShardSpec
 from mlxkv.distributed.step_plan import StepPlan
 from mlxkv.engine.core import build_core
 from mlxkv.engine.engine import Engine
+from mlxkv.engine.records import RequestFailed
 from mlxkv.errors import MlxkvError
 from mlxkv.models.loader import load_model
 from mlxkv.structured.grammar import Grammar
@@ -74,7 +75,10 @@ def test_a_closed_stream_reaches_every_rank_as_an_abort(leader):
     assert channel.plans[-1].abort and not engine.core.has_work
 
 
-def test_a_grammar_is_refused_on_a_set(leader):
+def test_a_grammar_is_refused_on_a_set_as_its_request_failing(leader):
     engine, _ = leader
+    records = []
+    engine.core.add(engine.make_request([1, 2, 3], records.append, grammar=Grammar.regex("[ab]+")))
+    assert [type(r) for r in records] == [RequestFailed] and "not served by a distributed set" in records[0].message
     with pytest.raises(MlxkvError, match="not served by a distributed set"):
-        engine.core.add(engine.make_request([1, 2, 3], lambda r: None, grammar=Grammar.regex("[ab]+")))
+        list(engine.stream([1, 2, 3], grammar=Grammar.regex("[ab]+")))
