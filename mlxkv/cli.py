@@ -35,6 +35,7 @@ def _add_generate(sub) -> None:
     shape.add_argument("--json-schema", metavar="FILE", help="replies are JSON valid against this schema file")
     shape.add_argument("--grammar", metavar="FILE", help="replies match this Lark grammar file (llguidance's Lark)")
     shape.add_argument("--regex", metavar="PATTERN", help="replies match this regular expression")
+    _add_distributed_flags(p)
     p.set_defaults(func=cmd_generate)
 
 
@@ -73,7 +74,22 @@ def _add_serve(sub) -> None:
     p.add_argument("--max-images", type=number(int, 1), default=16, help="images one request may send")
     p.add_argument("--allow-image-urls", action="store_true",
                    help="fetch http(s) image URLs in requests (off: only base64 images are taken)")
+    _add_distributed_flags(p)
     p.set_defaults(func=cmd_serve)
+
+
+def _add_distributed_flags(p) -> None:
+    from mlxkv.distributed.cluster import BACKENDS
+    from mlxkv.distributed.sharding import KINDS
+
+    p.add_argument("--distributed", choices=KINDS, default=None,
+                   help="one model split over the ranks `mlx.launch` (or MLX_HOSTFILE and MLX_RANK) started: "
+                        "every rank runs this command; rank 0 serves (docs/distributed.md)")
+    p.add_argument("--distributed-backend", choices=BACKENDS, default="any",
+                   help="MLX's transport between ranks: ring (TCP) or jaccl (Thunderbolt RDMA)")
+    p.add_argument("--distributed-check", action="store_true",
+                   help="every step, the ranks compare digests of their plans, tables and tokens, "
+                        "and stop on a difference")
 
 
 def _add_tiny_model(sub) -> None:
@@ -162,6 +178,10 @@ def cmd_serve(args) -> int:
                             max_image_pixels=args.max_image_pixels, max_images=args.max_images,
                             allow_image_urls=args.allow_image_urls)
     specs, models = served_models(args)
+    if args.distributed:
+        from mlxkv.distributed.serving import serve_rank
+
+        return serve_rank(args, specs, persistent_cache_config(args), options, models)
     Server.load_models(specs, persistent_cache_config(args), options, models).serve_forever()
     return 0
 

@@ -17,7 +17,15 @@ def generate(args, config) -> int:
     from mlxkv.engine.engine import Engine
 
     prompts = _read_prompts(args)
-    with Engine.load(args.model, config) as engine:
+    if getattr(args, "distributed", None):
+        engine = Engine.load(args.model, config, distributed=args.distributed,
+                             distributed_check=args.distributed_check, backend=args.distributed_backend)
+        if not engine.core.channel.cluster.leader:  # rank 0 prints; the others serve its plans
+            engine.core.follow()
+            return 0
+    else:
+        engine = Engine.load(args.model, config)
+    with engine:
         if args.concurrent:
             return _generate_concurrent(engine, prompts, args)
         for text in prompts:

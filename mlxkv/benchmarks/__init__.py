@@ -81,6 +81,7 @@ SUITES = {
     "speculative": _at_defaults("speculative", "run_speculative_benchmark"),
     "structured": _at_defaults("structured", "run_structured_benchmark"),
     "vision": _at_defaults("vision", "run_vision_benchmark"),  # the vision extra
+    "distributed": _at_defaults("distributed", "run_distributed_benchmark"),  # 2 ranks on loopback
 }
 
 

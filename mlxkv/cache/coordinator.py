@@ -24,6 +24,7 @@ It owns the block pool, so it installs the pool's hooks.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from mlxkv.cache.block_pool import Block, BlockPool
@@ -93,7 +94,10 @@ def _manager_class(group: KVGroup) -> type[AttentionManager]:
 class KVCacheCoordinator:
     def __init__(self, layout: GroupLayout, block_size: int, budget: int, *, kv_pool: KVPool | None = None,
                  connector: KVCacheConnector | None = None, initial: int | None = None,
-                 checkpoint_budget: int = 0, checkpoint_interval: int = 2048, checkpoint_write_ratio: float = 0.0):
+                 checkpoint_budget: int = 0, checkpoint_interval: int = 2048, checkpoint_write_ratio: float = 0.0,
+                 agree: Callable[[int], list[int]] | None = None):
+        """`agree(n)`: every rank's `n`, for a rank of a distributed set: ranks whose tiers hold
+        different blocks (a write still in flight, a file lost) must still hit the same length."""
         # Without a KV pool (pure bookkeeping, as in the pool's property
         # tests) there are no bytes to move, so only the no-op connector fits.
         if connector is not None and kv_pool is None:
@@ -118,6 +122,7 @@ class KVCacheCoordinator:
         # Restore or recompute (restore_cost.py), and tier reads off the step path (tier_loads.py).
         self.costs = RestoreCost(kv_pool.layout.bytes_per_token if kv_pool else 0)
         self.loads = TierLoads(self.pool, kv_pool, self.connector, self.attention, self.costs, block_size)
+        self.agree = agree
 
     # -- lookup and admission -------------------------------------------------
 
@@ -134,6 +139,9 @@ class KVCacheCoordinator:
         presence = Presence(self.pool, self.connector if use_tiers else None)
         hybrid = self.recurrent if self.attention else None
         b, branch = _longest(self._managers, hashes, usable, presence, hybrid)
+        while self.agree is not None and len(set(seen := self.agree(b))) > 1:
+            # Every rank sees every rank's length, so all loop alike: down to the shortest.
+            b, branch = _longest(self._managers, hashes, min(seen), presence, hybrid)
         needs = [m.needs(hashes, b) for m in self.attention]
         # Restore or recompute: a hit ends before the first tier block cheaper to compute than to read.
         cut = min((i for g in needs for i, key in g.tiers if not self.costs.restores(presence.tier(key))),

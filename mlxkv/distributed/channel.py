@@ -12,6 +12,7 @@ then all ranks grow the capacity the same way.
 from __future__ import annotations
 
 import hashlib
+import time
 
 import mlx.core as mx
 import numpy as np
@@ -38,6 +39,7 @@ class PlanChannel:
         self.capacity = capacity
         self.collectives = 0  # all_sum / all_gather calls made (the bench's per-step count)
         self.bytes_moved = 0
+        self.seconds = 0.0  # spent in them, waiting for the slowest rank included
 
     def exchange(self, plan: bytes | None) -> bytes:
         """Rank 0 passes the encoded plan, the others None; every rank returns rank 0's bytes."""
@@ -83,11 +85,13 @@ class PlanChannel:
         return self._collective(lambda: mx.distributed.all_sum(mx.array(buffer), group=self.cluster.group))
 
     def _collective(self, op) -> np.ndarray:
+        began = time.perf_counter()
         try:
             out = op()
             mx.eval(out)
         except RuntimeError as e:  # the ring back-end: "[ring] connection to a peer was lost"
             raise RankLost(f"{self.cluster.describe()}: a peer was lost ({first_line(e)})") from None
+        self.seconds += time.perf_counter() - began
         self.collectives += 1
         self.bytes_moved += out.nbytes
         return np.array(out)

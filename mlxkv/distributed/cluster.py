@@ -12,8 +12,6 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-import mlx.core as mx
-
 from mlxkv.errors import MlxkvError, first_line
 
 BACKENDS = ("ring", "jaccl", "any")
@@ -56,6 +54,8 @@ def join(backend: str = "any", env: Mapping[str, str] = os.environ) -> Cluster:
     if not launched(env):
         raise MlxkvError("--distributed needs every rank started by `mlx.launch --hostfile FILE`, "
                          "or with MLX_HOSTFILE and MLX_RANK set (docs/distributed.md)")
+    import mlx.core as mx  # here, not at import: the command line's flags name BACKENDS
+
     try:
         group = mx.distributed.init(strict=True, backend=backend)
     except Exception as e:  # MLX raises RuntimeError or ValueError with a multi-line text

@@ -11,6 +11,9 @@ model runner, batch loop, speculation) from a loaded model and a config;
 - pauses and the end: `idle(seconds)`, `close()`;
 - `sequences`: sequences driven a forward at a time with the loop's own
   step code (engine/sequences.py), what a draft model's proposer runs.
+- a rank of a distributed set (distributed/lockstep.py): `decisions()`,
+  what the next step would decide by this process's clock, and `follow(...)`
+  rank 0's instead; `step_failure`, and `fail_all(message)` when the set is lost.
 
 The Python API (engine.py), the engine thread (host/), the server and the
 draft proposer (speculative/) use this surface alone; the target model, a
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+from typing import Protocol
 
 from mlx.utils import tree_flatten
 
@@ -31,6 +35,7 @@ from mlxkv.cache.fingerprint import model_fingerprint
 from mlxkv.cache.hashing import BlockHash, root_hash
 from mlxkv.cache.kv_pool import KVLayout, KVPool, with_kv_format
 from mlxkv.cache.pool_sizing import checkpoint_budget, initial_blocks, size_pool
+from mlxkv.cache.restore_cost import RESTORE
 from mlxkv.config import EngineConfig, PoolConfig, TierConfig
 from mlxkv.connectors.build import build_connector
 from mlxkv.engine.limits import RequestLimits
@@ -88,6 +93,26 @@ class EngineCore:
 
     def abort(self, request: Request) -> None:
         self.loop.abort(request)
+
+    @property
+    def step_failure(self) -> str | None:
+        """Why the last step failed, its requests ended; None if it did not fail."""
+        return self.loop.step_failure
+
+    def fail_all(self, message: str) -> list[Request]:
+        """End every request with `message` (the set of ranks this core ran on is gone)."""
+        return self.loop.fail_all(message)
+
+    def decisions(self) -> dict:
+        """What the next step decides by this process's clock (the step-cost guard's choice
+        per batch size), as plain data: rank 0's go to every rank of a distributed set."""
+        speculation = self.loop.speculation
+        return {"speculate": speculation.cost.choices() if speculation is not None else {}}
+
+    def follow(self, decisions: dict) -> None:
+        """Decide the next step as `decisions` (another core's, rank 0's) say, not by this clock."""
+        if self.loop.speculation is not None:
+            self.loop.speculation.cost.follow({int(k): v for k, v in decisions["speculate"].items()})
 
     @property
     def has_work(self) -> bool:
@@ -204,24 +229,44 @@ class EngineCore:
             self.coordinator.recurrent.write_pending()
 
 
+class Lockstep(Protocol):
+    """What a rank of a distributed set (distributed/lockstep.py) agrees with the others while
+    its core is built and run: every rank then decides the same from the same inputs."""
+
+    def identity(self, fingerprint: bytes) -> tuple[bytes, bytes]:
+        """This rank's shard `fingerprint` -> the set's block identity, and this shard's tier key."""
+
+    def agree(self, n: int) -> list[int]:
+        """Every rank's `n`, in rank order."""
+
+
 def build_core(loaded: LoadedModel, config: EngineConfig, *, prefill_chunk: int = PREFILL_STEP,
-               max_running: int = MAX_RUNNING, device: Device | None = None) -> EngineCore:
-    """The one way an engine core is built: `loaded` on a new pool sized and tiered by `config`."""
+               max_running: int = MAX_RUNNING, device: Device | None = None,
+               lockstep: Lockstep | None = None) -> EngineCore:
+    """The one way an engine core is built: `loaded` on a new pool sized and tiered by `config`;
+    `lockstep`: as one rank of a distributed set, whose ranks must take every decision alike."""
     pool = config.pool
     layout = with_kv_format(probe_kv_layout(loaded, pool.block_size), pool.kv_format)
     groups, kv = layout.group_layout, layout.kv
     fingerprint = model_fingerprint(loaded.model, loaded.config, layout.dtype, pool.block_size,
                                     None if groups.is_plain else groups.describe(),
                                     layout.kv_format if kv.quantized else None)
+    tier_key = fingerprint
     budget = size_pool(config, layout, loaded.max_context, device)
+    if lockstep is not None:  # one block identity for the set; the smallest pool of any rank
+        fingerprint, tier_key = lockstep.identity(fingerprint)
+        budget = min(lockstep.agree(budget))
     # The pool grows on demand to its budget (block_pool.py): memory as sequences need it.
     kv_pool = KVPool(layout, initial_blocks(budget))
-    connector = build_connector(config.tiers, fingerprint, layout)
+    connector = build_connector(config.tiers, tier_key, layout)
     checkpoints = config.checkpoints
     coordinator = KVCacheCoordinator(
         groups, pool.block_size, budget, kv_pool=kv_pool, connector=connector,
         initial=kv_pool.num_blocks, checkpoint_budget=checkpoint_budget(config, layout, budget),
-        checkpoint_interval=checkpoints.interval, checkpoint_write_ratio=checkpoints.write_ratio)
+        checkpoint_interval=checkpoints.interval, checkpoint_write_ratio=checkpoints.write_ratio,
+        agree=lockstep.agree if lockstep is not None else None)
+    if lockstep is not None:
+        coordinator.costs.policy = RESTORE  # restore-or-recompute by measured speeds: a per-rank clock
     attention = choose_attention(config.attention.path, layout.dtype, layout.head_dim, layout.v_head_dim,
                                  layout.block_size, loaded.config.get("num_attention_heads", layout.n_kv_heads),
                                  layout.n_kv_heads, kv=kv)
@@ -229,7 +274,7 @@ def build_core(loaded: LoadedModel, config: EngineConfig, *, prefill_chunk: int 
     speculation, draft = _speculation(config, loaded, coordinator, budget)
     model_bytes = sum(v.nbytes for _, v in tree_flatten(loaded.model.parameters()))
     loop = BatchLoop(coordinator, runner, loaded.tokenizer.eos_token_ids, prefill_chunk, max_running,
-                     WiredLimit(model_bytes, device), speculation)
+                     WiredLimit(model_bytes, device), speculation, background_loads=lockstep is None)
     peak = None if groups.is_plain else (lambda n: coordinator.peak_blocks(n, prefill_chunk))
     limits = RequestLimits(loaded.vocab_size, loaded.max_context, budget, pool.block_size, peak)
     return EngineCore(loaded, config, kv_layout=layout, fingerprint=fingerprint, kv_pool=kv_pool,

@@ -38,10 +38,12 @@ class Engine:
     """
 
     def __init__(self, loaded: LoadedModel, config: CacheConfig | EngineConfig | None = None, *,
-                 prefill_chunk: int = PREFILL_STEP, max_running: int = MAX_RUNNING, device: Device | None = None):
+                 prefill_chunk: int = PREFILL_STEP, max_running: int = MAX_RUNNING, device: Device | None = None,
+                 core=None):
+        """`core`: one built already (a rank's of a distributed set: distributed/rank_engine.py)."""
         self.config = engine_config(config)  # the split config (config.py); a CacheConfig is its flat builder
-        self.core = build_core(loaded, self.config, prefill_chunk=prefill_chunk, max_running=max_running,
-                               device=device)
+        self.core = core or build_core(loaded, self.config, prefill_chunk=prefill_chunk, max_running=max_running,
+                                       device=device)
         self.loaded = loaded
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
@@ -49,15 +51,24 @@ class Engine:
 
     @classmethod
     def load(cls, model: str, config: CacheConfig | EngineConfig | None = None, *, report=None,
+             distributed: str | None = None, distributed_check: bool = False, backend: str = "any",
              **cache_fields) -> Engine:
         """Load `model` (a path, a Hugging Face id, or "demo") onto a new pool.
 
         `config` or the CacheConfig fields as keywords (block_size=16,
-        disk_tier=...); `report(text, fraction)` hears of downloads and loading."""
+        disk_tier=...); `report(text, fraction)` hears of downloads and loading.
+        `distributed` ("tensor" or "pipeline"): this process is one rank of a set started
+        by `mlx.launch` over `backend` (docs/distributed.md); rank 0's engine drives the set,
+        every other rank's serves it with `engine.core.follow()`."""
         if config is not None and cache_fields:
             raise MlxkvError("give a config or its fields as keywords, not both")
         config = config or CacheConfig(**cache_fields)
         report = report or (lambda text, fraction=None: None)
+        if distributed is not None:
+            from mlxkv.distributed.rank_engine import load_rank_engine
+
+            return load_rank_engine(model, config, kind=distributed, backend=backend, check=distributed_check,
+                                    report=report)
         loaded = load_named(model, report)
         report("sizing the KV pool and opening the cache tiers", None)
         return cls(loaded, config)

@@ -43,15 +43,18 @@ class BatchLoop:
     running now, and how many requests it has served."""
 
     def __init__(self, cache: KVCacheCoordinator, runner: ModelRunner, eos, prefill_chunk: int,
-                 max_running: int, wired: WiredLimit, speculation: Speculation | None = None):
-        """`wired`: the limit held while steps run (system/wired.py; a test gives it a fake device)."""
+                 max_running: int, wired: WiredLimit, speculation: Speculation | None = None,
+                 background_loads: bool = True):
+        """`wired`: the limit held while steps run (system/wired.py; a test gives it a fake device);
+        `background_loads`: the scheduler's."""
         self.cache = cache
         self.speculation = speculation
         self.runner = runner
         self.wired = wired
         self.eos = eos
         self.scheduler = Scheduler(cache, prefill_chunk, max_running,
-                                   on_start=self._on_start, on_release=self._on_release)
+                                   on_start=self._on_start, on_release=self._on_release,
+                                   background_loads=background_loads)
         self.running: dict[int, Sequence] = {}  # by request id: what a pool view reads
         self.requests_served = 0
         self._in_flight: _InFlight | None = None
@@ -61,6 +64,7 @@ class BatchLoop:
         # This step's tokens handed out and whether it prefilled: the step's cost (speculative/step_cost.py).
         self._handed_out, self._prefilled = 0, False
         self._owner_lock = threading.Lock()
+        self.step_failure: str | None = None  # why the last step failed (None: it did not)
 
     def add(self, request: Request) -> None:
         """Queue a request, from the thread that steps the loop.
@@ -95,6 +99,7 @@ class BatchLoop:
         finished: list[Request] = []
         self.wired.hold()  # from the first step after idle (system/wired.py)
         self._handed_out, self._prefilled = 0, False
+        self.step_failure = None
         try:
             decoding = self.scheduler.decoding()
             speculate = self.speculation is not None and self.speculation.wants_step(decoding)
@@ -114,7 +119,8 @@ class BatchLoop:
                 self._in_flight = flight
         except Exception as e:  # a bug or a failed step ends the requests in it, not the loop
             log.exception("a step failed; ending the requests in it")
-            finished += self.fail_all(f"{type(e).__name__}: {e}")
+            self.step_failure = f"{type(e).__name__}: {e}"
+            finished += self.fail_all(self.step_failure)
         self.requests_served += len(finished)
         if self.speculation is not None:
             self.speculation.cost.finish(self._handed_out, self._prefilled)

@@ -34,7 +34,9 @@ def prefill_chunk(runner: ModelRunner, cache: KVCacheCoordinator, seq: Sequence,
     """One forward of `tokens`, the next of `seq`'s known tokens, into its allocated slots; evaluated."""
     out = runner.forward([seq], mx.array([tokens]), mirror=False)
     cache.computed([seq], len(tokens), out.states)
-    mx.eval(runner.kv_pool.arrays, out.state_arrays)
+    # The logits too (one position's): in a pipeline-split model only they depend on what
+    # this rank's stage sends the next, so without them the next stage waits forever.
+    mx.eval(runner.kv_pool.arrays, out.state_arrays, out.logits)
 
 
 def forward_rows(runner: ModelRunner, cache: KVCacheCoordinator, seqs: list[Sequence], inputs: mx.array,

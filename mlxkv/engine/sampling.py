@@ -67,6 +67,7 @@ class Sampler:
 
     def __init__(self, temperature: float, top_p: float, min_p: float, top_k: int, seed: int | None):
         self.temperature, self.top_p, self.min_p, self.top_k = temperature, top_p, min_p, top_k
+        self.seed = seed  # what another rank builds the same sampler from
         self.key = None if seed is None or temperature == 0 else mx.random.key(int(seed))
         self._mlx_lm = make_sampler(temp=temperature, top_p=top_p, min_p=min_p, top_k=top_k)
 

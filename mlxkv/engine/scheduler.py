@@ -62,12 +62,16 @@ class Scheduler:
         max_running: int = 64,
         on_start: Callable[[Sequence], None] = lambda seq: None,
         on_release: Callable[[Sequence], None] = lambda seq: None,
+        background_loads: bool = True,
     ):
+        """`background_loads` False: tier hits are read at admission, inside the step (a rank
+        of a distributed set: a loader thread's progress differs per rank, the step must not)."""
         self.cache = cache
         self.pool = cache.pool
         self.prefill_chunk = prefill_chunk
         self.max_running = max_running
         self.on_start, self.on_release = on_start, on_release
+        self.background_loads = background_loads
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last is the newest
         self.loading: list[Request] = []  # admitted; their tier blocks are being read (no work yet)
@@ -124,7 +128,7 @@ class Scheduler:
             if not self._fits(request, hit):
                 return
             self._leave_queue(request)
-            if hit.tier_blocks and self.cache.recurrent is None:
+            if hit.tier_blocks and self.cache.recurrent is None and self.background_loads:
                 self._begin_load(request, hit)
             else:
                 self._start(request, hit)

@@ -191,11 +191,13 @@ async def root(request: Request) -> Response:
 
 
 async def health(request: Request) -> Response:
-    """ok while every loaded model's engine thread runs; 503 once one has stopped."""
+    """ok while every loaded model's engine thread runs; 503 once one has stopped, or a
+    distributed set lost a rank (with why)."""
     registry = request.app.state.models.registry
     loaded = registry.loaded()
-    ok = all(slot.backend.thread.alive for slot in loaded)
-    body = {"status": "ok" if ok else "engine stopped"}
+    lost = [reason for slot in loaded if (reason := slot.backend.stats().get("distributed", {}).get("lost"))]
+    ok = all(slot.backend.thread.alive for slot in loaded) and not lost
+    body = {"status": "ok" if ok else "engine stopped", **({"reason": lost[0]} if lost else {})}
     if len(registry.names) == 1:
         body["model"] = registry.names[0]
     else:

@@ -85,6 +85,9 @@ class StepCost:
         self.clock = clock
         self._buckets: dict[int, _Bucket] = {}
         self._started: tuple[int, bool, float] | None = None  # bucket, speculated, start time
+        # Another process's choices per bucket, followed instead of this clock's (a rank of a
+        # distributed set follows rank 0's: each rank's own clock would split the set).
+        self._followed: dict[int, bool] | None = None
 
     @staticmethod
     def _bucket_of(rows: int) -> int:
@@ -92,7 +95,19 @@ class StepCost:
 
     def speculate(self, rows: int) -> bool:
         """Whether a step of `rows` decoding rows should verify proposals."""
-        return self._buckets.setdefault(self._bucket_of(rows), _Bucket()).choose()
+        key = self._bucket_of(rows)
+        if self._followed is not None:
+            return self._followed.get(key, _Bucket().choose())
+        return self._buckets.setdefault(key, _Bucket()).choose()
+
+    def choices(self) -> dict[int, bool]:
+        """What `speculate` answers now for each batch size measured (a new one: its first
+        choice); between two steps nothing changes them, so they can be sent ahead of the step."""
+        return {key: bucket.choose() for key, bucket in self._buckets.items()}
+
+    def follow(self, choices: dict[int, bool] | None) -> None:
+        """Answer the next steps' `speculate` from `choices` (None: from this clock again)."""
+        self._followed = choices
 
     def start(self, rows: int, speculated: bool) -> None:
         """A step of `rows` decoding rows begins."""

@@ -455,3 +455,20 @@ CoordinatorMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
 TestCoordinatorMachine = pytest.mark.slow(CoordinatorMachine.TestCase)
+
+
+def test_a_rank_of_a_set_hits_no_further_than_the_shortest_rank():
+    # Another rank holds only the first block of this prefix (a tier write still in flight
+    # there, say): every rank looks again from the shortest, so all hit one block alike.
+    seen = []
+
+    def agree(n: int) -> list[int]:
+        seen.append(n)
+        return [n, min(n, 1)]
+
+    cache = KVCacheCoordinator(GroupLayout.plain(1), 4, 16, agree=agree)
+    prompt = list(range(13))
+    cache.release(run_prompt(cache, 0, prompt))
+    seen.clear()
+    assert cache.lookup(prompt, ROOT).num_blocks == 1
+    assert seen == [3, 1]  # one more agreement once the ranks' lengths are equal

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+
+from mlxkv.distributed.loopback import loopback_hostfile
 
 
 @dataclass
@@ -25,24 +26,8 @@ class RankResult:
         return [json.loads(line) for line in self.stdout.splitlines() if line.startswith("{")]
 
 
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
-def write_hostfile(path: Path, n: int) -> Path:
-    path.write_text(json.dumps([[f"127.0.0.1:{port}"] for port in _free_ports(n)]))
-    return path
-
-
 def run_ranks(script: Path, tmp_path: Path, n: int = 2, timeout: float = 60, args: tuple = ()) -> list[RankResult]:
-    hostfile = write_hostfile(tmp_path / "hosts.json", n)
+    hostfile = loopback_hostfile(tmp_path / "hosts.json", n)
     procs = []
     for rank in range(n):
         env = dict(os.environ, MLX_HOSTFILE=str(hostfile), MLX_RANK=str(rank),

@@ -100,3 +100,18 @@ def test_the_engine_decodes_plain_where_verify_steps_do_not_pay(llama, verify_s,
     assert engine.generate(prompt + answer[:50], max_tokens=60).tokens == reference(prompt + answer[:50], 60)
     steps = engine.stats()["speculative"]["steps"]
     assert (steps > 3 * PROBE_STEPS) == speculates, (steps, cost.describe())
+
+
+def test_a_rank_follows_rank_zeros_choices_not_its_own_clock():
+    # Rank 0 learned that verify steps are slow at one row; a rank whose clock says the
+    # opposite must still decide as rank 0 does (distributed/lockstep.py sends the choices).
+    leader = Timed(verify_s=0.32, plain_s=0.1)
+    run(leader, 3 * PROBE_STEPS)
+    choices = leader.choices()
+    assert choices == {1: False}
+    follower = Timed(verify_s=0.01, plain_s=0.1)
+    run(follower, 3 * PROBE_STEPS)
+    follower.follow(choices)
+    assert [follower.speculate(1), follower.speculate(2)] == [False, True]  # 2 rows: not measured, learn first
+    follower.follow(None)
+    assert follower.speculate(1) is True  # its own clock again

@@ -1,0 +1,156 @@
+"""`mlxkv serve --distributed tensor` on two ranks started with MLX_HOSTFILE and MLX_RANK: rank 0
+answers the OpenAI, Anthropic and Responses APIs as one process does; killing rank 1 mid-stream
+ends the open stream with an error event and both processes soon after.
+
+One launched pair serves the whole module (each start costs seconds)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import anthropic
+import openai
+import pytest
+
+from mlxkv.config import CacheConfig
+from mlxkv.distributed.loopback import free_ports, loopback_hostfile
+from mlxkv.server.server import Server, ServerOptions
+
+pytestmark = pytest.mark.slow
+MLXKV = str(Path(sys.executable).parent / "mlxkv")
+CACHE = dict(block_size=8, num_blocks=512, memory_tier_bytes=0)
+MESSAGES = [{"role": "user", "content": "Name three colours of the sea at dawn."}]
+START_S = 90
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=2) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+class RankPair:
+    """Two `mlxkv serve --distributed` processes; a hang dumps their stacks (SIGABRT) when stopped."""
+
+    def __init__(self, model: str, tmp_path: Path):
+        hostfile = loopback_hostfile(tmp_path / "hosts.json", 2)
+        (self.port,) = free_ports(1)
+        self.url = f"http://127.0.0.1:{self.port}"
+        command = [MLXKV, "serve", "--model", model, "--distributed", "tensor", "--distributed-backend", "ring",
+                   "--distributed-check", "--port", str(self.port), "--block-size", "8", "--num-blocks", "512",
+                   "--memory-tier-mb", "0", "--disk-tier", str(tmp_path / "disk"), "--log-level", "warning"]
+        self.procs = [subprocess.Popen(command, env=dict(os.environ, MLX_HOSTFILE=str(hostfile), MLX_RANK=str(rank),
+                                                         PYTHONFAULTHANDLER="1"),
+                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                      for rank in range(2)]
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + START_S
+        while not _healthy(self.url):
+            assert all(p.poll() is None for p in self.procs), self.output()
+            assert time.monotonic() < deadline, self.output()
+            time.sleep(0.2)
+
+    def stop(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGABRT)  # faulthandler prints every thread's stack
+        for p in self.procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+    def output(self) -> str:
+        for p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGABRT)
+        return "\n".join(f"[rank {rank}]\n{p.communicate()[1][-3000:]}" for rank, p in enumerate(self.procs))
+
+
+@pytest.fixture(scope="module")
+def pair(model_dirs, tmp_path_factory):
+    ranks = RankPair(model_dirs["llama"], tmp_path_factory.mktemp("serve-ranks"))
+    try:
+        ranks.wait_ready()
+        yield ranks
+    finally:
+        ranks.stop()
+
+
+@pytest.fixture(scope="module")
+def one_process(model_dirs):
+    server = Server.load(model_dirs["llama"], CacheConfig(**CACHE), ServerOptions(port=0)).start()
+    yield server
+    server.close()
+
+
+def _answers(url: str) -> list:
+    """Each API asked twice (the second a prefix hit): (text, cached prompt tokens) per call."""
+    chat = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
+    claude = anthropic.Anthropic(base_url=url, api_key="none", max_retries=0, timeout=60)
+    got = []
+    for _ in range(2):
+        r = chat.chat.completions.create(model="m", messages=MESSAGES, max_tokens=8, temperature=0)
+        got.append((r.choices[0].message.content, r.usage.prompt_tokens_details.cached_tokens))
+        m = claude.messages.create(model="m", messages=MESSAGES + [{"role": "assistant", "content": "Blue"}],
+                                   max_tokens=8)
+        got.append((m.content[0].text if m.content else "", m.usage.cache_read_input_tokens))
+        s = chat.responses.create(model="m", input="Say hello to the sea.", max_output_tokens=8, store=False,
+                                  temperature=0)
+        got.append((s.output_text, s.usage.input_tokens_details.cached_tokens))
+    return got
+
+
+def test_rank_zero_answers_every_api_as_one_process_does(pair, one_process):
+    got, oracle = _answers(pair.url), _answers(one_process.url)
+    assert got == oracle
+    assert all(cached > 0 for _, cached in got[3:])  # the second round hit the first's prefix
+    with urllib.request.urlopen(pair.url + "/v1/cache/stats", timeout=10) as r:
+        ranks = json.load(r)["distributed"]
+    assert (ranks["rank"], ranks["ranks"], ranks["shard"], ranks["lost"]) == (0, 2, "tp2r0", None)
+    assert ranks["plan_collectives"] >= ranks["steps"] > 0
+
+
+def _drained(stream, timeout: float) -> str:
+    """How `stream` ended within `timeout` seconds: its error, "ended", or "hung"."""
+    outcome = ["hung"]
+
+    def drain():
+        try:
+            for _ in stream:
+                pass
+            outcome[0] = "ended"
+        except openai.APIError as e:
+            outcome[0] = str(e)
+
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
+    reader.join(timeout)
+    return outcome[0]
+
+
+def test_killing_rank_one_mid_stream_ends_the_stream_with_an_error_and_both_processes(pair):
+    chat = openai.OpenAI(base_url=pair.url + "/v1", api_key="none", max_retries=0, timeout=60)
+    stream = chat.chat.completions.create(model="m", messages=MESSAGES, max_tokens=3000, temperature=0,
+                                          stream=True)  # greedy on this model: no end token for thousands
+    next(iter(stream))
+    pair.procs[1].kill()
+    killed = time.monotonic()
+    assert "peer was lost" in _drained(stream, 30)
+    try:
+        pair.procs[0].wait(60 - (time.monotonic() - killed))
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"rank 0 still runs 60 s after rank 1 died:\n{pair.output()}")
+    assert pair.procs[0].returncode not in (0, None)
+    assert "the distributed set stopped" in pair.procs[0].communicate()[1]
