@@ -56,6 +56,8 @@ class _Place:
 class ModelRunner:
     def __init__(self, model, kv_pool: KVPool, cache: KVCacheCoordinator, attention: AttentionChoice | None = None):
         self.model = model
+        # Split into pipeline stages across ranks (mlx-lm's PipelineMixin); run.py evaluates more then.
+        self.pipelined = any(getattr(m, "pipeline_size", 1) > 1 for _, m in model.named_modules())
         self.kv_pool = kv_pool
         self.cache = cache
         self.attention = attention or AttentionChoice("reference")  # path_for: each step's path

@@ -34,9 +34,11 @@ def prefill_chunk(runner: ModelRunner, cache: KVCacheCoordinator, seq: Sequence,
     """One forward of `tokens`, the next of `seq`'s known tokens, into its allocated slots; evaluated."""
     out = runner.forward([seq], mx.array([tokens]), mirror=False)
     cache.computed([seq], len(tokens), out.states)
-    # The logits too (one position's): in a pipeline-split model only they depend on what
-    # this rank's stage sends the next, so without them the next stage waits forever.
-    mx.eval(runner.kv_pool.arrays, out.state_arrays, out.logits)
+    # A pipeline stage's logits too: only they depend on what this rank sends the next
+    # stage, so without them the next stage waits forever. Elsewhere they are left unevaluated:
+    # the output layer over a whole chunk is a quarter of a small model's prefill.
+    pipelined = (out.logits,) if runner.pipelined else ()
+    mx.eval(runner.kv_pool.arrays, out.state_arrays, *pipelined)
 
 
 def forward_rows(runner: ModelRunner, cache: KVCacheCoordinator, seqs: list[Sequence], inputs: mx.array,
