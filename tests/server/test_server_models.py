@@ -246,6 +246,7 @@ def test_a_stop_during_a_load_lets_it_finish_then_closes_it_with_nothing_half_wr
         threads = list(server._threads)
     finally:
         server.close()
-    assert qwen.state == "loading"  # the stop came first; the load then ended in a close
+    # The stop came first; the load then ended in a close, and the slot says why it is not loaded.
+    assert qwen.state == "failed" and qwen.error == "the server stopped while it loaded"
     assert not any(t.alive for t in threads)
     assert list(ssd.glob("**/.*.tmp")) == [] and list(ssd.glob("**/*")) != []

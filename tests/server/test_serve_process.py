@@ -1,0 +1,161 @@
+"""A real `mlxkv serve` process, through the official openai client.
+
+First it is stopped by SIGTERM while a model loads: it exits cleanly with nothing
+half-written (no SSD tier file in flight, the reply-ids log whole). Then it starts again on
+the same SSD tier, with a tiny BERT (mlx-embeddings) beside the chat model: the chat's
+prefix comes back from the SSD tier; the encoder's vectors are the package's own, batched
+or not, in float or base64, cut to `dimensions`; each model refuses the other's endpoint
+with a 400 naming its kind. (One restart serves both parts: a process start costs seconds.)
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import urllib.request
+
+import mlx.core as mx
+import numpy as np
+import openai
+import pytest
+
+from server_support import wait_for
+from tiny_encoder import write_tiny_bert
+
+pytestmark = pytest.mark.slow
+TEXTS = ["a short one", "a somewhat longer text about harbours and boats at dawn", "x"]
+CHAT = [{"role": "system", "content": "A long shared system prompt, " * 12},
+        {"role": "user", "content": "What changed after the restart?"}]
+LOAD_S = 2.0  # the second model's load is slowed this much: the SIGTERM comes in the middle of it
+# `mlxkv serve` with the load of the model whose source is $SLOW_SOURCE slowed (Engine.load, as load_engine calls it).
+SLOWED_SERVE = f"""
+import os, sys, time
+from mlxkv.engine.engine import Engine
+load = Engine.load.__func__
+def slowed(cls, model, *args, **kwargs):
+    if model == os.environ["SLOW_SOURCE"]:
+        time.sleep({LOAD_S})
+    return load(cls, model, *args, **kwargs)
+Engine.load = classmethod(slowed)
+from mlxkv.cli import run
+sys.exit(run())
+"""
+FLAGS = ["--port", "0", "--block-size", "8", "--num-blocks", "256"]
+
+
+def start(command: list[str], env: dict | None = None) -> tuple[subprocess.Popen, int]:
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    line = process.stdout.readline()
+    if not line.startswith("mlxkv serve: http://127.0.0.1:"):
+        process.kill()
+        pytest.fail(f"mlxkv serve did not start: {line}{process.communicate()[1]}")
+    return process, int(line.split("http://127.0.0.1:")[1].split(" ")[0])
+
+
+def client(port: int) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=60)
+
+
+def states(port: int) -> dict:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=10) as r:
+        return {m["id"]: m["state"] for m in json.loads(r.read())["data"]}
+
+
+@pytest.fixture(scope="module")
+def ssd(tmp_path_factory):
+    return tmp_path_factory.mktemp("ssd")
+
+
+def ask_qwen(port: int) -> None:
+    """Its answer, if the load ends within the stop's grace period, or its error: either is right."""
+    try:
+        client(port).chat.completions.create(model="qwen", messages=CHAT, max_tokens=2)
+    except openai.OpenAIError:
+        pass
+
+
+@pytest.fixture(scope="module")
+def stopped_while_loading(llama_dir, model_dirs, ssd):
+    """llama answers a chat (its blocks go to the SSD tier); qwen starts loading; SIGTERM."""
+    env = {**os.environ, "SLOW_SOURCE": model_dirs["qwen2"]}
+    process, port = start([sys.executable, "-c", SLOWED_SERVE, "serve", "--model", f"llama={llama_dir}",
+                           "--model", f"qwen={model_dirs['qwen2']}", "--disk-tier", str(ssd), *FLAGS], env)
+    try:
+        first = client(port).chat.completions.create(model="llama", messages=CHAT, max_tokens=8)
+        asking = threading.Thread(target=ask_qwen, args=(port,))
+        asking.start()
+        assert wait_for(lambda: states(port)["qwen"] == "loading", timeout=30)
+        process.send_signal(signal.SIGTERM)
+        out, err = process.communicate(timeout=60)
+        asking.join(30)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+    return first, process.returncode, err
+
+
+@pytest.fixture(scope="module")
+def bert(tmp_path_factory):
+    return str(write_tiny_bert(tmp_path_factory.mktemp("encoder") / "bert"))
+
+
+@pytest.fixture(scope="module")
+def restarted(stopped_while_loading, bert, llama_dir, ssd):
+    process, port = start([sys.executable, "-m", "mlxkv.cli", "serve", "--model", f"embed={bert}",
+                           "--model", f"llama={llama_dir}", "--disk-tier", str(ssd), *FLAGS])
+    try:
+        yield client(port)
+    finally:
+        process.terminate()
+        process.communicate(timeout=60)
+
+
+def test_a_sigterm_while_a_model_loads_leaves_nothing_half_written_and_the_next_start_serves(
+        stopped_while_loading, restarted, ssd):
+    first, returncode, err = stopped_while_loading
+    assert returncode == 0, err
+    assert "Traceback" not in err and "model qwen: load started" in err, err
+    assert list(ssd.glob("**/.*.tmp")) == []  # no write in flight was left behind
+    logs = list(ssd.glob("*/reply-ids.jsonl"))
+    assert logs and all(json.loads(line) for log in logs for line in log.read_text().splitlines())
+    again = restarted.chat.completions.create(model="llama", messages=CHAT, max_tokens=8)
+    assert again.choices[0].message.content == first.choices[0].message.content
+    assert again.usage.prompt_tokens_details.cached_tokens == first.usage.prompt_tokens // 8 * 8  # from SSD
+
+
+def own_vectors(bert: str) -> np.ndarray:
+    """mlx-embeddings' own: its loader, its tokenizer, its model's text_embeds, each text alone."""
+    from mlx_embeddings import load
+
+    model, tokenizer = load(bert)
+    return np.stack([np.array(model(mx.array([tokenizer.encode(t)])).text_embeds[0]) for t in TEXTS])
+
+
+def test_embeddings_of_an_encoder_model_equal_mlx_embeddings_own(restarted, bert):
+    expected = own_vectors(bert)
+    batch = restarted.embeddings.create(model="embed", input=TEXTS)
+    assert [d.index for d in batch.data] == [0, 1, 2] and batch.model == "embed"
+    np.testing.assert_allclose(np.array([d.embedding for d in batch.data]), expected, atol=1e-5)
+    one = restarted.embeddings.create(model="embed", input=TEXTS[1])
+    np.testing.assert_allclose(one.data[0].embedding, expected[1], atol=1e-5)
+    cut = restarted.embeddings.with_raw_response.create(model="embed", input=TEXTS[1], encoding_format="base64",
+                                                     dimensions=8).http_response.json()
+    got = np.frombuffer(base64.b64decode(cut["data"][0]["embedding"]), dtype="<f4")
+    np.testing.assert_allclose(got, expected[1][:8] / np.linalg.norm(expected[1][:8]), atol=1e-5)
+    with pytest.raises(openai.BadRequestError, match="dimensions: 33 is more than the model's 32"):
+        restarted.embeddings.create(model="embed", input="x", dimensions=33)
+
+
+def test_each_kind_refuses_the_others_endpoint_naming_its_kind(restarted):
+    with pytest.raises(openai.BadRequestError, match="'llama' is a chat model, not an embedding model"):
+        restarted.embeddings.create(model="llama", input="hi")
+    with pytest.raises(openai.BadRequestError, match="'embed' is an embedding model: it serves /v1/embeddings"):
+        restarted.chat.completions.create(model="embed", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    assert restarted.chat.completions.create(model="llama", messages=[{"role": "user", "content": "hi"}],
+                                          max_tokens=2).choices[0].message.content is not None
