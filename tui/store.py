@@ -177,6 +177,15 @@ class ChatStore:
                 "UPDATE conversations SET system_prompt = ? WHERE id = ?", (system_prompt, conversation_id)
             )
 
+    def set_model(self, conversation_id: int, model: str) -> None:
+        """The conversation goes on with `model`. Its replies' token ids are the old model's
+        (its tokenizer's): they are dropped, and the replies go back as text."""
+        with self._writing():
+            changed = self.db.execute("UPDATE conversations SET model = ? WHERE id = ? AND model != ?",
+                                      (model, conversation_id, model)).rowcount
+            if changed:
+                self.db.execute("UPDATE messages SET tokens = NULL WHERE conversation_id = ?", (conversation_id,))
+
     def delete(self, conversation_id: int) -> None:
         with self._writing():
             self.db.execute("DELETE FROM conversations WHERE id = ?", (conversation_id,))

@@ -437,6 +437,17 @@ def test_store_schema_version_and_refusing_a_newer_file(tmp_path):
         ChatStore(path)
 
 
+def test_a_chat_moved_to_another_model_drops_its_replies_ids_the_old_tokenizer_made(tmp_path):
+    store = ChatStore(tmp_path / "chats.sqlite3")
+    cid = store.create("t", model="llama").id
+    store.add_message(cid, Message("assistant", "yo", "stop", None, [7, 8, 2]))
+    store.set_model(cid, "llama")  # the same model: its ids still hold
+    assert store.messages(cid)[-1].tokens == [7, 8, 2]
+    store.set_model(cid, "qwen")
+    assert (store.get(cid).model, store.messages(cid)[-1].tokens) == ("qwen", None)  # sent back as text
+    store.close()
+
+
 def test_a_version_1_database_is_upgraded_in_place_and_ids_are_never_reused(tmp_path):
     path = tmp_path / "chats.sqlite3"
     db = sqlite3.connect(path)
