@@ -97,11 +97,13 @@ def loaded(server) -> dict[str, bool]:
     return {m["id"]: m["loaded"] for m in raw(server, "GET", "/v1/models")[1]["data"]}
 
 
-def test_each_name_and_alias_reaches_its_model_with_a_single_models_output(fleet, oracles):
+def test_each_name_and_alias_reaches_its_model_with_a_single_models_output(fleet, oracles, server):
     assert loaded(fleet) == {"llama": False, "qwen": False, "broken": False, "embed": False}  # loaded on demand
     assert "  model llama: unloaded (" in fleet.startup_line()
     messages = ask("harbours")
     expected = {name: oracles[name].chat(messages, max_tokens=8).text for name in oracles}
+    single = openai_client(server).chat.completions.create(model="any", messages=messages, max_tokens=8)
+    assert single.choices[0].message.content == expected["llama"]  # a single-model server's, on the same llama
     # A stream opens while its model loads (pings first, then message_start): the client takes it.
     with anthropic_client(fleet).messages.stream(model="claude-haiku-4-5", max_tokens=8, system=messages[0]["content"],
                                                  messages=messages[1:]) as stream:
