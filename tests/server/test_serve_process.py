@@ -163,3 +163,12 @@ def test_each_kind_refuses_the_others_endpoint_naming_its_kind(restarted):
         restarted.chat.completions.create(model="embed", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
     assert restarted.chat.completions.create(model="llama", messages=[{"role": "user", "content": "hi"}],
                                           max_tokens=2).choices[0].message.content is not None
+    # Operations see the encoder as a model with no pool: loaded, counted, healthy.
+    root = str(restarted.base_url).removesuffix("/v1/")
+    with urllib.request.urlopen(root + "/metrics", timeout=10) as r:
+        assert 'mlxkv_model_loaded{model="embed"} 1' in r.read().decode()
+    with urllib.request.urlopen(root + "/v1/cache/stats", timeout=10) as r:
+        embed = json.loads(r.read())["models"]["embed"]
+    assert embed["state"] == "loaded" and embed["pool"] is None and embed["bytes"] > 0
+    with urllib.request.urlopen(root + "/health", timeout=10) as r:
+        assert json.loads(r.read())["status"] == "ok"
