@@ -225,30 +225,3 @@ def test_embeddings_equal_mlx_lms_last_hidden_state_batched_or_not(fleet, dirs):
     status, body, _ = raw(fleet, "POST", "/v1/messages", {"model": "embed", "max_tokens": 4,
                                                           "messages": [{"role": "user", "content": "hi"}]})
     assert status == 400 and "is an embedding model" in body["error"]["message"]
-
-
-def test_a_stop_during_a_load_lets_it_finish_then_closes_it_with_nothing_half_written(dirs, tmp_path, monkeypatch):
-    """What SIGTERM does (the server's close), while a model loads past the shutdown's grace:
-    the load is not cut mid-write; its engine starts, then closes like any other, and the SSD
-    tier has no file in flight. The loaded model closes as usual."""
-    from mlxkv.server import server as server_module
-
-    monkeypatch.setattr(server_module, "STOP_MARGIN_S", 0.1)  # uvicorn gives up on open requests at once
-    ssd = tmp_path / "ssd"
-    server = Server.load_models([ModelSpec("llama", dirs["llama"]), ModelSpec("qwen", dirs["qwen"])],
-                                CacheConfig(**CACHE, disk_tier=str(ssd)), ServerOptions(port=0, shutdown_grace_s=0.1),
-                                load=slowed(dirs["llama"], dirs["qwen"], qwen_load_s=1.5)).start()
-    try:
-        ask_model = lambda name: raw(server, "POST", "/v1/chat/completions",  # noqa: E731
-                                     {"model": name, "messages": ask("locks"), "max_tokens": 2})
-        ask_model("llama")  # loaded and served: its blocks are on the SSD tier
-        threading.Thread(target=ask_model, args=("qwen",)).start()
-        qwen = server.registry.slot("qwen")
-        assert wait_for(lambda: qwen.state == "loading" and len(server._threads) == 2)
-        threads = list(server._threads)
-    finally:
-        server.close()
-    # The stop came first; the load then ended in a close, and the slot says why it is not loaded.
-    assert qwen.state == "failed" and qwen.error == "the server stopped while it loaded"
-    assert not any(t.alive for t in threads)
-    assert list(ssd.glob("**/.*.tmp")) == [] and list(ssd.glob("**/*")) != []
