@@ -71,6 +71,7 @@ class ChatApp(App[None]):
         self.model_name = model_name  # the model loaded or loading: on_mount and switch_model write it
         self.generation = generation or {"max_tokens": 1024}
         self.engine = None
+        self._switching = asyncio.Lock()
         self.load_error: str | None = None  # set once the model failed to load: every way out exits 2
         self.chat_screen = ChatScreen(store, cursor_blink=cursor_blink)
 
@@ -91,11 +92,16 @@ class ChatApp(App[None]):
 
     async def switch_model(self, name: str) -> bool:
         """Load model `name` in place of the current one; False (and a note) while replies stream."""
-        if name == self.model_name:
+        async with self._switching:  # one switch at a time: a second waits for the first's engine to start
+            if name == self.model_name:
+                return True
+            if self.chat_screen.replies or self.chat_screen.controller.starting:
+                self.notify(f"A reply is streaming; stop it (Esc) before switching to {name}.", severity="warning")
+                return False
+            await self._replace_engine(name)
             return True
-        if self.chat_screen.replies or self.chat_screen.controller.starting:
-            self.notify(f"A reply is streaming; stop it (Esc) before switching to {name}.", severity="warning")
-            return False
+
+    async def _replace_engine(self, name: str) -> None:
         old, self.engine = self.engine, None
         self.model_name = name
         self.chat_screen.engine_stopped()
@@ -106,7 +112,6 @@ class ChatApp(App[None]):
         if old is not None:  # its SSD tier writes finish first (off the UI thread: they take a while)
             await asyncio.to_thread(old.close)
         self.engine = self._start(name)
-        return True
 
     def on_engine_news(self, message: EngineNews) -> None:
         event = message.event
