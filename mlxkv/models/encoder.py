@@ -82,7 +82,7 @@ def load_encoder(source: str) -> Encoder:
     try:
         from mlx_embeddings.utils import load
     except ImportError:
-        raise MlxkvError(f"model {source!r} is a {family} embedding model; serving it needs mlxkv's "
+        raise MlxkvError(f"model {source!r} is an embedding model ({family}); serving it needs mlxkv's "
                          f"`{EXTRA}` extra: pip install 'mlxkv[{EXTRA}]'") from None
     try:
         model, tokenizer = load(path)

@@ -12,6 +12,7 @@ import pytest
 
 from mlxkv.errors import MlxkvError
 from mlxkv.models.encoder import checkpoint_config, encoder_embeddings, encoder_family, load_encoder
+from mlxkv.models.loader import load_model
 from tiny_encoder import write_tiny_bert
 
 TEXTS = ["a short one", "a somewhat longer text about harbours and boats at dawn", "x"]
@@ -40,4 +41,11 @@ def test_an_encoder_checkpoint_without_the_extra_is_a_one_line_refusal(tmp_path,
     with pytest.raises(MlxkvError) as caught:
         load_encoder(str(tmp_path))
     message = str(caught.value)
-    assert "\n" not in message and "BERT embedding model" in message and "pip install 'mlxkv[embeddings]'" in message
+    assert "\n" not in message and "an embedding model (BERT)" in message
+    assert "pip install 'mlxkv[embeddings]'" in message
+
+
+def test_an_encoder_given_to_chat_or_generate_says_what_serves_it(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "xlm-roberta"}))
+    with pytest.raises(MlxkvError, match=r"an embedding model \(XLM-R\): `mlxkv serve` serves it on /v1/embeddings"):
+        load_model(str(tmp_path))
