@@ -43,8 +43,9 @@ def _add_chat(sub) -> None:
     from mlxkv.models.fetch import DEFAULT_CHAT_MODEL
 
     p = sub.add_parser("chat", help="chat in a terminal app with a live view of the KV cache")
-    add_cache_flags(p, model_help=f'model directory, GGUF file, Hugging Face id, or "demo" (offline); default: '
-                                   f'{DEFAULT_CHAT_MODEL}, downloaded once')
+    add_cache_flags(p, model_help=f'[NAME=]SOURCE: a model directory, GGUF file, Hugging Face id, or "demo" '
+                                   f'(offline); repeat it to switch models from the command palette; default: '
+                                   f'{DEFAULT_CHAT_MODEL}, downloaded once', many_models=True)
     p.add_argument("--max-tokens", type=number(int, 1), default=1024, help="longest reply")
     p.add_argument("--temp", type=number(float, 0), default=0.0, help="sampling temperature (0 = greedy)")
     p.set_defaults(func=cmd_chat)
@@ -209,15 +210,20 @@ def served_models(args):
 def cmd_chat(args) -> int:
     from mlxkv.models.fetch import DEFAULT_CHAT_MODEL, check_model
 
-    model = args.model or DEFAULT_CHAT_MODEL
+    from mlxkv.server.backend import short_name
+    from mlxkv.server.model_specs import model_flag
+
+    specs = [model_flag(text, short_name) for text in args.model or [DEFAULT_CHAT_MODEL]]
     if not (sys.stdin.isatty() and sys.stdout.isatty()):  # the app would wait for keys forever: say so, a bad model first
-        check_model(model)
+        for spec in specs:
+            check_model(spec.source)
         raise MlxkvError("mlxkv chat needs a terminal (stdin or stdout is not one); "
                          "for scripts: mlxkv generate or mlxkv serve")
     from mlxkv.tui.app import run
 
     config = persistent_cache_config(args)
-    return run(model, config, max_tokens=args.max_tokens, temperature=args.temp)
+    return run([(spec.name, spec.source) for spec in specs], config, max_tokens=args.max_tokens,
+               temperature=args.temp)
 
 
 def cmd_tiny_model(args) -> int:

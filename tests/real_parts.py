@@ -18,6 +18,7 @@ INSTALL = {
     "tmux": "apt-get install -y tmux",
     "claude": "npm install -g @anthropic-ai/claude-code@2.1.328",
     "codex": "npm install -g @openai/codex@0.169.0",
+    "mlx-embeddings": "pip install 'mlxkv[embeddings]'",  # a Python package: find_spec looks it up
 }
 
 

@@ -1,11 +1,16 @@
 """`mlxkv chat`: the Textual app around one engine thread.
 
 The engine thread owns all MLX state; this app only submits requests and
-renders the records and events it gets back as posted messages.
+renders the records and events it gets back as posted messages. With several
+models (`mlxkv chat --model a --model b`) one is loaded at a time: the command
+palette switches to another, and each conversation remembers its model, so
+opening it loads that model again (the old one closes first, its cache
+written to the SSD tier).
 """
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import sys
 from collections.abc import Callable, Iterable
@@ -57,28 +62,61 @@ class ChatApp(App[None]):
         model_name: str,
         generation: dict | None = None,
         cursor_blink: bool = True,
+        models: dict[str, EngineFactory] | None = None,
     ) -> None:
         super().__init__()
-        self.engine_factory = engine_factory
         self.store = store
-        self.model_name = model_name
+        # Every model the palette offers, by name (the first: `model_name`'s own factory).
+        self.models = {model_name: engine_factory, **(models or {})}
+        self.model_name = model_name  # the model loaded or loading: on_mount and switch_model write it
         self.generation = generation or {"max_tokens": 1024}
         self.engine = None
+        self._switching = asyncio.Lock()
         self.load_error: str | None = None  # set once the model failed to load: every way out exits 2
         self.chat_screen = ChatScreen(store, cursor_blink=cursor_blink)
-        self.chat_screen.title = f"mlxkv chat · {model_name}"
 
     def on_mount(self) -> None:
+        # The chat opened first is the most recent: its own model loads first, not one it would replace.
+        recent = self.store.conversations()[:1]
+        remembered = recent[0].model if recent else ""
+        if remembered in self.models:
+            self.model_name = remembered
+        self.chat_screen.title = f"mlxkv chat · {self.model_name}"
         self.push_screen(self.chat_screen)
         self.push_screen(LoadingScreen(self.model_name))
-        self.engine = self.engine_factory(self._on_engine_event)
+        self.engine = self._start(self.model_name)
 
-    def _on_engine_event(self, event: EngineEvent) -> None:
-        """Called on the engine thread: post and return, never wait."""
-        self.post_message(EngineNews(event))
+    def _start(self, name: str):
+        """Model `name`'s engine, started; its events are posted with its name."""
+        return self.models[name](lambda event: self.post_message(EngineNews(event, name)))
+
+    async def switch_model(self, name: str) -> bool:
+        """Load model `name` in place of the current one; False (and a note) while replies stream."""
+        async with self._switching:  # one switch at a time: a second waits for the first's engine to start
+            if name == self.model_name:
+                return True
+            if self.chat_screen.replies or self.chat_screen.controller.starting:
+                self.notify(f"A reply is streaming; stop it (Esc) before switching to {name}.", severity="warning")
+                return False
+            await self._replace_engine(name)
+            return True
+
+    async def _replace_engine(self, name: str) -> None:
+        old, self.engine = self.engine, None
+        self.model_name = name
+        self.chat_screen.engine_stopped()
+        self.chat_screen.title = f"mlxkv chat · {name}"
+        if isinstance(self.screen, LoadingScreen):
+            self.pop_screen()
+        self.push_screen(LoadingScreen(name))
+        if old is not None:  # its SSD tier writes finish first (off the UI thread: they take a while)
+            await asyncio.to_thread(old.close)
+        self.engine = self._start(name)
 
     def on_engine_news(self, message: EngineNews) -> None:
         event = message.event
+        if message.model != self.model_name:  # from an engine closed for another model's (its last snapshot)
+            return
         if event.kind == "progress" and isinstance(self.screen, LoadingScreen):
             self.screen.show_progress(event.text, event.fraction)
         elif event.kind == "ready":
@@ -125,6 +163,10 @@ class ChatApp(App[None]):
                                 screen.action_attach_image)
             # Every chat by its title: the way to them on a terminal too
             # narrow for the chats list.
+            for name in self.models:
+                if name != self.model_name:
+                    yield SystemCommand(f"Switch model: {escape(name)}", "Load this model for this conversation",
+                                        partial(screen.switch_model, name))
             for conversation in self.store.conversations():
                 yield SystemCommand(f"Open chat: {escape(conversation.title)}", "Switch to this conversation",
                                     partial(screen.open_conversation, conversation.id))
@@ -159,12 +201,15 @@ def gil_hand_off(interval_s: float):
         sys.setswitchinterval(previous)
 
 
-def run(model: str, cache: CacheConfig, *, max_tokens: int, temperature: float) -> int:
-    """Run the app until the user quits; the exit status."""
+def run(models: list[tuple[str, str]], cache: CacheConfig, *, max_tokens: int, temperature: float) -> int:
+    """Run the app on `models` ((name, source) pairs; the first loads first) until the user quits;
+    the exit status."""
     store = ChatStore()
 
-    def start_engine(on_event):
-        return EngineThread(model, cache, on_event=on_event, load=load_chat_engine).start()
+    def starter(source: str) -> EngineFactory:
+        return lambda on_event: EngineThread(source, cache, on_event=on_event, load=load_chat_engine).start()
+
+    (model, source), *others = models
 
     log_file = None
     try:
@@ -172,8 +217,9 @@ def run(model: str, cache: CacheConfig, *, max_tokens: int, temperature: float) 
         # written is a one-line error here rather than a crash in the app.
         store.most_recent(NEW_CHAT_TITLE)
         log_file = open_chat_log()
-        app = ChatApp(start_engine, store, model_name=model,
-                      generation={"max_tokens": max_tokens, "temperature": temperature})
+        app = ChatApp(starter(source), store, model_name=model,
+                      generation={"max_tokens": max_tokens, "temperature": temperature},
+                      models={name: starter(other) for name, other in others})
         with gil_hand_off(UI_SWITCH_INTERVAL_S):
             app.run()
     finally:

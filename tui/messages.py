@@ -10,9 +10,10 @@ from mlxkv.host.engine_thread import EngineEvent
 class EngineNews(Message, bubble=False):
     """An engine-wide event: load progress, ready, failed, a pool snapshot."""
 
-    def __init__(self, event: EngineEvent) -> None:
+    def __init__(self, event: EngineEvent, model: str = "") -> None:
         super().__init__()
         self.event = event
+        self.model = model  # the name of the model whose engine sent it
 
 
 class ReplyDelta(Message, bubble=False):

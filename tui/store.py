@@ -177,6 +177,18 @@ class ChatStore:
                 "UPDATE conversations SET system_prompt = ? WHERE id = ?", (system_prompt, conversation_id)
             )
 
+    def set_model(self, conversation_id: int, model: str) -> None:
+        """The conversation goes on with `model`. When it had another, its replies' token ids are
+        that model's (its tokenizer's): they are dropped, and the replies go back as text. A chat
+        saved with no model (before chats remembered theirs) keeps them: they are the one model's."""
+        row = self.db.execute("SELECT model FROM conversations WHERE id = ?", (conversation_id,)).fetchone()
+        if row is None or row[0] == model:
+            return
+        with self._writing():
+            self.db.execute("UPDATE conversations SET model = ? WHERE id = ?", (model, conversation_id))
+            if row[0]:
+                self.db.execute("UPDATE messages SET tokens = NULL WHERE conversation_id = ?", (conversation_id,))
+
     def delete(self, conversation_id: int) -> None:
         with self._writing():
             self.db.execute("DELETE FROM conversations WHERE id = ?", (conversation_id,))

@@ -23,7 +23,6 @@ import contextlib
 import itertools
 import logging
 import queue
-import threading
 import time
 import warnings
 from collections.abc import Callable
@@ -35,6 +34,7 @@ from mlxkv.engine.records import GenerationChunk, RequestFailed, is_last  # noqa
 from mlxkv.engine.sampling import whole
 from mlxkv.errors import MlxkvError, MlxkvWarning, error_line, warning_text
 from mlxkv.host.messages import Call, Close, Submit
+from mlxkv.host.mlx_thread import MlxThread
 from mlxkv.host.request_handle import RequestHandle
 
 log = logging.getLogger(__name__)
@@ -90,7 +90,7 @@ def _mlxkv_warnings():
                 warnings.showwarning(w.message, w.category, w.filename, w.lineno, w.file, w.line)
 
 
-class EngineThread:
+class EngineThread(MlxThread):
     def __init__(
         self,
         model: str,
@@ -101,7 +101,7 @@ class EngineThread:
         snapshot_interval: float = SNAPSHOT_INTERVAL_S,
         idle_tick: float = IDLE_TICK_S,
     ):
-        self.model = model
+        super().__init__(model, "mlxkv-engine")
         self.cache = cache or CacheConfig()
         self.on_event = on_event or (lambda event: None)
         self._load = load
@@ -112,16 +112,11 @@ class EngineThread:
         # Requests open: counted by the submitting threads (under the lock) and by the
         # engine thread as they end, each count with its one writer; the handles of the
         # requests the engine thread has taken are its own.
-        self._submitted, self._ended = 0, 0
-        self._submit_lock = threading.Lock()
+        self._submitted, self._finished = 0, 0
         self._open: dict[int, RequestHandle] = {}  # taken and not finished: the engine thread's
-        self._ready = threading.Event()
-        self._thread = threading.Thread(target=self._main, name="mlxkv-engine", daemon=True)
         # Read it only on the engine thread (see call()); its tokenizer and limits, which never
         # change once it is loaded, template chats on the submitting thread (submit).
         self.engine = None
-        self.error: str | None = None
-        self._closed = False
         self._snapshot_due = False
         self._next_snapshot = 0.0
         # engine.stats() as of the last step or idle: written by the engine
@@ -130,17 +125,6 @@ class EngineThread:
         self._next_publish = 0.0
 
     # -- any thread -------------------------------------------------------
-
-    def start(self) -> EngineThread:
-        self._thread.start()
-        return self
-
-    def wait_ready(self, timeout: float | None = None) -> None:
-        """Block until the model is loaded; raise MlxkvError if it failed."""
-        if not self._ready.wait(timeout):
-            raise TimeoutError(f"model {self.model!r} did not load in {timeout} s")
-        if self.error is not None:
-            raise MlxkvError(self.error)
 
     def submit(self, prompt=None, *, messages: list[dict] | None = None, fit_context: bool = False,
                reply_room: int | None = None, **options) -> RequestHandle:
@@ -164,7 +148,7 @@ class EngineThread:
             prompt = self._chat_prompt(handle, messages, options, fit_context, reply_room)
             if prompt is None:  # failed: the handle says why
                 return handle
-        with self._submit_lock:  # so no request is queued behind the close
+        with self._lock:  # so no request is queued behind the close
             if self._closed:
                 raise MlxkvError("the engine is closed")
             self._submitted += 1
@@ -193,43 +177,26 @@ class EngineThread:
         self._queue.put(Call(fn, future))
         return future
 
-    def close(self, timeout: float | None = 30.0) -> None:
-        """Cancel open requests (the engine thread does, when it takes the close), finish SSD
-        writes, and end the thread."""
-        with self._submit_lock:
-            if self._closed:
-                return
-            self._closed = True
-            self._queue.put(Close())
-        if self._thread.is_alive() and threading.current_thread() is not self._thread:
-            self._thread.join(timeout)
+    def _queue_close(self) -> None:
+        """close(): cancel open requests (the engine thread does, when it takes the close),
+        finish SSD writes, and end the thread."""
+        self._queue.put(Close())
 
     @property
     def open_requests(self) -> int:
         """Requests submitted and not finished (queued, running, or being cancelled)."""
-        return self._submitted - self._ended
-
-    @property
-    def alive(self) -> bool:
-        return self._thread.is_alive()
+        return self._submitted - self._finished
 
     # -- the engine thread ------------------------------------------------
 
-    def _main(self) -> None:
-        import mlx.core as mx
+    def _own(self) -> None:
+        if self._start_engine():
+            self._serve()
+            self.engine.close()
+        else:
+            self._refuse_all()
 
-        stream = mx.new_thread_local_stream(mx.default_device())
-        with mx.stream(stream):
-            if self._start_engine():
-                self._serve()
-                self.engine.close()
-            else:
-                self._refuse_all()
-        # A stream outliving its thread made the interpreter's exit abort
-        # ("terminate called without an active exception", exit code 134)
-        # after any request; MLX asks threads to free their streams first.
-        mx.synchronize(stream)
-        mx.clear_streams()
+    def _ended(self) -> None:
         self.on_event(EngineEvent("closed"))
 
     def _start_engine(self) -> bool:
@@ -355,7 +322,7 @@ class EngineThread:
 
     def _ended_request(self, handle: RequestHandle) -> None:
         self._open.pop(handle.id, None)
-        self._ended += 1
+        self._finished += 1
 
     def _snapshot_if_due(self) -> None:
         now = time.monotonic()

@@ -60,11 +60,22 @@ def load_model(name: str) -> LoadedModel:
         model, tokenizer, config = load(path, return_config=True)
     except Exception as e:  # mlx-lm raises many kinds; the user needs one line
         log.debug("loading %s failed", name, exc_info=True)
+        _refuse_an_encoder(name)
         reason = first_line(e)
         raise MlxkvError(f"could not load model {name!r}: {reason}") from None
     loaded = LoadedModel(model, tokenizer, config, name)
     check_supported(loaded)
     return loaded
+
+
+def _refuse_an_encoder(name: str) -> None:
+    """An encoder embedding model (BERT and its kind) is no decoder for mlx-lm: say what serves it."""
+    from mlxkv.models.encoder import checkpoint_config, encoder_family
+
+    family = encoder_family(checkpoint_config(name))
+    if family is not None:
+        raise MlxkvError(f"model {name!r} is an embedding model ({family}): `mlxkv serve` serves it on "
+                         "/v1/embeddings; it cannot chat or generate")
 
 
 def load_named(name: str, report: Report = lambda what, fraction: None) -> LoadedModel:

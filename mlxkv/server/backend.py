@@ -13,14 +13,17 @@ import asyncio
 import logging
 import threading
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
+
+import numpy as np
 
 from mlxkv.chat import prompting
 from mlxkv.engine.limits import RequestLimits
 from mlxkv.engine.records import is_last
 from mlxkv.errors import MlxkvError
-from mlxkv.models.embedding import CHAT, model_kind
+from mlxkv.models.embedding import CHAT, last_token_embeddings, model_kind
 from mlxkv.server.api_errors import ApiError
 from mlxkv.host.engine_thread import EngineThread
 from mlxkv.server.image_parts import fetch_image_urls
@@ -61,6 +64,12 @@ class ModelInfo:
     vision: object = None  # a VisionModel: its processor and image token (read-only) build image prompts
     nbytes: int = 0  # the weights and the pool's budget: what the model holds in memory at most
     kind: str = CHAT  # or "embedding" (models/embedding.py): which requests it serves
+
+
+def not_for_replies(info: ModelInfo) -> ApiError:
+    """The 400 of a generating endpoint asked of an embedding model."""
+    return ApiError(400, f"model {info.name!r} is an {info.kind} model: it serves /v1/embeddings, not replies",
+                    param="model")
 
 
 def short_name(model: str) -> str:
@@ -223,6 +232,16 @@ class ServingBackend:
     def text_tokens(self, text: str) -> list[int]:
         return list(self.info.tokenizer.encode(text))
 
+    @property
+    def longest_input(self) -> int:
+        """Tokens per input to /v1/embeddings: the context, else what the pool holds."""
+        info = self.info
+        return info.limits.pool_tokens if info.max_context is None else info.max_context
+
+    def embed(self, token_lists: list[list[int]]) -> Future:
+        """One normalized vector per token list, rows of a float32 array (on the engine thread)."""
+        return self.thread.call(lambda e: np.stack([np.array(v) for v in last_token_embeddings(e.model, token_lists)]))
+
     def token_ids(self, ids: list[int]) -> list[int]:
         try:
             return self.info.limits.token_ids(ids)
@@ -236,8 +255,7 @@ class ServingBackend:
         fit by itself is a 400, in the wording each API's clients recognise
         (Claude Code compacts its conversation on Anthropic's)."""
         if self.info.kind != CHAT:  # every generating endpoint asks for its reply's room: refused here
-            raise ApiError(400, f"model {self.info.name!r} is an {self.info.kind} model: it serves /v1/embeddings, "
-                                "not replies", param="model")
+            raise not_for_replies(self.info)
         limits = self.info.limits
         n = len(tokens)
         if not n:

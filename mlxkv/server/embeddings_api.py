@@ -2,9 +2,10 @@
 (one list or several); `encoding_format` float or base64; `dimensions` cuts each vector
 to its first N values and normalizes it again (Matryoshka-trained models allow it).
 
-The model's forward pass runs on its engine thread, between steps (EngineThread.call),
-since MLX state belongs to that thread. A chat model is a 400 naming its kind: its last
-hidden state is no embedding anyone trained it to give.
+The model's forward pass runs on the thread that owns its MLX state (backend.embed): a
+decoder's engine thread, between steps, or an encoder's own (host/encoder_thread.py).
+A chat model is a 400 naming its kind: its last hidden state is no embedding anyone
+trained it to give.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pydantic import Field
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from mlxkv.models.embedding import EMBEDDING, last_token_embeddings
+from mlxkv.models.embedding import EMBEDDING
 from mlxkv.server.api_errors import ApiError
 from mlxkv.server.http_support import Lenient, off_loop, parse_body
 from mlxkv.server.model_router import routed
@@ -38,9 +39,9 @@ async def embeddings(request: Request):
     backend = await routed(request, body.model)
     if backend.info.kind != EMBEDDING:
         raise ApiError(400, f"model {backend.info.name!r} is a {backend.info.kind} model, not an embedding model; "
-                            "serve an embedding model (e.g. Qwen3-Embedding) for /v1/embeddings", param="model")
+                            "serve an embedding model (Qwen3-Embedding, a BERT) for /v1/embeddings", param="model")
     token_lists = await off_loop(_token_lists, backend, body.input)
-    vectors = await asyncio.wrap_future(backend.thread.call(lambda e: _vectors(e, token_lists)))
+    vectors = await asyncio.wrap_future(backend.embed(token_lists))
     if body.dimensions is not None:
         if body.dimensions > vectors.shape[1]:
             raise ApiError(400, f"dimensions: {body.dimensions} is more than the model's {vectors.shape[1]}",
@@ -64,18 +65,13 @@ def _token_lists(backend, given) -> list[list[int]]:
     if len(given) > MAX_INPUTS:
         raise ApiError(400, f"input: at most {MAX_INPUTS} inputs per request, got {len(given)}", param="input")
     lists = [backend.text_tokens(x) if isinstance(x, str) else backend.token_ids(list(x)) for x in given]
-    longest = backend.info.limits.pool_tokens if backend.info.max_context is None else backend.info.max_context
+    longest = backend.longest_input
     for i, tokens in enumerate(lists):
         if not tokens:
             raise ApiError(400, f"input.{i}: it is empty", param="input")
         if len(tokens) > longest:
             raise ApiError(400, f"input.{i}: {len(tokens)} tokens, more than the model's {longest}", param="input")
     return lists
-
-
-def _vectors(engine, token_lists: list[list[int]]) -> np.ndarray:
-    """On the engine thread."""
-    return np.stack([np.array(v) for v in last_token_embeddings(engine.model, token_lists)])
 
 
 def _encoded(vector: np.ndarray, encoding: str):

@@ -32,9 +32,28 @@ class LoadPending(Exception):
         self.task = task
 
 
+class LoadingStream(StreamingResponse):
+    """The stream, and the one place a lease the client left behind goes back: after the
+    response, however it ended. The generator's own `finally` is no such place: when the
+    headers' send fails (the client left at once), the generator never starts, so its
+    `finally` never runs and the lease would leak (the model never unloaded)."""
+
+    def __init__(self, request, handler, task: asyncio.Task):
+        super().__init__(_after_load(request, handler, task), media_type="text/event-stream", headers=SSE_HEADERS)
+        self.request, self.task = request, task
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            # Not handed over (the client left while its model loaded, or in the turn its load
+            # finished, or before the headers went out): the lease goes back once it is taken.
+            if getattr(self.request.state, "model_slot", None) is None:
+                self.task.add_done_callback(lambda t: _release(self.request, t))
+
+
 def loading_stream(request, handler, task: asyncio.Task) -> StreamingResponse:
-    return StreamingResponse(_after_load(request, handler, task), media_type="text/event-stream",
-                             headers=SSE_HEADERS)
+    return LoadingStream(request, handler, task)
 
 
 async def _after_load(request, handler, task: asyncio.Task):
@@ -54,11 +73,6 @@ async def _after_load(request, handler, task: asyncio.Task):
     except ApiError as e:
         request.state.error = e.message  # for the access log
         yield _error_event(path, e)
-    finally:
-        # The client left before the lease was handed over (while its model loaded, or in the
-        # turn its load finished): the lease goes back once it is taken (at once if it was).
-        if getattr(request.state, "model_slot", None) is None:
-            task.add_done_callback(lambda t: _release(request, t))
 
 
 def _release(request, task: asyncio.Task) -> None:

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 
 from mlxkv.errors import MlxkvError
 from mlxkv.server.api_errors import ApiError
@@ -107,8 +109,17 @@ class ModelRouter:
             await self._unload(victim, "to make room for " + slot.name)
         log.info("model %s: load started", slot.name)
         begin = time.monotonic()
+        work = self._in_thread(self._start, slot.spec)
         try:
-            backend, footprint = await asyncio.to_thread(self._start, slot.spec)
+            backend, footprint = await asyncio.wrap_future(work)
+        except asyncio.CancelledError:
+            # The server is stopping (its loop cancels this task). The load cannot be cut; it
+            # runs on in its thread, and what it loads is closed once it has. The slot must not
+            # stay "loading": nothing would ever move it on.
+            log.info("model %s: the server stopped while it loaded", slot.name)
+            self.registry.failed(slot, "the server stopped while it loaded")
+            work.add_done_callback(self._stop_late)
+            raise
         except Exception as e:  # its own requests get the reason; the others keep serving
             if not isinstance(e, MlxkvError):  # not a user's mistake: keep the traceback
                 log.exception("model %s failed to load", slot.name)
@@ -120,6 +131,31 @@ class ModelRouter:
             self.registry.loaded_as(slot, backend, footprint, load_s)
             log.info("model %s: loaded in %.1f s (%d MiB of weights and pool)", slot.name, load_s, footprint >> 20)
         self._notify()
+
+    @staticmethod
+    def _in_thread(fn, *args) -> Future:
+        """`fn(*args)` on a thread of its own, whose Future outlives the event loop (to_thread's
+        executor thread is joined at exit, and its result is lost once the loop is gone)."""
+        future: Future = Future()
+        future.set_running_or_notify_cancel()  # running: the loop's cancel cannot cancel it (wrap_future tries)
+
+        def run() -> None:
+            try:
+                future.set_result(fn(*args))
+            except BaseException as e:
+                future.set_exception(e)
+
+        threading.Thread(target=run, name="mlxkv-model-load", daemon=True).start()
+        return future
+
+    def _stop_late(self, work: Future) -> None:
+        """A load the server's stop cut short has finished: close what it loaded (on its thread)."""
+        if work.exception() is None:
+            backend, _ = work.result()
+            try:
+                self._stop(backend)
+            except Exception:
+                log.exception("closing a model loaded during the server's stop failed")
 
     async def _unload(self, slot: ModelSlot, why: str) -> None:
         backend = slot.backend

@@ -24,7 +24,10 @@ from mlxkv.config import DEFAULT_KV_GROUP_SIZE, CacheConfig
 from mlxkv.errors import MlxkvError, MlxkvWarning
 from mlxkv.kv_format import KVFormat
 from mlxkv.server.backend import DEFAULT_MAX_OPEN, DEFAULT_MAX_TOKENS, ServingBackend, short_name
+from mlxkv.server.encoder_backend import EncoderBackend
+from mlxkv.host.encoder_thread import EncoderThread
 from mlxkv.host.engine_thread import EngineThread, load_engine
+from mlxkv.models.encoder import checkpoint_config, encoder_family
 from mlxkv.server.http_app import KEEPALIVE_S, AppConfig, build_app
 from mlxkv.server.metrics import ServerMetrics
 from mlxkv.server.model_names import ModelNames
@@ -181,6 +184,8 @@ class Server:
         self.registry.loaded_as(slot, backend, footprint, time.monotonic() - begin)
 
     def _start(self, spec: ModelSpec, thread: EngineThread | None = None) -> tuple[ServingBackend, int]:
+        if thread is None and encoder_family(checkpoint_config(spec.source)):
+            return self._start_encoder(spec)
         if thread is None:
             thread = EngineThread(spec.source, self._cache_for(spec), load=self._load,
                                   on_event=_load_progress(spec.name))
@@ -193,6 +198,17 @@ class Server:
                                      image_limits=(o.max_image_pixels, o.max_images),
                                      allow_image_urls=o.allow_image_urls, display_name=spec.name,
                                      metrics=self.metrics, on_reply=lambda stats: self.registry.reply_done(slot, stats))
+        except BaseException:
+            self._stop_thread(thread)
+            raise
+        return backend, backend.info.nbytes
+
+    def _start_encoder(self, spec: ModelSpec) -> tuple[EncoderBackend, int]:
+        """An encoder embedding model (BERT, XLM-R, ModernBERT): its own thread, no pool."""
+        thread = EncoderThread(spec.source).start()
+        self._threads.add(thread)
+        try:
+            backend = EncoderBackend(thread, spec.name)
         except BaseException:
             self._stop_thread(thread)
             raise

@@ -3,6 +3,7 @@ unloads to make room, a bounded wait that ends in a 503 saying why, a failed loa
 fails only its own requests, and keep-alive 0."""
 
 import asyncio
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -13,6 +14,7 @@ from mlxkv.server.model_names import ModelNames
 from mlxkv.server.model_registry import LoadLimits, ModelRegistry
 from mlxkv.server.model_router import ModelRouter
 from mlxkv.server.model_specs import NEVER, ModelSpec
+from server_support import wait_for as wait_until
 
 
 class Engines:
@@ -116,10 +118,35 @@ def test_keep_alive_zero_unloads_when_the_last_request_ends():
         await asyncio.sleep(0.05)
         assert slot.state == "loaded"
         r.release(slot)
-        for _ in range(50):
+        for _ in range(500):  # the unload runs on a worker thread: on a loaded machine it takes a while
             if slot.state == "unloaded":
                 break
             await asyncio.sleep(0.01)
         assert slot.state == "unloaded" and engines.stopped == ["a"]
 
     run(main())
+
+
+def test_a_load_cancelled_by_the_servers_stop_leaves_no_slot_loading_and_closes_what_it_loaded():
+    """The server's loop cancels its tasks as it stops, a load's too: the slot is no longer
+    "loading", and the engine the load still finishes is closed."""
+    engines = Engines()
+    gate = threading.Event()
+    start = engines.start
+    engines.start = lambda spec: gate.wait(10) and start(spec)
+    r = router([A, B], engines)
+
+    async def main():
+        waiting = asyncio.ensure_future(r.acquire("a"))
+        await asyncio.sleep(0.05)
+        assert r.registry.slot("a").state == "loading"
+        for task in list(r._tasks):  # what asyncio.run's shutdown does to tasks still running
+            task.cancel()
+        await asyncio.sleep(0.05)
+        waiting.cancel()
+
+    run(main())
+    slot = r.registry.slot("a")
+    assert slot.state == "failed" and "stopped" in slot.error
+    gate.set()
+    assert wait_until(lambda: engines.stopped == ["a"])

@@ -21,6 +21,8 @@ from mlxkv.tui.widgets.message_view import MessageView
 from mlxkv.tui.widgets.prompt_input import PromptInput
 from mlxkv.tui.widgets.tier_table import TierTable
 from mlxkv.tui.widgets.turn_stats import TurnStats
+from textual.command import CommandPalette
+from textual.widgets import OptionList
 from tui_support import pilot_test, shown, wait_until
 
 pytestmark = pytest.mark.slow  # subprocesses, apps and real terminals
@@ -28,14 +30,16 @@ pytestmark = pytest.mark.slow  # subprocesses, apps and real terminals
 SIZE = (140, 44)
 
 
-def make_app(tmp_path, model, max_tokens=48, num_blocks=512, disk_tier=None, model_name="tiny"):
+def make_app(tmp_path, model, max_tokens=48, num_blocks=512, disk_tier=None, model_name="tiny", others=None):
+    """The app on `model` (as `model_name`); `others`: more models the palette switches to, {name: source}."""
     cache = CacheConfig(block_size=8, num_blocks=num_blocks, disk_tier=str(disk_tier or tmp_path / "kv"))
 
-    def start(on_event):
-        return EngineThread(model, cache, on_event=on_event, load=load_chat_engine).start()
+    def starter(source):
+        return lambda on_event: EngineThread(source, cache, on_event=on_event, load=load_chat_engine).start()
 
     store = ChatStore(tmp_path / "chats.sqlite3")
-    app = ChatApp(start, store, model_name=model_name, generation={"max_tokens": max_tokens}, cursor_blink=False)
+    app = ChatApp(starter(model), store, model_name=model_name, generation={"max_tokens": max_tokens},
+                  cursor_blink=False, models={name: starter(source) for name, source in (others or {}).items()})
     return app, store
 
 
@@ -322,6 +326,49 @@ def test_the_app_runs_with_a_short_gil_switch_interval(monkeypatch, tmp_path):
     seen = []
     monkeypatch.setattr(app_module.ChatApp, "run", lambda self: seen.append(sys.getswitchinterval()))
     before = sys.getswitchinterval()
-    assert app_module.run("demo", CacheConfig(), max_tokens=8, temperature=0.0) == 0
+    assert app_module.run([("demo", "demo")], CacheConfig(), max_tokens=8, temperature=0.0) == 0
     assert seen == [app_module.UI_SWITCH_INTERVAL_S] and app_module.UI_SWITCH_INTERVAL_S < before
     assert sys.getswitchinterval() == before  # the process's own setting comes back
+
+
+async def palette(pilot, command: str) -> None:
+    """Run `command` from the command palette, as a user does: Ctrl+P, type it, Enter."""
+    await pilot.press("ctrl+p")
+    await wait_until(pilot, lambda: isinstance(pilot.app.screen, CommandPalette), what="the palette")
+    await pilot.press(*command)
+    hits = pilot.app.screen.query_one(OptionList)
+    await wait_until(pilot, lambda: hits.option_count and hits.highlighted is not None
+                     and str(hits.get_option_at_index(hits.highlighted).prompt).splitlines()[0] == command,
+                     what=command)
+    await pilot.press("enter")
+
+
+@pilot_test
+async def test_the_palette_switches_models_and_each_chat_reopens_on_its_own(tmp_path, llama_dir, model_dirs):
+    others = {"qwen": model_dirs["qwen2"]}
+    app, store = make_app(tmp_path, llama_dir, max_tokens=4, model_name="llama", others=others)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await send(pilot, "hello there")
+        await reply_done(pilot)
+        first = app.chat_screen.conversation_id
+        assert store.get(first).model == "llama" and store.messages(first)[-1].tokens
+        await pilot.press("ctrl+n")
+        await wait_until(pilot, lambda: app.chat_screen.conversation_id != first, what="the new chat")
+        second = app.chat_screen.conversation_id
+        await palette(pilot, "Switch model: qwen")
+        await wait_until(pilot, lambda: app.model_name == "qwen" and app.chat_screen.engine_ready,
+                         what="qwen to load")
+        assert store.get(second).model == "qwen" and app.chat_screen.title == "mlxkv chat · qwen"
+        await palette(pilot, f"Open chat: {store.get(first).title}")  # back to the llama's chat: the llama loads
+        await wait_until(pilot, lambda: app.model_name == "llama" and app.chat_screen.engine_ready,
+                         what="the llama to load again")
+        assert store.get(first).model == "llama" and store.messages(first)[-1].tokens  # its ids still the llama's
+    store.close()
+
+    app, store = make_app(tmp_path, llama_dir, max_tokens=4, model_name="llama", others=others)
+    async with app.run_test(size=SIZE) as pilot:  # reopened: the most recent chat, the qwen's, on the qwen
+        await wait_until(pilot, lambda: app.model_name == "qwen" and app.chat_screen.engine_ready,
+                         what="the reopened chat's model")
+        assert app.chat_screen.conversation_id == second
+    store.close()

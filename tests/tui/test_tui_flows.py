@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import inspect
 import sqlite3
 
@@ -435,6 +437,41 @@ def test_store_schema_version_and_refusing_a_newer_file(tmp_path):
     db.close()
     with pytest.raises(MlxkvError, match="newer"):
         ChatStore(path)
+
+
+@pilot_test
+async def test_switches_in_quick_succession_leave_one_engine_open_the_last_ones(tmp_path):
+    store = ChatStore(tmp_path / "chats.sqlite3")
+    engines = {"a": [], "b": []}
+
+    def starter(name):
+        def start(on_event):
+            engines[name].append(ScriptedEngine(on_event))
+            return engines[name][-1]
+        return start
+
+    app = ChatApp(starter("a"), store, model_name="a", cursor_blink=False, models={"b": starter("b")})
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_until(pilot, lambda: app.chat_screen.engine_ready, what="a to load")
+        await asyncio.gather(app.switch_model("b"), app.switch_model("a"), app.switch_model("b"))
+        await wait_until(pilot, lambda: app.chat_screen.engine_ready, what="the last switch's model")
+        opened = engines["a"] + engines["b"]
+        assert app.model_name == "b" and app.engine is engines["b"][-1]
+        assert [e for e in opened if not e.closed] == [app.engine]  # none leaked, none started twice
+    store.close()
+
+
+def test_a_chat_moved_to_another_model_drops_its_replies_ids_the_old_tokenizer_made(tmp_path):
+    store = ChatStore(tmp_path / "chats.sqlite3")
+    cid = store.create("t").id  # saved before chats remembered their model: its ids are the one model's
+    store.add_message(cid, Message("assistant", "yo", "stop", None, [7, 8, 2]))
+    store.set_model(cid, "llama")
+    assert store.messages(cid)[-1].tokens == [7, 8, 2]
+    store.set_model(cid, "llama")  # the same model: its ids still hold
+    assert store.messages(cid)[-1].tokens == [7, 8, 2]
+    store.set_model(cid, "qwen")
+    assert (store.get(cid).model, store.messages(cid)[-1].tokens) == ("qwen", None)  # sent back as text
+    store.close()
 
 
 def test_a_version_1_database_is_upgraded_in_place_and_ids_are_never_reused(tmp_path):

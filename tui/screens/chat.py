@@ -98,6 +98,10 @@ class ChatScreen(Screen[None]):
         self.show_snapshot(snapshot)
         self._prefill()
 
+    def engine_stopped(self) -> None:
+        """The app closes this engine for another model's: nothing is sent until it is ready."""
+        self.engine_ready = False
+
     def show_snapshot(self, snapshot: PoolSnapshot) -> None:
         self._pending_snapshot = snapshot
         if self.reply is None:
@@ -121,6 +125,8 @@ class ChatScreen(Screen[None]):
             await self._chat_gone()
             return
         self.conversation_id = conversation_id
+        if conversation.model in self.app.models and conversation.model != self.app.model_name:
+            await self.app.switch_model(conversation.model)  # its prefill follows once it is ready
         messages = self.store.messages(conversation_id)
         views = [MessageView("system", conversation.system_prompt)] if conversation.system_prompt else []
         views += [MessageView(m.role, m.content, m.finish_reason) for m in messages]
@@ -197,6 +203,7 @@ class ChatScreen(Screen[None]):
         with self.saving() as saved:
             if self.store.get(cid).title == NEW_CHAT_TITLE and not self.store.messages(cid):
                 self.store.rename(cid, auto_title(text))
+            self.store.set_model(cid, self.app.model_name)
             question_id = self.store.add_message(cid, Message("user", text))
         if not saved:
             return  # the text stays in the box
@@ -252,11 +259,19 @@ class ChatScreen(Screen[None]):
 
     async def action_new_chat(self) -> None:
         with self.saving() as saved:
-            conversation = self.store.create(NEW_CHAT_TITLE)
+            conversation = self.store.create(NEW_CHAT_TITLE, model=self.app.model_name)
         if not saved:
             return
         await self.open_conversation(conversation.id)
         self.query_one(PromptInput).focus()
+
+    async def switch_model(self, name: str) -> None:
+        """The command palette's "Switch model": this conversation goes on with model `name`."""
+        if not await self._still_here():
+            return
+        with self.saving():
+            if await self.app.switch_model(name):
+                self.store.set_model(self.conversation_id, name)
 
     async def action_rename(self) -> None:
         if not await self._still_here():
