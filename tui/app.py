@@ -72,6 +72,8 @@ class ChatApp(App[None]):
         self.generation = generation or {"max_tokens": 1024}
         self.engine = None
         self._switching = asyncio.Lock()
+        # The model a switch left, while the switch's model loads: where a failed load goes back to.
+        self._fallback: str | None = None
         self.load_error: str | None = None  # set once the model failed to load: every way out exits 2
         self.chat_screen = ChatScreen(store, cursor_blink=cursor_blink)
 
@@ -98,11 +100,20 @@ class ChatApp(App[None]):
             if self.chat_screen.replies or self.chat_screen.controller.starting:
                 self.notify(f"A reply is streaming; stop it (Esc) before switching to {name}.", severity="warning")
                 return False
-            await self._replace_engine(name)
+            await self._replace_engine(name, fallback=self.model_name)
             return True
 
-    async def _replace_engine(self, name: str) -> None:
+    async def _switch_back(self, name: str, reason: str) -> None:
+        """A switch's model failed to load: `name`, the model before it, again, and the chat goes on."""
+        self.notify(f"Could not load {self.model_name}: {reason}", title="Model", severity="error",
+                    timeout=NOTE_TIMEOUT_S, markup=False)
+        async with self._switching:
+            await self._replace_engine(name, fallback=None)
+        self.chat_screen.model_reverted(name)
+
+    async def _replace_engine(self, name: str, fallback: str | None) -> None:
         old, self.engine = self.engine, None
+        self._fallback = fallback
         self.model_name = name
         self.chat_screen.engine_stopped()
         self.chat_screen.title = f"mlxkv chat · {name}"
@@ -120,6 +131,7 @@ class ChatApp(App[None]):
         if event.kind == "progress" and isinstance(self.screen, LoadingScreen):
             self.screen.show_progress(event.text, event.fraction)
         elif event.kind == "ready":
+            self._fallback = None
             # What exists now lives as long as the app (modules, the model,
             # the tokenizer): keep the collector from walking it again, so a
             # full collection during a reply pauses both threads for less.
@@ -130,6 +142,8 @@ class ChatApp(App[None]):
             self.chat_screen.engine_started(event.snapshot)
             for warning in event.warnings:  # e.g. the SSD tier left off, and why
                 self.notify(warning, title="Cache", severity="warning", timeout=NOTE_TIMEOUT_S, markup=False)
+        elif event.kind == "failed" and self._fallback is not None:
+            self.run_worker(self._switch_back(self._fallback, event.text))
         elif event.kind == "failed":
             self.load_error = event.text
             if isinstance(self.screen, LoadingScreen):

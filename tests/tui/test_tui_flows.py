@@ -24,6 +24,7 @@ from textual.widgets import OptionList
 
 from mlxkv.errors import MlxkvError
 from mlxkv.engine.records import GenerationChunk
+from mlxkv.host.engine_thread import EngineEvent
 from mlxkv.tui.app import ChatApp
 from mlxkv.tui.screens.chat import NEW_CHAT_TITLE
 from mlxkv.tui.screens.confirm import ConfirmScreen
@@ -34,7 +35,7 @@ from mlxkv.tui.widgets.chat_log import ChatLog
 from mlxkv.tui.widgets.conversation_list import ConversationList
 from mlxkv.tui.widgets.message_view import MessageView, printable
 from mlxkv.tui.widgets.prompt_input import PromptInput
-from tui_support import ScriptedEngine, fixed_stats, pilot_test, shown, wait_until
+from tui_support import ScriptedEngine, StuckEngine, fixed_stats, pilot_test, shown, wait_until
 
 pytestmark = pytest.mark.slow  # subprocesses, apps and real terminals
 
@@ -458,6 +459,30 @@ async def test_switches_in_quick_succession_leave_one_engine_open_the_last_ones(
         opened = engines["a"] + engines["b"]
         assert app.model_name == "b" and app.engine is engines["b"][-1]
         assert [e for e in opened if not e.closed] == [app.engine]  # none leaked, none started twice
+    store.close()
+
+
+@pilot_test
+async def test_a_switch_whose_model_fails_to_load_goes_back_to_the_model_before_and_the_app_stays(tmp_path):
+    store = ChatStore(tmp_path / "chats.sqlite3")
+    started = []
+
+    def good(on_event):
+        started.append(ScriptedEngine(on_event))
+        return started[-1]
+
+    def broken(on_event):
+        return StuckEngine(on_event, [EngineEvent("failed", "config.json: no such file")])
+
+    app = ChatApp(good, store, model_name="a", cursor_blink=False, models={"b": broken})
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_until(pilot, lambda: app.chat_screen.engine_ready, what="a to load")
+        await app.chat_screen.switch_model("b")
+        await wait_until(pilot, lambda: len(started) == 2 and app.chat_screen.engine_ready, what="a again")
+        assert app.model_name == "a" and app.engine is started[-1] and app.load_error is None
+        assert app.screen is app.chat_screen  # no error screen: the chat goes on
+        assert store.get(app.chat_screen.conversation_id).model == "a"
+    assert app.return_code in (None, 0)
     store.close()
 
 

@@ -273,6 +273,12 @@ class ChatScreen(Screen[None]):
             if await self.app.switch_model(name):
                 self.store.set_model(self.conversation_id, name)
 
+    def model_reverted(self, name: str) -> None:
+        """The model this chat was switched to failed to load; it goes on with `name`, as before."""
+        if self.conversation_id is not None and self.store.get(self.conversation_id) is not None:
+            with self.saving():
+                self.store.set_model(self.conversation_id, name)
+
     async def action_rename(self) -> None:
         if not await self._still_here():
             return
