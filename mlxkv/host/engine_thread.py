@@ -172,9 +172,14 @@ class EngineThread(MlxThread):
         return prompt
 
     def call(self, fn: Callable) -> Future:
-        """Run `fn(engine)` on the engine thread between requests."""
+        """Run `fn(engine)` on the engine thread between requests (an error once it is closed:
+        nothing queued behind the close is ever taken, so its future would never end)."""
         future: Future = Future()
-        self._queue.put(Call(fn, future))
+        with self._lock:
+            if self._closed:
+                future.set_exception(MlxkvError("the engine is closed"))
+            else:
+                self._queue.put(Call(fn, future))
         return future
 
     def _queue_close(self) -> None:

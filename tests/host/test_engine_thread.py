@@ -299,3 +299,13 @@ def test_an_idle_thread_lets_the_engine_give_memory_back(llama_dir):
         assert [[r.token for r in reply] for reply in again] == [[r.token for r in reply] for reply in first]
     finally:
         thread.close()
+
+
+def test_a_call_after_the_close_is_an_error_not_a_wait_forever():
+    def load(model, cache, report):
+        raise MlxkvError("no such model")
+
+    thread = EngineThread("nowhere", CacheConfig(**CONFIG), on_event=lambda e: None, load=load).start()
+    thread.close()
+    with pytest.raises(MlxkvError, match="closed"):
+        thread.call(lambda e: 1).result(5)
