@@ -21,6 +21,7 @@ import threading
 import urllib.request
 from types import SimpleNamespace
 
+import jsonschema
 import mlx.core as mx
 import numpy as np
 import openai
@@ -145,6 +146,21 @@ def test_each_kind_refuses_the_others_endpoint_naming_its_kind(served):
     assert embed["state"] == "loaded" and embed["pool"] is None and embed["bytes"] > 0
     with urllib.request.urlopen(root + "/health", timeout=10) as r:
         assert json.loads(r.read())["status"] == "ok"
+
+
+def test_the_process_enforces_a_json_schema_and_a_strict_tool_call(served):
+    """Issue 44 through the real process (the structured tests run an in-process Server): the
+    grammar compiler and its worker thread start with `mlxkv serve`'s own model loading."""
+    from test_server_structured import RESPONSE_FORMAT, SCHEMA, WEATHER, ask
+
+    api = served.client
+    reply = api.chat.completions.create(model="llama", messages=ask("Oslo"), max_tokens=60,
+                                        response_format=RESPONSE_FORMAT)
+    jsonschema.validate(json.loads(reply.choices[0].message.content), SCHEMA)
+    called = api.chat.completions.create(model="llama", messages=ask("Bergen"), max_tokens=80, tools=[WEATHER],
+                                         tool_choice="required")
+    [call] = called.choices[0].message.tool_calls
+    jsonschema.validate(json.loads(call.function.arguments), SCHEMA)
 
 
 def test_a_sigterm_while_a_model_loads_leaves_nothing_half_written_and_the_next_start_serves(served, ssd, llama_dir):
