@@ -41,7 +41,7 @@ import numpy as np
 
 from mlxkv.benchmarks.engine import _tokens, bench_model_path, describe_model
 from mlxkv.benchmarks.remote_rows import remote_rows
-from mlxkv.benchmarks.restore_choice import CHOICE_TOKENS, restore_choice_rows
+from mlxkv.benchmarks.restore_choice import CHOICE_ROUNDS, CHOICE_TOKENS, restore_choice_rows
 from mlxkv.benchmarks.tier_gaps import GAP_SPEC, GAP_TOKENS, gap_rows
 from mlxkv.benchmarks.rows import format_rows, row  # noqa: F401  (format_rows: the suite's printer)
 from mlxkv.config import DEFAULT_MEMORY_TIER_BYTES, CacheConfig
@@ -64,7 +64,7 @@ QUANT_TOKENS = 32
 def run_tiers_benchmark(model: str | None = None, restore_tokens: int = RESTORE_TOKENS,
                         read_blocks: int = READ_BLOCKS, directory: str | None = None, log=print,
                         remote_tier: str | None = None, gap_tokens: int = GAP_TOKENS,
-                        choice_tokens: int = CHOICE_TOKENS) -> list[dict]:
+                        choice_tokens: int = CHOICE_TOKENS, choice_rounds: int = CHOICE_ROUNDS) -> list[dict]:
     """`remote_tier`: the server of the remote rows (None: a redis-server of the bench's own, if installed).
     `gap_tokens`: the cached prefix of the stream-gap rows (the recorded rows use 6144)."""
     model = model or str(bench_model_path(log=log))
@@ -77,7 +77,7 @@ def run_tiers_benchmark(model: str | None = None, restore_tokens: int = RESTORE_
         rows.append(_memory_hydrate_row(engine, blocks, log))
         rows.append(_quantized_row(engine, blocks, log))
         rows += remote_rows(loaded, engine, blocks, restore_tokens, remote_tier, Path(tmp), log)
-        rows += restore_choice_rows(loaded, Path(tmp) / "choice", log, _drop_page_cache, choice_tokens)
+        rows += restore_choice_rows(loaded, Path(tmp) / "choice", log, _drop_page_cache, choice_tokens, choice_rounds)
         for r in rows:
             r["model"] = describe_model(engine)
         gaps = gap_rows(gap_tokens, Path(tmp) / "gaps", log, _drop_page_cache)
