@@ -187,8 +187,40 @@ def image_end_token_id(processor) -> int | None:
 def placeholder_features(model, input_ids, pixel_values, **image_inputs):
     """One image's merged features [n, D]: `input_ids` its n placeholder tokens alone. mlx-vlm's
     get_input_embeddings puts the tower's projected output at every placeholder, so its embeddings of an
-    all-placeholder prompt are the image's features (Mistral 3's, with its `image_sizes`)."""
-    return model.get_input_embeddings(input_ids, pixel_values, **image_inputs).inputs_embeds[0]
+    all-placeholder prompt are the image's features (Mistral 3's, with its `image_sizes`; InternVL's, its
+    tiles')."""
+    extra = _processor_inputs(model, input_ids)
+    return model.get_input_embeddings(input_ids, pixel_values, **extra, **image_inputs).inputs_embeds[0]
+
+
+def _processor_inputs(model, input_ids) -> dict:
+    """What a family's get_input_embeddings reads beside the pixels that its processor returns and
+    prepare_inputs passes on (InternVL's image_token_index)."""
+    if getattr(model.config, "model_type", None) == "internvl_chat":
+        return {"image_token_index": vision_token_id(model)}
+    return {}
+
+
+# Families whose image features come from their vision tower and projector directly (vision_features)
+# and go back through get_input_embeddings' cached_image_features; any other family without a grid, tiles'
+# mask or image sizes takes placeholder_features and merged_embeddings.
+_TOWER_FEATURES = ("gemma3",)
+
+
+def tower_features(model) -> bool:
+    return getattr(model.config, "model_type", None) in _TOWER_FEATURES
+
+
+def merged_embeddings(model, input_ids, features):
+    """[1, L, D]: the prompt's token embeddings with `features` [n, D] at its n placeholders, in order:
+    what get_input_embeddings computes for a family that writes an image's features over its
+    placeholders (LLaVA-style merges), with no vision tower run."""
+    import numpy as np
+
+    embeds = embed_tokens(model, input_ids)
+    at = mx.array(np.flatnonzero(np.array(input_ids[0]) == vision_token_id(model)))
+    embeds[:, at] = features.astype(embeds.dtype)
+    return embeds
 
 
 def tile_features(model, input_ids, pixel_values, pixel_mask):

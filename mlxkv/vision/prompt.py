@@ -36,7 +36,7 @@ class VisionPrompt:
     # A tiled family's [1, T, H, W] pixel_attention_mask (pixels [1, T, C, H, W], T tiles of all images);
     # its image's span runs from its first placeholder to its last, one run of placeholders a tile.
     pixel_mask: np.ndarray | None = None
-    tiles: list[int] | None = None  # per image, its tiles (tiled families)
+    tiles: list[int] | None = None  # per image, its rows of pixel_values when it has no grid (its tiles)
     # Pixtral's (Mistral 3's) per image (h, w): its images are padded to the largest in pixel_values;
     # an image's span is its rows of placeholders, broken by [IMG_BREAK] and ended by [IMG_END].
     sizes: np.ndarray | None = None
@@ -95,11 +95,21 @@ class VisionPrompt:
         if compat.deepstack_layers(model.vlm):  # [1 + k, n, D] an image: merged features, then deepstack's
             deepstack = _dense(self.tokens, model.image_token_id, mx.concatenate([f[1:] for f in features], axis=1))
             features = [f[0] for f in features]
-        embeds, positions, deltas = compat.input_embeddings_from_features(
-            model.vlm, mx.array([self.tokens]), mx.array(self.pixel_values), mx.concatenate(features), **extra)
+        ids = mx.array([self.tokens])
+        if self._by_placeholders(model):
+            embeds, positions, deltas = compat.merged_embeddings(model.vlm, ids, mx.concatenate(features)), None, None
+        else:
+            embeds, positions, deltas = compat.input_embeddings_from_features(
+                model.vlm, ids, mx.array(self.pixel_values), mx.concatenate(features), **extra)
         if positions is None:
             positions = mx.broadcast_to(mx.arange(len(self.tokens))[None, None], (3, 1, len(self.tokens)))
         return RowInputs(embeds[0], positions[:, 0], _delta(deltas), deepstack=deepstack)
+
+    def _by_placeholders(self, model: VisionModel) -> bool:
+        """Whether an image's features are get_input_embeddings at its placeholders alone, merged back
+        over the prompt's placeholders: every family without a grid, tiles' mask or sizes but Gemma 3."""
+        return self.grid is None and self.pixel_mask is None and self.sizes is None and not compat.tower_features(
+            model.vlm)
 
     def _features(self, model: VisionModel, k: int) -> mx.array:
         """Image k's vision tower output: from the encoder cache, or computed and kept there."""
@@ -116,6 +126,8 @@ class VisionPrompt:
                 h, w = (int(x) for x in self.sizes[k])
                 pixels = mx.array(self.pixel_values[k : k + 1, :, :h, :w])
                 features = compat.placeholder_features(model.vlm, ids, pixels, image_sizes=mx.array([[h, w]]))
+            elif self._by_placeholders(model):
+                features = compat.placeholder_features(model.vlm, ids, mx.array(self.pixel_values[a:b]))
             else:
                 pixels = mx.array(self.pixel_values[a:b])
                 grid = None if self.grid is None else mx.array(self.grid[k : k + 1])
@@ -138,13 +150,8 @@ def _delta(deltas) -> int:
 
 
 def _pixel_rows(prompt: VisionPrompt, k: int) -> tuple[int, int]:
-    """Image k's rows of pixel_values: its grid's patches, its tiles, or one image."""
-    if prompt.grid is not None:
-        sizes = [int(np.prod(g)) for g in prompt.grid]
-    elif prompt.tiles is not None:
-        sizes = prompt.tiles
-    else:
-        sizes = [1] * len(prompt.spans)
+    """Image k's rows of pixel_values: its grid's patches, or its tiles."""
+    sizes = [int(np.prod(g)) for g in prompt.grid] if prompt.grid is not None else prompt.tiles
     rows = np.cumsum([0] + sizes)
     return int(rows[k]), int(rows[k + 1])
 
@@ -172,11 +179,29 @@ def vision_prompt(model, messages: list[dict], max_pixels: int = MAX_IMAGE_PIXEL
     sizes = None if sizes is None else np.asarray(sizes)
     groups = _even(_images(tokens, model.image_token_id, compat.global_image_token_id(processor),
                            compat.image_end_token_id(processor)), len(images), mask)
-    spans = _spans(groups, pixels, grid, mask, compat.processor_settings(processor), sizes)
-    if len(spans) != len(images):
-        raise MlxkvError(f"messages: {len(images)} images became {len(spans)} image spans in the prompt")
-    return VisionPrompt(tokens, spans, pixels, grid, mask, None if mask is None else [len(g) for g in groups],
-                        sizes)
+    if pixels.ndim == 5 and mask is None and len(pixels) == 1:  # InternVL's tiles of all images: [1, T, C, H, W]
+        pixels = pixels[0]
+    if len(groups) != len(images):
+        raise MlxkvError(f"messages: {len(images)} images became {len(groups)} image spans in the prompt")
+    rows = _image_rows(groups, len(pixels), grid, mask, sizes)
+    spans = _spans(groups, pixels, rows, grid, mask, compat.processor_settings(processor), sizes)
+    return VisionPrompt(tokens, spans, pixels, grid, mask, None if grid is not None else rows, sizes)
+
+
+def _image_rows(groups: list, total: int, grid, mask, sizes) -> list[int]:
+    """Each image's rows of pixel_values: its grid's patches, its tiles (a run of placeholders a tile;
+    Pixtral's: one padded image), else its share of the rows by its placeholders: one row an image, or
+    tiles of one token count each (InternVL's, Aya Vision's)."""
+    if grid is not None:
+        return [int(np.prod(g)) for g in grid]
+    if mask is not None:
+        return [len(tiles) for tiles in groups]
+    if sizes is not None:
+        return [1] * len(groups)
+    counts = [sum(n for _, n in tiles) for tiles in groups]
+    if any(total * c % sum(counts) for c in counts):
+        raise MlxkvError(f"messages: {total} image rows do not divide among images of {counts} tokens")
+    return [total * c // sum(counts) for c in counts]
 
 
 def fitted_vision_prompt(model, messages: list[dict], limit: int) -> tuple[VisionPrompt, int]:
@@ -254,16 +279,10 @@ def _even(groups: list, count: int, mask) -> list:
     return [[run for group in groups[i * k : (i + 1) * k] for run in group] for i in range(count)]
 
 
-def _spans(images: list[list[tuple[int, int]]], pixels: np.ndarray, grid, mask, settings: dict,
+def _spans(images: list[list[tuple[int, int]]], pixels: np.ndarray, rows: list[int], grid, mask, settings: dict,
            sizes=None) -> list[ImageSpan]:
     """Each image's span, first placeholder to last, keyed by its own pixels and grid (or tiles' mask,
     or its size: a padded image is keyed by its own pixels, not by the padding its neighbours set)."""
-    if grid is not None:
-        rows = [int(np.prod(g)) for g in grid]
-    elif mask is not None:
-        rows = [len(tiles) for tiles in images]
-    else:
-        rows = [len(pixels) // max(1, len(images))] * len(images)
     bounds = np.cumsum([0] + rows)
     spans = []
     for k, tiles in enumerate(images):

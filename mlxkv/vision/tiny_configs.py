@@ -319,6 +319,30 @@ GLM4V_PREPROCESSOR = {
     "do_normalize": True, "do_convert_rgb": True, "image_mean": [0.48145466, 0.4578275, 0.40821073],
     "image_std": [0.26862954, 0.26130258, 0.27577711],
 }
+INTERNVL_VISION_TOKENS = ["<img>", "</img>", "<IMG_CONTEXT>"]
+INTERNVL_TILE = 56  # pixels a tile's side: (56 / 14)^2 patches, pixel-shuffled by 2 x 2 into 4 tokens
+
+
+def internvl_chat_config(vocab_size: int, ids: dict[str, int], hidden: int = 64, layers: int = 2, seed: int = 0,
+                         **_) -> dict:
+    """InternVL: an InternViT tower; an image is at most two tiles and a thumbnail, each tile's patches
+    pixel-shuffled into 4 `<IMG_CONTEXT>` tokens, one run an image between `<img>` and `</img>`; a Qwen2."""
+    text = {"model_type": "qwen2", "hidden_size": hidden, "num_hidden_layers": layers,
+            "intermediate_size": 2 * hidden, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "rms_norm_eps": 1e-6, "vocab_size": vocab_size, "rope_theta": 10000.0, "max_position_embeddings": 4096}
+    return {
+        "model_type": "internvl_chat", "architectures": ["InternVLChatModel"], "text_config": text,
+        "vision_config": {"model_type": "intern_vit_6b", "num_hidden_layers": 1, "hidden_size": 32,
+                          "intermediate_size": 64, "num_attention_heads": 2, "patch_size": 14,
+                          "image_size": INTERNVL_TILE},
+        "image_token_index": ids["<IMG_CONTEXT>"], "downsample_ratio": 0.5, "force_image_size": INTERNVL_TILE,
+        "max_dynamic_patch": 2, "min_dynamic_patch": 1, "use_thumbnail": True,
+        "vocab_size": vocab_size, "eos_token_id": [SPECIAL_TOKENS.index("<|im_end|>")],
+        "mlxkv_tiny_model": {"family": "internvl_chat", "hidden_size": hidden, "num_layers": layers, "seed": seed},
+    }
+
+
+INTERNVL_TEMPLATE = QWEN_VL_TEMPLATE.replace("<|vision_start|><|image_pad|><|vision_end|>", "<image>")
 # family -> (vision tokens, config, template, preprocessor, processor class, tokenizer extras)
 FAMILIES = {
     "qwen2_vl": (QWEN_VISION_TOKENS, qwen2_vl_config, QWEN_VL_TEMPLATE, PREPROCESSOR, "Qwen2VLProcessor", {}),
@@ -351,4 +375,6 @@ FAMILIES = {
                                           "end_of_utterance_token": "<end_of_utterance>"}}),
     "idefics3": (SMOLVLM_VISION_TOKENS, idefics3_config, SMOLVLM_TEMPLATE, IDEFICS3_PREPROCESSOR, "Idefics3Processor",
                  {}),
+    "internvl_chat": (INTERNVL_VISION_TOKENS, internvl_chat_config, INTERNVL_TEMPLATE, {},
+                      "InternVLChatProcessor", {}),
 }
