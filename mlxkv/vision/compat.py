@@ -170,9 +170,10 @@ def _embed_dtype(model):
 
 
 def global_image_token_id(processor) -> int | None:
-    """The token before a tiled image's last tile, its global view (SmolVLM, Idefics3); None for
-    families that do not tile: there one run of placeholder tokens is one image."""
-    token = getattr(processor, "global_image_token", None) or getattr(processor, "global_image_tag", None)
+    """The token before a tiled image's last tile, its global view (SmolVLM, Idefics3, Aya Vision's
+    TILE_GLOBAL); None for families that do not tile: there one run of placeholder tokens is one image."""
+    token = next((getattr(processor, name) for name in ("global_image_token", "global_image_tag", "tile_global_token")
+                  if getattr(processor, name, None)), None)
     if token is None:
         return None
     return processor.tokenizer.convert_tokens_to_ids(token)

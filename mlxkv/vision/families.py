@@ -14,7 +14,7 @@ from __future__ import annotations
 # Images over the pool, greedy tokens equal to mlx-vlm's generate (tests/vision/test_vision_engine.py).
 SERVED = (
     "qwen2_vl", "qwen2_5_vl", "gemma3", "smolvlm", "idefics3", "qwen3_vl", "qwen3_vl_moe", "mistral3", "pixtral",
-    "glm4v", "glm4v_moe", "idefics2", "internvl_chat",
+    "glm4v", "glm4v_moe", "idefics2", "internvl_chat", "aya_vision",
 )
 
 TEXT_MODEL = "a text model (no vision tower in mlx-vlm's module): mlx-lm's class of that name serves it"
@@ -87,7 +87,7 @@ _REASONS = (
     "llava",
 )),
     (UNTESTED, (
-    "aya_vision", "clef", "cohere_compass", "deepseek_vl_v2", "deepseekocr", "dots_ocr",
+    "clef", "cohere_compass", "deepseek_vl_v2", "deepseekocr", "dots_ocr",
     "ernie4_5_moe_vl", "fastvlm", "glm_ocr", "got", "granite4_vision",
     "granite_vision", "hunyuan_vl", "indic_ocr", "inkling", "internvl",
     "jina_vlm", "kimi_k25", "kimi_k3", "kimi_vl", "llama4", "llava_bunny", "llava_next",

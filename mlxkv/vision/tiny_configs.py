@@ -343,6 +343,38 @@ def internvl_chat_config(vocab_size: int, ids: dict[str, int], hidden: int = 64,
 
 
 INTERNVL_TEMPLATE = QWEN_VL_TEMPLATE.replace("<|vision_start|><|image_pad|><|vision_end|>", "<image>")
+AYA_VISION_TOKENS = ["<|START_OF_IMG|>", "<|END_OF_IMG|>", "<|IMG_PATCH|>", "<|IMG_LINE_BREAK|>", "TILE",
+                     "TILE_GLOBAL"]
+AYA_TILE = 56  # pixels a tile's side: (56 / 14)^2 patches, pixel-shuffled by 2 x 2 into 4 tokens
+
+
+def aya_vision_config(vocab_size: int, ids: dict[str, int], hidden: int = 64, layers: int = 2, seed: int = 0,
+                      **_) -> dict:
+    """Aya Vision: a SigLIP tower; an image is up to two tiles `TILE_i` and a global view after
+    `TILE_GLOBAL`, each 4 `<|IMG_PATCH|>` tokens, between `<|START_OF_IMG|>` and `<|END_OF_IMG|>`;
+    a Cohere 2 with a sliding layer then a full one."""
+    text = {"model_type": "cohere2", "hidden_size": hidden, "head_dim": 16, "num_hidden_layers": layers,
+            "intermediate_size": 2 * hidden, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "vocab_size": vocab_size, "rope_theta": 10000.0, "sliding_window": 16, "sliding_window_pattern": 2,
+            "logit_scale": 0.25, "max_position_embeddings": 4096}
+    return {
+        "model_type": "aya_vision", "architectures": ["AyaVisionForConditionalGeneration"], "text_config": text,
+        "vision_config": {"model_type": "siglip_vision_model", "num_hidden_layers": 1, "hidden_size": 32,
+                          "intermediate_size": 64, "num_attention_heads": 2, "patch_size": 14,
+                          "image_size": AYA_TILE},
+        "image_token_index": ids["<|IMG_PATCH|>"], "downsample_factor": 2, "alignment_intermediate_size": 2 * hidden,
+        "vision_feature_layer": -1, "vision_feature_select_strategy": "full", "vocab_size": vocab_size,
+        "eos_token_id": [SPECIAL_TOKENS.index("<|im_end|>")],
+        "mlxkv_tiny_model": {"family": "aya_vision", "hidden_size": hidden, "num_layers": layers, "seed": seed},
+    }
+
+
+AYA_PREPROCESSOR = {
+    "image_processor_type": "GotOcr2ImageProcessor", "processor_class": "AyaVisionProcessor",
+    "crop_to_patches": True, "min_patches": 1, "max_patches": 2, "size": {"height": AYA_TILE, "width": AYA_TILE},
+    "do_resize": True, "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True, "do_convert_rgb": True,
+    "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+}
 # family -> (vision tokens, config, template, preprocessor, processor class, tokenizer extras)
 FAMILIES = {
     "qwen2_vl": (QWEN_VISION_TOKENS, qwen2_vl_config, QWEN_VL_TEMPLATE, PREPROCESSOR, "Qwen2VLProcessor", {}),
@@ -377,4 +409,11 @@ FAMILIES = {
                  {}),
     "internvl_chat": (INTERNVL_VISION_TOKENS, internvl_chat_config, INTERNVL_TEMPLATE, {},
                       "InternVLChatProcessor", {}),
+    "aya_vision": (AYA_VISION_TOKENS, aya_vision_config, INTERNVL_TEMPLATE, AYA_PREPROCESSOR, "AyaVisionProcessor",
+                   {}),
+}
+# family -> its processor_config.json (the processor's own settings: placeholder counts, tokens)
+PROCESSOR_CONFIGS = {
+    "aya_vision": {"img_size": AYA_TILE, "patch_size": 14, "downsample_factor": 2,
+                   "processor_class": "AyaVisionProcessor"},
 }
