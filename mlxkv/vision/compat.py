@@ -188,23 +188,14 @@ def image_end_token_id(processor) -> int | None:
 def placeholder_features(model, input_ids, pixel_values, **image_inputs):
     """One image's merged features [n, D]: `input_ids` its n placeholder tokens alone. mlx-vlm's
     get_input_embeddings puts the tower's projected output at every placeholder, so its embeddings of an
-    all-placeholder prompt are the image's features (Mistral 3's, with its `image_sizes`; InternVL's, its
-    tiles')."""
-    extra = _processor_inputs(model, input_ids)
-    return model.get_input_embeddings(input_ids, pixel_values, **extra, **image_inputs).inputs_embeds[0]
-
-
-def _processor_inputs(model, input_ids) -> dict:
-    """What a family's get_input_embeddings reads beside the pixels that its processor returns and
-    prepare_inputs passes on (InternVL's image_token_index)."""
-    if getattr(model.config, "model_type", None) == "internvl_chat":
-        return {"image_token_index": vision_token_id(model)}
-    return {}
+    all-placeholder prompt are the image's features (Mistral 3's, with its `image_sizes`)."""
+    return model.get_input_embeddings(input_ids, pixel_values, **image_inputs).inputs_embeds[0]
 
 
 # Families whose image features come from their vision tower and projector directly (vision_features)
 # and go back through get_input_embeddings' cached_image_features; any other family without a grid, tiles'
-# mask or image sizes takes placeholder_features and merged_embeddings.
+# mask or image sizes is embedded whole by get_input_embeddings, or by merged_embeddings from the encoder
+# cache (vision/prompt.py).
 _TOWER_FEATURES = ("gemma3",)
 
 

@@ -40,6 +40,9 @@ class VisionPrompt:
     # Pixtral's (Mistral 3's) per image (h, w): its images are padded to the largest in pixel_values;
     # an image's span is its rows of placeholders, broken by [IMG_BREAK] and ended by [IMG_END].
     sizes: np.ndarray | None = None
+    # What else the processor returned, for the families whose images are embedded over the whole prompt
+    # (_placeholder_inputs): Phi-3-V's image_sizes, Kimi-VL's image_grid_hws, InternVL's image_token_index.
+    extras: dict | None = None
 
     @property
     def image_tokens(self) -> int:
@@ -87,6 +90,8 @@ class VisionPrompt:
 
     def _image_inputs(self, model: VisionModel) -> RowInputs:
         """The whole prompt's embeddings, its images' features merged in, and its positions."""
+        if self._by_placeholders(model):
+            return self._placeholder_inputs(model)
         extra = {} if self.grid is None else {"image_grid_thw": mx.array(self.grid)}
         if self.pixel_mask is not None:
             extra = {"pixel_attention_mask": mx.array(self.pixel_mask)}
@@ -95,21 +100,40 @@ class VisionPrompt:
         if compat.deepstack_layers(model.vlm):  # [1 + k, n, D] an image: merged features, then deepstack's
             deepstack = _dense(self.tokens, model.image_token_id, mx.concatenate([f[1:] for f in features], axis=1))
             features = [f[0] for f in features]
-        ids = mx.array([self.tokens])
-        if self._by_placeholders(model):
-            embeds, positions, deltas = compat.merged_embeddings(model.vlm, ids, mx.concatenate(features)), None, None
-        else:
-            embeds, positions, deltas = compat.input_embeddings_from_features(
-                model.vlm, ids, mx.array(self.pixel_values), mx.concatenate(features), **extra)
+        embeds, positions, deltas = compat.input_embeddings_from_features(
+            model.vlm, mx.array([self.tokens]), mx.array(self.pixel_values), mx.concatenate(features), **extra)
         if positions is None:
             positions = mx.broadcast_to(mx.arange(len(self.tokens))[None, None], (3, 1, len(self.tokens)))
         return RowInputs(embeds[0], positions[:, 0], _delta(deltas), deepstack=deepstack)
 
     def _by_placeholders(self, model: VisionModel) -> bool:
-        """Whether an image's features are get_input_embeddings at its placeholders alone, merged back
-        over the prompt's placeholders: every family without a grid, tiles' mask or sizes but Gemma 3."""
+        """Whether the prompt's images are embedded by get_input_embeddings over the whole prompt and kept
+        as its embeddings at each image's placeholders: every family without a Qwen grid, tiles' mask or
+        Pixtral's sizes but Gemma 3 (their images are embedded one by one)."""
         return self.grid is None and self.pixel_mask is None and self.sizes is None and not compat.tower_features(
             model.vlm)
+
+    def _placeholder_inputs(self, model: VisionModel) -> RowInputs:
+        """Plain positions; the embeddings of the tokens with each image's features at its placeholders.
+        With every image in the encoder cache no vision tower runs; else mlx-vlm's get_input_embeddings
+        embeds the whole prompt with all the processor's inputs (any family that writes an image's
+        features over its placeholders), and each image's features are kept from it."""
+        ids = mx.array([self.tokens])
+        features = [model.encoder_cache.get(span.digest) for span in self.spans]
+        if any(f is None for f in features):
+            extras = {k: mx.array(v) if isinstance(v, np.ndarray) else v for k, v in (self.extras or {}).items()}
+            embeds = compat.input_embeddings(model.vlm, ids, mx.array(self.pixel_values), **extras)[0]
+            at = np.array(self.tokens) == model.image_token_id
+            features = []
+            for span in self.spans:
+                inside = np.flatnonzero(at[span.start : span.end]) + span.start
+                features.append(embeds[0, mx.array(inside)])
+                mx.eval(features[-1])
+                model.encoder_cache.put(span.digest, features[-1])
+        else:
+            embeds = compat.merged_embeddings(model.vlm, ids, mx.concatenate(features))
+        n = len(self.tokens)
+        return RowInputs(embeds[0], mx.broadcast_to(mx.arange(n)[None], (3, n)), 0)
 
     def _features(self, model: VisionModel, k: int) -> mx.array:
         """Image k's vision tower output: from the encoder cache, or computed and kept there."""
@@ -126,8 +150,6 @@ class VisionPrompt:
                 h, w = (int(x) for x in self.sizes[k])
                 pixels = mx.array(self.pixel_values[k : k + 1, :, :h, :w])
                 features = compat.placeholder_features(model.vlm, ids, pixels, image_sizes=mx.array([[h, w]]))
-            elif self._by_placeholders(model):
-                features = compat.placeholder_features(model.vlm, ids, mx.array(self.pixel_values[a:b]))
             else:
                 pixels = mx.array(self.pixel_values[a:b])
                 grid = None if self.grid is None else mx.array(self.grid[k : k + 1])
@@ -179,24 +201,25 @@ def vision_prompt(model, messages: list[dict], max_pixels: int = MAX_IMAGE_PIXEL
     sizes = None if sizes is None else np.asarray(sizes)
     groups = _even(_images(tokens, model.image_token_id, compat.global_image_token_id(processor),
                            compat.image_end_token_id(processor)), len(images), mask)
-    if pixels.ndim == 5 and mask is None and len(pixels) == 1:  # InternVL's tiles of all images: [1, T, C, H, W]
-        pixels = pixels[0]
     if len(groups) != len(images):
         raise MlxkvError(f"messages: {len(images)} images became {len(groups)} image spans in the prompt")
-    rows = _image_rows(groups, len(pixels), grid, mask, sizes)
-    spans = _spans(groups, pixels, rows, grid, mask, compat.processor_settings(processor), sizes)
-    return VisionPrompt(tokens, spans, pixels, grid, mask, None if grid is not None else rows, sizes)
+    # InternVL's tiles of all images are [1, T, C, H, W]: an image's rows are its tiles.
+    rows_of = pixels[0] if pixels.ndim == 5 and mask is None and len(pixels) == 1 else pixels
+    rows = _image_rows(groups, len(rows_of), grid, mask, sizes)
+    spans = _spans(groups, rows_of, rows, grid, mask, compat.processor_settings(processor), sizes)
+    extras = {k: v for k, v in inputs.items() if k not in ("input_ids", "pixel_values", "attention_mask")}
+    return VisionPrompt(tokens, spans, pixels, grid, mask, None if grid is not None else rows, sizes, extras)
 
 
 def _image_rows(groups: list, total: int, grid, mask, sizes) -> list[int]:
-    """Each image's rows of pixel_values: its grid's patches, its tiles (a run of placeholders a tile;
-    Pixtral's: one padded image), else its share of the rows by its placeholders: one row an image, or
-    tiles of one token count each (InternVL's, Aya Vision's)."""
+    """Each image's rows of pixel_values (what its hash covers): its grid's patches, its tiles (a run of
+    placeholders a tile; Pixtral's: one padded image), one row an image, else its share of the rows by
+    its placeholders: tiles of one token count each (InternVL's, Aya Vision's)."""
     if grid is not None:
         return [int(np.prod(g)) for g in grid]
     if mask is not None:
         return [len(tiles) for tiles in groups]
-    if sizes is not None:
+    if sizes is not None or total == len(groups):
         return [1] * len(groups)
     counts = [sum(n for _, n in tiles) for tiles in groups]
     if any(total * c % sum(counts) for c in counts):
