@@ -197,16 +197,16 @@ def vision_prompt(model, messages: list[dict], max_pixels: int = MAX_IMAGE_PIXEL
     tokens = np.asarray(inputs["input_ids"])[0].tolist()
     mask = inputs.get("pixel_attention_mask")
     mask = None if mask is None else np.asarray(mask)
-    sizes = inputs.get("image_sizes")
-    sizes = None if sizes is None else np.asarray(sizes)
+    sizes = inputs.get("image_sizes")  # Pixtral's: its images padded in [N, C, H, W] (LLaVA-OneVision's are 5-D)
+    sizes = None if sizes is None or pixels.ndim != 4 else np.asarray(sizes)
     groups = _even(_images(tokens, model.image_token_id, compat.global_image_token_id(processor),
                            compat.image_end_token_id(processor)), len(images), mask)
     if len(groups) != len(images):
         raise MlxkvError(f"messages: {len(images)} images became {len(groups)} image spans in the prompt")
     # InternVL's tiles of all images are [1, T, C, H, W]: an image's rows are its tiles.
-    rows_of = pixels[0] if pixels.ndim == 5 and mask is None and len(pixels) == 1 else pixels
-    rows = _image_rows(groups, len(rows_of), grid, mask, sizes)
-    spans = _spans(groups, rows_of, rows, grid, mask, compat.processor_settings(processor), sizes)
+    total = pixels.shape[1] if pixels.ndim == 5 and mask is None and len(pixels) == 1 else len(pixels)
+    rows = _image_rows(groups, total, grid, mask, sizes)
+    spans = _spans(groups, pixels, rows, grid, mask, compat.processor_settings(processor), sizes)
     extras = {k: v for k, v in inputs.items() if k not in ("input_ids", "pixel_values", "attention_mask")}
     return VisionPrompt(tokens, spans, pixels, grid, mask, None if grid is not None else rows, sizes, extras)
 
@@ -316,7 +316,19 @@ def _spans(images: list[list[tuple[int, int]]], pixels: np.ndarray, rows: list[i
         elif sizes is not None:
             h, w = (int(x) for x in sizes[k])
             digest = image_hash(pixels[k, :, :h, :w], sizes[k], settings)
+        elif pixels.ndim == 5:
+            digest = image_hash(_own_tiles(pixels, k, a, b, len(images)), None, settings)
         else:
             digest = image_hash(pixels[a:b], None if grid is None else grid[k], settings)
         spans.append(ImageSpan(start, end - start, digest))
     return spans
+
+
+def _own_tiles(pixels: np.ndarray, k: int, a: int, b: int, count: int) -> np.ndarray:
+    """Image k's tiles [T, C, H, W] of a 5-D pixel_values, the same whichever images share its request:
+    LLaVA-OneVision's [images, tiles, ...] pads each image's tiles with zeros to the most tiles, InternVL's
+    [1, all tiles, ...] holds every image's tiles in a row (rows a:b are image k's)."""
+    tiles = pixels[k] if len(pixels) == count else pixels[0][a:b]
+    while len(tiles) > 1 and not tiles[-1].any():
+        tiles = tiles[:-1]
+    return tiles

@@ -375,6 +375,39 @@ AYA_PREPROCESSOR = {
     "do_resize": True, "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True, "do_convert_rgb": True,
     "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
 }
+LLAVA_VISION_TOKENS = ["<image>", "<video>"]
+LLAVA_TILE = 28  # pixels a tile's side: (28 / 14)^2 = 4 patches, a placeholder each
+LLAVA_PINPOINTS = [[LLAVA_TILE, LLAVA_TILE], [LLAVA_TILE, 2 * LLAVA_TILE], [2 * LLAVA_TILE, LLAVA_TILE],
+                   [2 * LLAVA_TILE, 2 * LLAVA_TILE]]
+
+
+def llava_onevision_config(vocab_size: int, ids: dict[str, int], hidden: int = 64, layers: int = 2, seed: int = 0,
+                           **_) -> dict:
+    """LLaVA-OneVision: a SigLIP tower over AnyRes tiles (the base view, then the tiles of the best
+    pinpoint, unpadded, a newline a row), one run of `<image>` an image; a Qwen2."""
+    text = {"model_type": "qwen2", "hidden_size": hidden, "num_hidden_layers": layers,
+            "intermediate_size": 2 * hidden, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "rms_norm_eps": 1e-6, "vocab_size": vocab_size, "rope_theta": 10000.0, "max_position_embeddings": 4096}
+    return {
+        "model_type": "llava_onevision", "architectures": ["LlavaOnevisionForConditionalGeneration"],
+        "text_config": text,
+        "vision_config": {"model_type": "siglip_vision_model", "num_hidden_layers": 1, "hidden_size": 32,
+                          "intermediate_size": 64, "num_attention_heads": 2, "patch_size": 14,
+                          "image_size": LLAVA_TILE},
+        "image_token_index": ids["<image>"], "video_token_index": ids["<video>"],
+        "image_grid_pinpoints": LLAVA_PINPOINTS, "vision_aspect_ratio": "anyres_max_4",
+        "vision_feature_select_strategy": "full", "vision_feature_layer": -1, "vocab_size": vocab_size,
+        "eos_token_id": [SPECIAL_TOKENS.index("<|im_end|>")],
+        "mlxkv_tiny_model": {"family": "llava_onevision", "hidden_size": hidden, "num_layers": layers, "seed": seed},
+    }
+
+
+LLAVA_ONEVISION_PREPROCESSOR = {
+    "image_processor_type": "LlavaOnevisionImageProcessor", "processor_class": "LlavaOnevisionProcessor",
+    "size": {"height": LLAVA_TILE, "width": LLAVA_TILE}, "image_grid_pinpoints": LLAVA_PINPOINTS,
+    "do_resize": True, "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True, "do_pad": True,
+    "do_convert_rgb": True, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "resample": 3,
+}
 # family -> (vision tokens, config, template, preprocessor, processor class, tokenizer extras)
 FAMILIES = {
     "qwen2_vl": (QWEN_VISION_TOKENS, qwen2_vl_config, QWEN_VL_TEMPLATE, PREPROCESSOR, "Qwen2VLProcessor", {}),
@@ -411,9 +444,13 @@ FAMILIES = {
                       "InternVLChatProcessor", {}),
     "aya_vision": (AYA_VISION_TOKENS, aya_vision_config, INTERNVL_TEMPLATE, AYA_PREPROCESSOR, "AyaVisionProcessor",
                    {}),
+    "llava_onevision": (LLAVA_VISION_TOKENS, llava_onevision_config, INTERNVL_TEMPLATE, LLAVA_ONEVISION_PREPROCESSOR,
+                        "LlavaOnevisionProcessor", {}),
 }
 # family -> its processor_config.json (the processor's own settings: placeholder counts, tokens)
 PROCESSOR_CONFIGS = {
     "aya_vision": {"img_size": AYA_TILE, "patch_size": 14, "downsample_factor": 2,
                    "processor_class": "AyaVisionProcessor"},
+    "llava_onevision": {"num_image_tokens": (LLAVA_TILE // 14) ** 2, "vision_feature_select_strategy": "full",
+                        "image_token": "<image>", "processor_class": "LlavaOnevisionProcessor"},
 }
