@@ -408,6 +408,33 @@ LLAVA_ONEVISION_PREPROCESSOR = {
     "do_resize": True, "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True, "do_pad": True,
     "do_convert_rgb": True, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "resample": 3,
 }
+KIMI_VL_VISION_TOKENS = ["<|media_start|>", "<|media_content|>", "<|media_end|>", "<|media_pad|>"]
+
+
+def kimi_vl_config(vocab_size: int, ids: dict[str, int], hidden: int = 64, layers: int = 2, seed: int = 0,
+                   **_) -> dict:
+    """Kimi-VL: a MoonViT tower over 14 px patches merged 2 x 2, `<|media_pad|>` x (h * w / 4) an image;
+    a DeepSeek-V3 (multi-head latent attention, a dense layer then routed and shared experts)."""
+    text = {"model_type": "deepseek_v3", "vocab_size": vocab_size, "hidden_size": hidden,
+            "intermediate_size": 2 * hidden, "moe_intermediate_size": hidden, "num_hidden_layers": layers,
+            "num_attention_heads": 4, "num_key_value_heads": 4, "n_shared_experts": 1, "n_routed_experts": 4,
+            "kv_lora_rank": 16, "q_lora_rank": None, "qk_rope_head_dim": 8, "v_head_dim": 16,
+            "qk_nope_head_dim": 8, "n_group": 1, "topk_group": 1, "num_experts_per_tok": 2,
+            "first_k_dense_replace": 1, "max_position_embeddings": 4096, "rope_theta": 10000.0}
+    return {
+        "model_type": "kimi_vl", "architectures": ["KimiVLForConditionalGeneration"], "text_config": text,
+        "vision_config": {"model_type": "moonvit", "depth": 1, "embed_dim": 32, "hidden_size": 32, "num_heads": 2,
+                          "intermediate_size": 64, "patch_size": 14, "init_pos_emb_height": 8,
+                          "init_pos_emb_width": 8, "merge_kernel_size": [2, 2]},
+        "media_placeholder_token_id": ids["<|media_pad|>"], "vocab_size": vocab_size,
+        "eos_token_id": [SPECIAL_TOKENS.index("<|im_end|>")],
+        "mlxkv_tiny_model": {"family": "kimi_vl", "hidden_size": hidden, "num_layers": layers, "seed": seed},
+    }
+
+
+KIMI_VL_PREPROCESSOR = {"image_processor_type": "KimiVLImageProcessor", "processor_class": "KimiVLProcessor",
+                        "patch_size": 14, "merge_kernel_size": [2, 2], "in_token_limit": 256,
+                        "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}
 # family -> (vision tokens, config, template, preprocessor, processor class, tokenizer extras)
 FAMILIES = {
     "qwen2_vl": (QWEN_VISION_TOKENS, qwen2_vl_config, QWEN_VL_TEMPLATE, PREPROCESSOR, "Qwen2VLProcessor", {}),
@@ -446,6 +473,10 @@ FAMILIES = {
                    {}),
     "llava_onevision": (LLAVA_VISION_TOKENS, llava_onevision_config, INTERNVL_TEMPLATE, LLAVA_ONEVISION_PREPROCESSOR,
                         "LlavaOnevisionProcessor", {}),
+    "kimi_vl": (KIMI_VL_VISION_TOKENS, kimi_vl_config,
+                QWEN_VL_TEMPLATE.replace("<|vision_start|><|image_pad|><|vision_end|>",
+                                         "<|media_start|>image<|media_content|><|media_pad|><|media_end|>"),
+                KIMI_VL_PREPROCESSOR, "KimiVLProcessor", {}),
 }
 # family -> its processor_config.json (the processor's own settings: placeholder counts, tokens)
 PROCESSOR_CONFIGS = {
