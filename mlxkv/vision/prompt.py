@@ -123,6 +123,8 @@ class VisionPrompt:
         if any(f is None for f in features):
             extras = {k: mx.array(v) if isinstance(v, np.ndarray) else v for k, v in (self.extras or {}).items()}
             embeds = compat.input_embeddings(model.vlm, ids, mx.array(self.pixel_values), **extras)[0]
+            if embeds.shape[1] != len(self.tokens):  # families.INSERTS: refused at load, so never here
+                raise MlxkvError(f"messages: {len(self.tokens)} prompt tokens became {embeds.shape[1]} embeddings")
             at = np.array(self.tokens) == model.image_token_id
             features = []
             for span in self.spans:

@@ -26,6 +26,8 @@ def test_every_mlx_vlm_family_is_served_or_has_a_reason():
     undecided = present - set(families.SERVED) - set(families.NOT_SERVED)
     assert not undecided, f"mlx-vlm families with no decision in mlxkv/vision/families.py: {sorted(undecided)}"
     assert not set(families.SERVED) & set(families.NOT_SERVED)
+    listed = [f for _, names in families._REASONS for f in names]
+    assert len(listed) == len(set(listed)), "a family listed under two reasons: the later one wins silently"
     gone = (set(families.SERVED) | set(families.NOT_SERVED)) - present
     assert not gone, f"families mlx-vlm no longer has: {sorted(gone)}"
     assert all(reason.strip() for reason in families.NOT_SERVED.values())
@@ -49,6 +51,15 @@ def test_a_family_that_cannot_run_over_the_pool_is_refused_at_load_with_its_reas
         load_vision_model(_checkpoint(tmp_path, "paligemma"), "pg", object)
     assert str(e.value) == f"pg: mlx-vlm family 'paligemma' cannot run over mlxkv's pool: {families.BIDIRECTIONAL}"
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("family", ["llava_next", "llava_bunny", "granite_vision", "multi_modality"])
+def test_a_family_whose_merge_inserts_features_is_refused_at_load_with_that_reason(family, tmp_path):
+    """LLaVA-NeXT's get_input_embeddings puts an image's features beside its placeholders: its embeddings
+    outgrow its ids, which key the pool's blocks. mlx-lm has no text class for these, so they are refused."""
+    with pytest.raises(MlxkvError) as e:
+        load_vision_model(_checkpoint(tmp_path, family), "m", object)
+    assert str(e.value) == f"m: mlx-vlm family {family!r} cannot run over mlxkv's pool: {families.INSERTS}"
 
 
 @pytest.mark.parametrize("family", ["qwen3_5", "llava"])  # llava: mlx-lm's loader remaps it to mistral3
