@@ -342,6 +342,20 @@ def internvl_chat_config(vocab_size: int, ids: dict[str, int], hidden: int = 64,
     }
 
 
+def internvl_config(vocab_size: int, ids: dict[str, int], hidden: int = 64, layers: int = 2, seed: int = 0,
+                    **_) -> dict:
+    """InternVL 3 in transformers' layout: InternVL's tiles and tokens (internvl_chat_config), its own
+    vision tower, a Qwen3."""
+    config = internvl_chat_config(vocab_size, ids, hidden, layers, seed)
+    config["text_config"].update(model_type="qwen3", head_dim=16, tie_word_embeddings=False)
+    config["vision_config"]["model_type"] = "internvl_vision"
+    del config["image_token_index"]
+    config.update(model_type="internvl", architectures=["InternVLForConditionalGeneration"],
+                  image_token_id=ids["<IMG_CONTEXT>"])
+    config["mlxkv_tiny_model"]["family"] = "internvl"
+    return config
+
+
 INTERNVL_TEMPLATE = QWEN_VL_TEMPLATE.replace("<|vision_start|><|image_pad|><|vision_end|>", "<image>")
 AYA_VISION_TOKENS = ["<|START_OF_IMG|>", "<|END_OF_IMG|>", "<|IMG_PATCH|>", "<|IMG_LINE_BREAK|>", "TILE",
                      "TILE_GLOBAL"]
@@ -477,11 +491,13 @@ FAMILIES = {
                 QWEN_VL_TEMPLATE.replace("<|vision_start|><|image_pad|><|vision_end|>",
                                          "<|media_start|>image<|media_content|><|media_pad|><|media_end|>"),
                 KIMI_VL_PREPROCESSOR, "KimiVLProcessor", {}),
+    "internvl": (INTERNVL_VISION_TOKENS, internvl_config, INTERNVL_TEMPLATE, {}, "InternVLProcessor", {}),
 }
 # family -> its processor_config.json (the processor's own settings: placeholder counts, tokens)
 PROCESSOR_CONFIGS = {
     "aya_vision": {"img_size": AYA_TILE, "patch_size": 14, "downsample_factor": 2,
                    "processor_class": "AyaVisionProcessor"},
+    "internvl": {"image_seq_length": (INTERNVL_TILE // 14 // 2) ** 2, "processor_class": "InternVLProcessor"},
     "llava_onevision": {"num_image_tokens": (LLAVA_TILE // 14) ** 2, "vision_feature_select_strategy": "full",
                         "image_token": "<image>", "processor_class": "LlavaOnevisionProcessor"},
 }

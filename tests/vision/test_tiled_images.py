@@ -15,7 +15,7 @@ pytestmark = pytest.mark.slow  # a model to write, and mlx-vlm's generate beside
 N = 8
 
 
-@pytest.mark.parametrize("family", ["internvl_chat", "aya_vision"])
+@pytest.mark.parametrize("family", ["internvl_chat", "internvl", "aya_vision"])
 def test_a_wide_image_of_three_tiles_beside_one_of_one_tile_equals_mlx_vlm(family, request):
     from mlx_vlm.generate.dispatch import stream_generate
 
