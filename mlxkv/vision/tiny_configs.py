@@ -446,6 +446,17 @@ def kimi_vl_config(vocab_size: int, ids: dict[str, int], hidden: int = 64, layer
     }
 
 
+def kimi_k25_config(vocab_size: int, ids: dict[str, int], hidden: int = 64, layers: int = 2, seed: int = 0,
+                    **_) -> dict:
+    """Kimi K2.5: Kimi-VL's MoonViT, placeholders and DeepSeek-V3 language model."""
+    config = kimi_vl_config(vocab_size, ids, hidden, layers, seed)
+    config.update(model_type="kimi_k25", architectures=["KimiK25ForConditionalGeneration"])
+    config["mlxkv_tiny_model"]["family"] = "kimi_k25"
+    return config
+
+
+KIMI_VL_TEMPLATE = QWEN_VL_TEMPLATE.replace("<|vision_start|><|image_pad|><|vision_end|>",
+                                            "<|media_start|>image<|media_content|><|media_pad|><|media_end|>")
 KIMI_VL_PREPROCESSOR = {"image_processor_type": "KimiVLImageProcessor", "processor_class": "KimiVLProcessor",
                         "patch_size": 14, "merge_kernel_size": [2, 2], "in_token_limit": 256,
                         "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}
@@ -487,11 +498,11 @@ FAMILIES = {
                    {}),
     "llava_onevision": (LLAVA_VISION_TOKENS, llava_onevision_config, INTERNVL_TEMPLATE, LLAVA_ONEVISION_PREPROCESSOR,
                         "LlavaOnevisionProcessor", {}),
-    "kimi_vl": (KIMI_VL_VISION_TOKENS, kimi_vl_config,
-                QWEN_VL_TEMPLATE.replace("<|vision_start|><|image_pad|><|vision_end|>",
-                                         "<|media_start|>image<|media_content|><|media_pad|><|media_end|>"),
-                KIMI_VL_PREPROCESSOR, "KimiVLProcessor", {}),
+    "kimi_vl": (KIMI_VL_VISION_TOKENS, kimi_vl_config, KIMI_VL_TEMPLATE, KIMI_VL_PREPROCESSOR, "KimiVLProcessor", {}),
     "internvl": (INTERNVL_VISION_TOKENS, internvl_config, INTERNVL_TEMPLATE, {}, "InternVLProcessor", {}),
+    "kimi_k25": (KIMI_VL_VISION_TOKENS, kimi_k25_config, KIMI_VL_TEMPLATE,
+                 {**KIMI_VL_PREPROCESSOR, "image_processor_type": "KimiK25ImageProcessor",
+                  "processor_class": "KimiK25Processor"}, "KimiK25Processor", {}),
 }
 # family -> its processor_config.json (the processor's own settings: placeholder counts, tokens)
 PROCESSOR_CONFIGS = {
