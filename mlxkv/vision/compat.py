@@ -170,18 +170,21 @@ def _embed_dtype(model):
 
 
 def global_image_token_id(processor) -> int | None:
-    """The token before a tiled image's last tile, its global view (SmolVLM, Idefics3, Aya Vision's
-    TILE_GLOBAL); None for families that do not tile: there one run of placeholder tokens is one image."""
-    token = next((getattr(processor, name) for name in ("global_image_token", "global_image_tag", "tile_global_token")
-                  if getattr(processor, name, None)), None)
+    """The token before a tiled image's last tile, its global view (SmolVLM, Idefics3); None for
+    families that do not tile: there one run of placeholder tokens is one image."""
+    token = getattr(processor, "global_image_token", None) or getattr(processor, "global_image_tag", None)
     if token is None:
         return None
     return processor.tokenizer.convert_tokens_to_ids(token)
 
 
 def image_end_token_id(processor) -> int | None:
-    """The token after an image's last row of placeholders (Pixtral's, Mistral 3's [IMG_END]): its
-    rows, broken by [IMG_BREAK], are one image. None for families whose image is one run."""
+    """The token after an image's last run of placeholders (Pixtral's, Mistral 3's [IMG_END]; Aya Vision's
+    and Llama 4's, after their global view): the runs before it, rows or tiles, are one image. None for
+    families whose image is one run."""
+    token = getattr(processor, "end_of_img_token", None)  # Aya Vision's, Llama 4's
+    if token is not None:
+        return processor.tokenizer.convert_tokens_to_ids(token)
     return getattr(processor, "image_end_token_id", None)
 
 

@@ -34,6 +34,8 @@ PROCESSOR = ("mlx-vlm 0.7.10's LlavaProcessor hands text options (padding) to th
              "installed transformers rejects: mlx-vlm cannot preprocess its images")
 INSERTS = ("mlx-vlm's get_input_embeddings inserts each image's features beside its placeholder tokens instead of "
            "over them, so the embedded prompt is longer than its ids; mlxkv's blocks, hashes and positions are its ids'")
+CHUNK_MASK = ("mlx-vlm's Llama 4 gives its global layers the mask its first layer's cache makes, a chunked "
+              "layer's; over mlxkv's pool that mask covers the chunk, not the context the global layer attends to")
 UNTESTED = ("not yet run over the pool with images: it needs its tiny model and the equality tests "
             "(docs/vision.md)")
 
@@ -89,13 +91,16 @@ _REASONS = (
     (PROCESSOR, (
     "llava",
 )),
+    (CHUNK_MASK, (
+    "llama4",
+)),
     (INSERTS, (
     "llava_next", "llava_bunny", "granite_vision", "multi_modality",
 )),
     (UNTESTED, (
     "clef", "cohere_compass", "deepseek_vl_v2", "deepseekocr", "dots_ocr", "ernie4_5_moe_vl", "fastvlm", "glm_ocr",
     "got", "granite4_vision", "hunyuan_vl", "indic_ocr", "inkling", "jina_vlm", "kimi_k3",
-    "llama4", "llmjpvl", "mage_vl", "mimo_v2", "minicpmo", "minicpmv4_6", "minicpmv4_7", "minimax_m3_vl",
+    "llmjpvl", "mage_vl", "mimo_v2", "minicpmo", "minicpmv4_6", "minicpmv4_7", "minimax_m3_vl",
     "mistral_large3", "molmo", "molmo2", "moondream2", "moondream3", "muse_glimmer", "muse_spark",
     "nemotron_h_nano_omni", "paddleocr_vl", "phi3_v", "phi4mm", "plamo2vl", "qwen3_omni_moe", "step3p7",
     "unlimited_ocr", "youtu_vl", "zaya1_vl",
