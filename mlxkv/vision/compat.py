@@ -195,15 +195,16 @@ def placeholder_features(model, input_ids, pixel_values, **image_inputs):
     return model.get_input_embeddings(input_ids, pixel_values, **image_inputs).inputs_embeds[0]
 
 
-# Families whose image features come from their vision tower and projector directly (vision_features)
-# and go back through get_input_embeddings' cached_image_features; any other family without a grid, tiles'
-# mask or image sizes is embedded whole by get_input_embeddings, or by merged_embeddings from the encoder
-# cache (vision/prompt.py).
-_TOWER_FEATURES = ("gemma3",)
+# Families embedded image by image (vision_features, tile_features, placeholder_features with their own
+# inputs), so the encoder cache spares the tower an image already seen beside a new one. Any other family
+# is embedded whole by its get_input_embeddings with all its processor's inputs, or by merged_embeddings
+# when every image is in the encoder cache (vision/prompt.py).
+_PER_IMAGE = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "glm4v_moe", "gemma3", "smolvlm",
+              "idefics3", "idefics2", "mistral3", "pixtral")
 
 
-def tower_features(model) -> bool:
-    return getattr(model.config, "model_type", None) in _TOWER_FEATURES
+def per_image_features(model) -> bool:
+    return getattr(model.config, "model_type", None) in _PER_IMAGE
 
 
 def merged_embeddings(model, input_ids, features):

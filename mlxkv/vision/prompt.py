@@ -41,7 +41,7 @@ class VisionPrompt:
     # an image's span is its rows of placeholders, broken by [IMG_BREAK] and ended by [IMG_END].
     sizes: np.ndarray | None = None
     # What else the processor returned, for the families whose images are embedded over the whole prompt
-    # (_placeholder_inputs): Phi-3-V's image_sizes, Kimi-VL's image_grid_hws, InternVL's image_token_index.
+    # (_whole_prompt_inputs): LLaVA-OneVision's image_sizes, Kimi-VL's image_grid_hws, InternVL's image_token_index.
     extras: dict | None = None
 
     @property
@@ -90,8 +90,8 @@ class VisionPrompt:
 
     def _image_inputs(self, model: VisionModel) -> RowInputs:
         """The whole prompt's embeddings, its images' features merged in, and its positions."""
-        if self._by_placeholders(model):
-            return self._placeholder_inputs(model)
+        if not compat.per_image_features(model.vlm):
+            return self._whole_prompt_inputs(model)
         extra = {} if self.grid is None else {"image_grid_thw": mx.array(self.grid)}
         if self.pixel_mask is not None:
             extra = {"pixel_attention_mask": mx.array(self.pixel_mask)}
@@ -106,36 +106,30 @@ class VisionPrompt:
             positions = mx.broadcast_to(mx.arange(len(self.tokens))[None, None], (3, 1, len(self.tokens)))
         return RowInputs(embeds[0], positions[:, 0], _delta(deltas), deepstack=deepstack)
 
-    def _by_placeholders(self, model: VisionModel) -> bool:
-        """Whether the prompt's images are embedded by get_input_embeddings over the whole prompt and kept
-        as its embeddings at each image's placeholders: every family without a Qwen grid, tiles' mask or
-        Pixtral's sizes but Gemma 3 (their images are embedded one by one)."""
-        return self.grid is None and self.pixel_mask is None and self.sizes is None and not compat.tower_features(
-            model.vlm)
-
-    def _placeholder_inputs(self, model: VisionModel) -> RowInputs:
-        """Plain positions; the embeddings of the tokens with each image's features at its placeholders.
-        With every image in the encoder cache no vision tower runs; else mlx-vlm's get_input_embeddings
-        embeds the whole prompt with all the processor's inputs (any family that writes an image's
-        features over its placeholders), and each image's features are kept from it."""
+    def _whole_prompt_inputs(self, model: VisionModel) -> RowInputs:
+        """The embeddings of the tokens with each image's features at its placeholders, and the positions
+        mlx-vlm gives the prompt. With every image in the encoder cache no vision tower runs; else
+        mlx-vlm's get_input_embeddings embeds the whole prompt with all the processor's inputs (any family
+        that writes an image's features over its placeholders), and each image's features are kept."""
         ids = mx.array([self.tokens])
         features = [model.encoder_cache.get(span.digest) for span in self.spans]
         if any(f is None for f in features):
             extras = {k: mx.array(v) if isinstance(v, np.ndarray) else v for k, v in (self.extras or {}).items()}
-            embeds = compat.input_embeddings(model.vlm, ids, mx.array(self.pixel_values), **extras)[0]
+            embeds, positions, deltas = compat.input_embeddings(model.vlm, ids, mx.array(self.pixel_values), **extras)
             if embeds.shape[1] != len(self.tokens):  # families.INSERTS: refused at load, so never here
                 raise MlxkvError(f"messages: {len(self.tokens)} prompt tokens became {embeds.shape[1]} embeddings")
             at = np.array(self.tokens) == model.image_token_id
-            features = []
             for span in self.spans:
                 inside = np.flatnonzero(at[span.start : span.end]) + span.start
-                features.append(embeds[0, mx.array(inside)])
-                mx.eval(features[-1])
-                model.encoder_cache.put(span.digest, features[-1])
+                kept = embeds[0, mx.array(inside)]
+                mx.eval(kept)
+                model.encoder_cache.put(span.digest, kept)
         else:
             embeds = compat.merged_embeddings(model.vlm, ids, mx.concatenate(features))
+            positions, deltas = compat.rope_index(model.vlm, ids, None if self.grid is None else mx.array(self.grid))
         n = len(self.tokens)
-        return RowInputs(embeds[0], mx.broadcast_to(mx.arange(n)[None], (3, n)), 0)
+        positions = mx.broadcast_to(mx.arange(n)[None], (3, n)) if positions is None else positions[:, 0]
+        return RowInputs(embeds[0], positions, _delta(deltas))
 
     def _features(self, model: VisionModel, k: int) -> mx.array:
         """Image k's vision tower output: from the encoder cache, or computed and kept there."""
