@@ -15,7 +15,7 @@ from __future__ import annotations
 SERVED = (
     "qwen2_vl", "qwen2_5_vl", "gemma3", "smolvlm", "idefics3", "qwen3_vl", "qwen3_vl_moe", "mistral3", "pixtral",
     "glm4v", "glm4v_moe", "idefics2", "internvl_chat", "aya_vision", "llava_onevision",
-    "kimi_vl", "internvl", "kimi_k25",
+    "kimi_vl", "internvl", "kimi_k25", "glm_ocr",
 )
 
 TEXT_MODEL = "a text model (no vision tower in mlx-vlm's module): mlx-lm's class of that name serves it"
@@ -98,7 +98,7 @@ _REASONS = (
     "llava_next", "llava_bunny", "granite_vision", "multi_modality",
 )),
     (UNTESTED, (
-    "clef", "cohere_compass", "deepseek_vl_v2", "deepseekocr", "dots_ocr", "ernie4_5_moe_vl", "fastvlm", "glm_ocr",
+    "clef", "cohere_compass", "deepseek_vl_v2", "deepseekocr", "dots_ocr", "ernie4_5_moe_vl", "fastvlm",
     "got", "granite4_vision", "hunyuan_vl", "indic_ocr", "inkling", "jina_vlm", "kimi_k3",
     "llmjpvl", "mage_vl", "mimo_v2", "minicpmo", "minicpmv4_6", "minicpmv4_7", "minimax_m3_vl",
     "mistral_large3", "molmo", "molmo2", "moondream2", "moondream3", "muse_glimmer", "muse_spark",

@@ -310,6 +310,25 @@ def glm4v_moe_config(vocab_size: int, ids: dict[str, int], hidden: int = 64, lay
     return config
 
 
+def glm_ocr_config(vocab_size: int, ids: dict[str, int], hidden: int = 64, layers: int = 2, seed: int = 0,
+                   **_) -> dict:
+    """GLM-OCR: GLM-4V's tower, placeholders and M-RoPE (over whole heads) before a small GLM."""
+    config = glm4v_config(vocab_size, ids, hidden, layers, seed)
+    text = config["text_config"]
+    config["text_config"] = {
+        "model_type": "glm_ocr_text", "vocab_size": vocab_size, "hidden_size": hidden,
+        "intermediate_size": text["intermediate_size"], "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 16, "num_hidden_layers": layers, "max_position_embeddings": 4096, "pad_token_id": 0,
+        "eos_token_id": config["eos_token_id"], "num_nextn_predict_layers": 0, "dtype": "float32",
+        "rope_parameters": {"rope_type": "default", "mrope_section": [2, 3, 3], "partial_rotary_factor": 1.0,
+                            "rope_theta": 10000.0}}
+    config["vision_config"].update(model_type="glm_ocr_vision", num_heads=2)
+    config.update(model_type="glm_ocr", architectures=["GlmOcrForConditionalGeneration"],
+                  image_start_token_id=ids["<|begin_of_image|>"], image_end_token_id=ids["<|end_of_image|>"])
+    config["mlxkv_tiny_model"]["family"] = "glm_ocr"
+    return config
+
+
 GLM4V_TEMPLATE = QWEN_VL_TEMPLATE.replace("<|vision_start|><|image_pad|><|vision_end|>",
                                           "<|begin_of_image|><|image|><|end_of_image|>")
 GLM4V_PREPROCESSOR = {
@@ -503,6 +522,9 @@ FAMILIES = {
     "kimi_k25": (KIMI_VL_VISION_TOKENS, kimi_k25_config, KIMI_VL_TEMPLATE,
                  {**KIMI_VL_PREPROCESSOR, "image_processor_type": "KimiK25ImageProcessor",
                   "processor_class": "KimiK25Processor"}, "KimiK25Processor", {}),
+    "glm_ocr": (GLM4V_VISION_TOKENS, glm_ocr_config, GLM4V_TEMPLATE,
+                {**GLM4V_PREPROCESSOR, "processor_class": "GlmOcrProcessor"}, "GlmOcrProcessor",
+                {"extra_special_tokens": {"image_token": "<|image|>"}}),
 }
 # family -> its processor_config.json (the processor's own settings: placeholder counts, tokens)
 PROCESSOR_CONFIGS = {
