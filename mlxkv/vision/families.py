@@ -71,6 +71,8 @@ _REASONS = (
 )),
     (RECURRENT_API, (
     "glm5_next", "qwen3_5", "qwen3_5_moe", "qwen4_exp",
+    # their language model is mlx-vlm's Qwen3.5's (read from their imports)
+    "clef", "indic_ocr", "minicpmv4_6", "minicpmv4_7",
 )),
     (BIDIRECTIONAL, (
     "paligemma", "gemma4", "gemma4_unified", "falcon_ocr", "lfm2_vl", "molmo_point",
@@ -95,12 +97,12 @@ _REASONS = (
     "llama4",
 )),
     (INSERTS, (
-    "llava_next", "llava_bunny", "granite_vision", "multi_modality",
+    "llava_next", "llava_bunny", "granite_vision", "multi_modality", "fastvlm",
 )),
     (UNTESTED, (
-    "clef", "cohere_compass", "deepseek_vl_v2", "deepseekocr", "dots_ocr", "ernie4_5_moe_vl", "fastvlm",
-    "got", "granite4_vision", "hunyuan_vl", "indic_ocr", "inkling", "jina_vlm", "kimi_k3",
-    "llmjpvl", "mage_vl", "mimo_v2", "minicpmo", "minicpmv4_6", "minicpmv4_7", "minimax_m3_vl",
+    "cohere_compass", "deepseek_vl_v2", "deepseekocr", "dots_ocr", "ernie4_5_moe_vl",
+    "got", "granite4_vision", "hunyuan_vl", "inkling", "jina_vlm", "kimi_k3",
+    "llmjpvl", "mage_vl", "mimo_v2", "minicpmo", "minimax_m3_vl",
     "mistral_large3", "molmo", "molmo2", "moondream2", "moondream3", "muse_glimmer", "muse_spark",
     "nemotron_h_nano_omni", "paddleocr_vl", "phi3_v", "phi4mm", "plamo2vl", "qwen3_omni_moe", "step3p7",
     "unlimited_ocr", "youtu_vl", "zaya1_vl",
