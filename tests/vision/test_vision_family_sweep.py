@@ -75,3 +75,14 @@ def test_a_family_mlx_vlm_has_no_class_for_loads_as_text_with_one_line(tmp_path,
         assert load_vision_model(_checkpoint(tmp_path, "no_such_vlm"), "x", object) is None
     assert [r.message for r in caplog.records] == [
         "x: mlx-vlm has no class for family 'no_such_vlm'; loading it as text"]
+
+
+def test_docs_family_table_says_served_exactly_for_the_served_families():
+    """docs/vision.md's table of vision families marks a row served iff families.SERVED has it."""
+    import re
+    from pathlib import Path
+
+    doc = (Path(__file__).parents[2] / "docs" / "vision.md").read_text()
+    rows = dict(re.findall(r"^\| `([a-z0-9_]+)` \| .* \| (.*) \|$", doc, flags=re.M))
+    assert {f for f, status in rows.items() if status == "**served**"} == set(families.SERVED)
+    assert all(f in families.NOT_SERVED for f, status in rows.items() if status != "**served**")
