@@ -24,6 +24,13 @@ QWEN_VL_TEMPLATE = (
 )
 
 
+def _as_family(config: dict, family: str, architecture: str) -> dict:
+    """`config` renamed as another family that shares its classes' fields (its tiny-model record too)."""
+    config.update(model_type=family, architectures=[architecture])
+    config["mlxkv_tiny_model"]["family"] = family
+    return config
+
+
 def qwen2_vl_config(vocab_size: int, ids: dict[str, int], hidden: int = 64, layers: int = 2, seed: int = 0,
                     vision_depth: int = 1, vision_dim: int = 32) -> dict:
     heads, kv_heads = 4, 2
@@ -194,10 +201,9 @@ def smolvlm_config(vocab_size: int, ids: dict[str, int], hidden: int = 64, layer
 def idefics3_config(vocab_size: int, ids: dict[str, int], hidden: int = 64, layers: int = 2, seed: int = 0,
                     **_) -> dict:
     """Idefics3: SmolVLM's model class and tiling, its own processor (mlx-vlm's Idefics3Processor)."""
-    config = smolvlm_config(vocab_size, ids, hidden, layers, seed)
-    config.update(model_type="idefics3", architectures=["Idefics3ForConditionalGeneration"])
+    config = _as_family(smolvlm_config(vocab_size, ids, hidden, layers, seed), "idefics3",
+                        "Idefics3ForConditionalGeneration")
     config["vision_config"]["model_type"] = "idefics3_vision"
-    config["mlxkv_tiny_model"]["family"] = "idefics3"
     return config
 
 
@@ -323,10 +329,8 @@ def glm_ocr_config(vocab_size: int, ids: dict[str, int], hidden: int = 64, layer
         "rope_parameters": {"rope_type": "default", "mrope_section": [2, 3, 3], "partial_rotary_factor": 1.0,
                             "rope_theta": 10000.0}}
     config["vision_config"].update(model_type="glm_ocr_vision", num_heads=2)
-    config.update(model_type="glm_ocr", architectures=["GlmOcrForConditionalGeneration"],
-                  image_start_token_id=ids["<|begin_of_image|>"], image_end_token_id=ids["<|end_of_image|>"])
-    config["mlxkv_tiny_model"]["family"] = "glm_ocr"
-    return config
+    config.update(image_start_token_id=ids["<|begin_of_image|>"], image_end_token_id=ids["<|end_of_image|>"])
+    return _as_family(config, "glm_ocr", "GlmOcrForConditionalGeneration")
 
 
 GLM4V_TEMPLATE = QWEN_VL_TEMPLATE.replace("<|vision_start|><|image_pad|><|vision_end|>",
@@ -368,11 +372,8 @@ def internvl_config(vocab_size: int, ids: dict[str, int], hidden: int = 64, laye
     config = internvl_chat_config(vocab_size, ids, hidden, layers, seed)
     config["text_config"].update(model_type="qwen3", head_dim=16, tie_word_embeddings=False)
     config["vision_config"]["model_type"] = "internvl_vision"
-    del config["image_token_index"]
-    config.update(model_type="internvl", architectures=["InternVLForConditionalGeneration"],
-                  image_token_id=ids["<IMG_CONTEXT>"])
-    config["mlxkv_tiny_model"]["family"] = "internvl"
-    return config
+    config["image_token_id"] = config.pop("image_token_index")
+    return _as_family(config, "internvl", "InternVLForConditionalGeneration")
 
 
 INTERNVL_TEMPLATE = QWEN_VL_TEMPLATE.replace("<|vision_start|><|image_pad|><|vision_end|>", "<image>")
@@ -468,10 +469,8 @@ def kimi_vl_config(vocab_size: int, ids: dict[str, int], hidden: int = 64, layer
 def kimi_k25_config(vocab_size: int, ids: dict[str, int], hidden: int = 64, layers: int = 2, seed: int = 0,
                     **_) -> dict:
     """Kimi K2.5: Kimi-VL's MoonViT, placeholders and DeepSeek-V3 language model."""
-    config = kimi_vl_config(vocab_size, ids, hidden, layers, seed)
-    config.update(model_type="kimi_k25", architectures=["KimiK25ForConditionalGeneration"])
-    config["mlxkv_tiny_model"]["family"] = "kimi_k25"
-    return config
+    return _as_family(kimi_vl_config(vocab_size, ids, hidden, layers, seed), "kimi_k25",
+                      "KimiK25ForConditionalGeneration")
 
 
 KIMI_VL_TEMPLATE = QWEN_VL_TEMPLATE.replace("<|vision_start|><|image_pad|><|vision_end|>",
