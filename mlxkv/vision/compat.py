@@ -127,6 +127,21 @@ _PROCESSOR_SETTINGS = ("min_pixels", "max_pixels", "size", "patch_size", "merge_
                        "do_convert_rgb", "resample", "image_seq_length", "do_image_splitting", "max_image_size")
 
 
+# The processor's per-image outputs beside pixel_values (a row an image) that change what an image's
+# pixels mean: Kimi-VL's patch grid (the same patches in 2 x 8 or 4 x 4 are different images),
+# LLaVA-OneVision's size (which AnyRes tiles are real). Part of an image's hash.
+_PER_IMAGE_INPUTS = ("image_grid_hws", "image_sizes")
+
+
+def per_image_inputs(inputs: dict, count: int) -> list:
+    """Per image, its values of _PER_IMAGE_INPUTS in `inputs` (prepare_inputs' output), flattened."""
+    import numpy as np
+
+    present = [np.asarray(inputs[name]) for name in _PER_IMAGE_INPUTS if inputs.get(name) is not None]
+    present = [a for a in present if a.ndim >= 1 and len(a) == count]
+    return [np.concatenate([a[k].ravel() for a in present]) if present else None for k in range(count)]
+
+
 def processor_settings(processor) -> dict:
     image_processor = getattr(processor, "image_processor", processor)
     return {name: getattr(image_processor, name) for name in _PROCESSOR_SETTINGS if hasattr(image_processor, name)}

@@ -33,7 +33,8 @@ DIFFUSION = "a diffusion decoder: it denoises tokens in parallel, not one after 
 PROCESSOR = ("mlx-vlm 0.7.10's LlavaProcessor hands text options (padding) to the image processor, which the "
              "installed transformers rejects: mlx-vlm cannot preprocess its images")
 INSERTS = ("mlx-vlm's get_input_embeddings inserts each image's features beside its placeholder tokens instead of "
-           "over them, so the embedded prompt is longer than its ids; mlxkv's blocks, hashes and positions are its ids'")
+           "over them, so the embedded prompt is longer than its ids; mlxkv's blocks, hashes and positions are "
+           "its ids'")
 CHUNK_MASK = ("mlx-vlm's Llama 4 gives its global layers the mask its first layer's cache makes, a chunked "
               "layer's; over mlxkv's pool that mask covers the chunk, not the context the global layer attends to")
 UNTESTED = ("not yet run over the pool with images: it needs its tiny model and the equality tests "

@@ -202,7 +202,8 @@ def vision_prompt(model, messages: list[dict], max_pixels: int = MAX_IMAGE_PIXEL
     # InternVL's tiles of all images are [1, T, C, H, W]: an image's rows are its tiles.
     total = pixels.shape[1] if pixels.ndim == 5 and mask is None and len(pixels) == 1 else len(pixels)
     rows = _image_rows(groups, total, grid, mask, sizes)
-    spans = _spans(groups, pixels, rows, grid, mask, compat.processor_settings(processor), sizes)
+    spans = _spans(groups, pixels, rows, grid, mask, compat.processor_settings(processor), sizes,
+                   compat.per_image_inputs(inputs, len(groups)))
     extras = {k: v for k, v in inputs.items() if k not in ("input_ids", "pixel_values", "attention_mask")}
     return VisionPrompt(tokens, spans, pixels, grid, mask, None if grid is not None else rows, sizes, extras)
 
@@ -299,9 +300,10 @@ def _even(groups: list, count: int, mask) -> list:
 
 
 def _spans(images: list[list[tuple[int, int]]], pixels: np.ndarray, rows: list[int], grid, mask, settings: dict,
-           sizes=None) -> list[ImageSpan]:
+           sizes=None, layouts: list | None = None) -> list[ImageSpan]:
     """Each image's span, first placeholder to last, keyed by its own pixels and grid (or tiles' mask,
-    or its size: a padded image is keyed by its own pixels, not by the padding its neighbours set)."""
+    or its size: a padded image is keyed by its own pixels, not by the padding its neighbours set;
+    or its `layouts` entry, compat.per_image_inputs': Kimi-VL's patch grid)."""
     bounds = np.cumsum([0] + rows)
     spans = []
     for k, tiles in enumerate(images):
@@ -313,9 +315,9 @@ def _spans(images: list[list[tuple[int, int]]], pixels: np.ndarray, rows: list[i
             h, w = (int(x) for x in sizes[k])
             digest = image_hash(pixels[k, :, :h, :w], sizes[k], settings)
         elif pixels.ndim == 5:
-            digest = image_hash(_own_tiles(pixels, k, a, b, len(images)), None, settings)
+            digest = image_hash(_own_tiles(pixels, k, a, b, len(images)), layouts and layouts[k], settings)
         else:
-            digest = image_hash(pixels[a:b], None if grid is None else grid[k], settings)
+            digest = image_hash(pixels[a:b], grid[k] if grid is not None else layouts and layouts[k], settings)
         spans.append(ImageSpan(start, end - start, digest))
     return spans
 
