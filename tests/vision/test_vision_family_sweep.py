@@ -86,3 +86,21 @@ def test_docs_family_table_says_served_exactly_for_the_served_families():
     rows = dict(re.findall(r"^\| `([a-z0-9_]+)` \| .* \| (.*) \|$", doc, flags=re.M))
     assert {f for f, status in rows.items() if status == "**served**"} == set(families.SERVED)
     assert all(f in families.NOT_SERVED for f, status in rows.items() if status != "**served**")
+
+
+@pytest.mark.parametrize("family", ["moondream2", "hunyuan_vl", "mistral_large3", "dots_ocr"])
+def test_a_family_a_try_ruled_out_says_what_it_found_at_load(family, tmp_path, caplog):
+    """A refusal names its cause (Moondream's bidirectional prefix, HunYuan-VL's positions kept on the
+    model, Mistral Large 3's tokenizer-only processor); a family still not yet run says what its try
+    found, never only "untested"."""
+    with caplog.at_level(logging.INFO, logger="mlxkv.vision.loading"):
+        try:
+            loaded = load_vision_model(_checkpoint(tmp_path, family), "m", object)
+            assert loaded is None
+            said = caplog.records[-1].message
+        except MlxkvError as e:
+            said = str(e)
+    assert families.NOT_SERVED[family] in said and "\n" not in said
+    expected = {"moondream2": families.BIDIRECTIONAL, "hunyuan_vl": families.POSITIONS_ON_MODEL,
+                "mistral_large3": families.TOKENIZER_ONLY}.get(family, families.NOT_YET_RUN.get(family))
+    assert expected and expected in said
