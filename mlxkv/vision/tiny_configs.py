@@ -121,6 +121,28 @@ def qwen3_vl_config(vocab_size: int, ids: dict[str, int], hidden: int = 64, laye
     }
 
 
+def mage_vl_config(vocab_size: int, ids: dict[str, int], hidden: int = 64, layers: int = 2, seed: int = 0,
+                   **_) -> dict:
+    """Mage-VL: Qwen's placeholders and Qwen3-VL's image processor (16-pixel patches merged 2 x 2, one
+    frame), its own tower, and a Qwen3 language model."""
+    base = qwen2_vl_config(vocab_size, ids, hidden, layers, seed)
+    text = {"model_type": "qwen3", "hidden_size": hidden, "num_hidden_layers": layers,
+            "intermediate_size": 2 * hidden, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "head_dim": hidden // 4, "rms_norm_eps": 1e-6, "vocab_size": vocab_size, "rope_theta": 10000.0,
+            "max_position_embeddings": 4096, "tie_word_embeddings": False}
+    return {
+        **{k: base[k] for k in ("image_token_id", "video_token_id", "vision_start_token_id",
+                                "vision_end_token_id", "eos_token_id")},
+        "model_type": "mage_vl", "architectures": ["MageVLForConditionalGeneration"], "text_config": text,
+        "vocab_size": vocab_size, "tie_word_embeddings": False,
+        "vision_config": {"model_type": "mage_vl_vision", "hidden_size": 64, "num_hidden_layers": 1,
+                          "num_attention_heads": 2, "intermediate_size": 128, "patch_size": 16,
+                          "spatial_merge_size": 2, "temporal_patch_size": 1, "out_hidden_size": hidden,
+                          "text_hidden_size": hidden},
+        "mlxkv_tiny_model": {"family": "mage_vl", "hidden_size": hidden, "num_layers": layers, "seed": seed},
+    }
+
+
 def qwen3_vl_moe_config(vocab_size: int, ids: dict[str, int], hidden: int = 64, layers: int = 2, seed: int = 0,
                         **_) -> dict:
     """Qwen3-VL's tower, positions and deepstack before a mixture-of-experts language model."""
@@ -490,6 +512,9 @@ FAMILIES = {
     "pixtral": (MISTRAL3_VISION_TOKENS, pixtral_config, MISTRAL3_TEMPLATE,
                 {**MISTRAL3_PREPROCESSOR, "size": {"longest_edge": 56}, "processor_class": "PixtralProcessor"},
                 "PixtralProcessor", {}),
+    "mage_vl": (QWEN_VISION_TOKENS, mage_vl_config, QWEN_VL_TEMPLATE,
+                {**QWEN3_VL_PREPROCESSOR, "temporal_patch_size": 1, "merge_size": 2, "processor_class": "MageVLProcessor"},
+                "MageVLProcessor", {}),
     "qwen3_vl_moe": (QWEN_VISION_TOKENS, qwen3_vl_moe_config, QWEN_VL_TEMPLATE,
                      {**QWEN3_VL_PREPROCESSOR, "processor_class": "Qwen3VLProcessor"}, "Qwen3VLProcessor", {}),
     "glm4v": (GLM4V_VISION_TOKENS, glm4v_config, GLM4V_TEMPLATE, GLM4V_PREPROCESSOR, "Glm46VProcessor",

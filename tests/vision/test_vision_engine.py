@@ -17,7 +17,7 @@ BS = 4
 N = 8  # tokens per reply
 # Families whose rows take a path another family here already runs through preemption (the whole-prompt
 # path of vision/prompt.py, plain positions: InternVL-Chat's): the suite's time goes to the other paths.
-SAME_PATH_AS_INTERNVL_CHAT = {"internvl", "aya_vision", "llava_onevision", "kimi_vl", "kimi_k25"}
+SAME_PATH_AS_INTERNVL_CHAT = {"internvl", "aya_vision", "llava_onevision", "kimi_vl", "kimi_k25", "mage_vl"}
 
 
 @pytest.fixture(scope="module", params=list(SERVED))
