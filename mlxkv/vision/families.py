@@ -42,6 +42,9 @@ TOKENIZER_ONLY = ("transformers has no processor for its model type, so mlx-vlm 
 POSITIONS_ON_MODEL = ("mlx-vlm's HunYuan-VL keeps a prompt's four-axis XD-RoPE positions on the model object and "
                       "uses them only while the cache is empty: a prefix hit, a later prefill chunk or another row "
                       "of a batch would get plain positions")
+IMAGE_TOKEN_WEIGHTS = ("its language model sends image tokens through their own weights (ERNIE-4.5-VL: multimodal "
+                       "experts; ZAYA1-VL: a vision LoRA), chosen by a per-token image mask passed beside the "
+                       "embeddings; mlxkv's rows give the language model embeddings and positions only")
 UNTESTED = ("not yet run over the pool with images: it needs its tiny model and the equality tests "
             "(docs/vision.md)")
 # family -> what a try found standing between it and its tiny model's tests (it stays not yet run: a
@@ -121,18 +124,21 @@ _REASONS = (
     (POSITIONS_ON_MODEL, (
     "hunyuan_vl",
 )),
+    (IMAGE_TOKEN_WEIGHTS, (
+    "ernie4_5_moe_vl", "zaya1_vl",
+)),
     (INSERTS, (
     "llava_next", "llava_bunny", "granite_vision", "multi_modality", "fastvlm",
     # Phi-4-MM: one placeholder (id -200) an image, its features spliced in its place
     "phi4mm",
 )),
     (UNTESTED, (
-    "cohere_compass", "deepseekocr", "ernie4_5_moe_vl",
+    "cohere_compass", "deepseekocr",
     "got", "granite4_vision", "inkling", "jina_vlm", "kimi_k3",
     "llmjpvl", "mimo_v2", "minicpmo", "minimax_m3_vl",
     "molmo", "molmo2", "muse_glimmer", "muse_spark",
     "nemotron_h_nano_omni", "plamo2vl", "qwen3_omni_moe", "step3p7",
-    "unlimited_ocr", "youtu_vl", "zaya1_vl",
+    "unlimited_ocr", "youtu_vl",
 )),
     *((f"{UNTESTED}; tried: {found}", (family,)) for family, found in NOT_YET_RUN.items()),
 )
