@@ -92,8 +92,8 @@ def test_docs_family_table_says_served_exactly_for_the_served_families():
 @pytest.mark.parametrize("family", ["moondream2", "hunyuan_vl", "mistral_large3", "ernie4_5_moe_vl", "dots_ocr"])
 def test_a_family_a_try_ruled_out_says_what_it_found_at_load(family, tmp_path, caplog):
     """A refusal names its cause (Moondream's bidirectional prefix, HunYuan-VL's positions kept on the
-    model, Mistral Large 3's tokenizer-only processor); a family still not yet run says what its try
-    found, never only "untested"."""
+    model, Mistral Large 3's tokenizer-only processor, ERNIE-4.5-VL's image-token experts); a family
+    still not yet run says what its try found, never only "untested"."""
     with caplog.at_level(logging.INFO, logger="mlxkv.vision.loading"):
         try:
             loaded = load_vision_model(_checkpoint(tmp_path, family), "m", object)
