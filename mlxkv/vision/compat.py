@@ -215,7 +215,7 @@ def placeholder_features(model, input_ids, pixel_values, **image_inputs):
 # is embedded whole by its get_input_embeddings with all its processor's inputs, or by merged_embeddings
 # when every image is in the encoder cache (vision/prompt.py).
 _PER_IMAGE = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "glm4v_moe", "gemma3", "smolvlm",
-              "idefics3", "idefics2", "mistral3", "pixtral")
+              "idefics3", "idefics2", "mistral3", "pixtral", "cohere_compass")
 
 
 def per_image_features(model) -> bool:

@@ -143,6 +143,35 @@ def mage_vl_config(vocab_size: int, ids: dict[str, int], hidden: int = 64, layer
     }
 
 
+COHERE_COMPASS_VISION_TOKENS = ["<|VISION_START|>", "<|VISION_END|>", "<|IMAGE_PAD|>"]
+
+
+def cohere_compass_config(vocab_size: int, ids: dict[str, int], hidden: int = 64, layers: int = 2, seed: int = 0,
+                          **_) -> dict:
+    """Cohere Compass: Qwen3-VL's shape (16-pixel patches merged 2 x 2, interleaved M-RoPE, deepstack)
+    over a Command-style decoder (layer norm, parallel attention and MLP)."""
+    head_dim = hidden // 4
+    half = head_dim // 2
+    section = [half - 2 * (half // 3), half // 3, half // 3]
+    text = {"model_type": "cohere_compass_text", "hidden_size": hidden, "num_hidden_layers": layers,
+            "intermediate_size": 2 * hidden, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "head_dim": head_dim, "vocab_size": vocab_size, "max_position_embeddings": 4096,
+            "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 10000.0,
+                                                 "mrope_section": section}}}
+    return {
+        "model_type": "cohere_compass", "architectures": ["CohereCompassForConditionalGeneration"],
+        "text_config": text, "vocab_size": vocab_size,
+        "vision_config": {"model_type": "cohere_compass_vision", "depth": 2, "hidden_size": 32,
+                          "intermediate_size": 64, "num_heads": 2, "patch_size": 16, "spatial_merge_size": 2,
+                          "temporal_patch_size": 2, "out_hidden_size": hidden, "num_position_embeddings": 64,
+                          "deepstack_visual_indexes": [0]},
+        "image_token_id": ids["<|IMAGE_PAD|>"], "vision_start_token_id": ids["<|VISION_START|>"],
+        "vision_end_token_id": ids["<|VISION_END|>"], "min_pixels": 32 * 32 * 4, "max_pixels": 32 * 32 * 64,
+        "eos_token_id": [SPECIAL_TOKENS.index("<|im_end|>")],
+        "mlxkv_tiny_model": {"family": "cohere_compass", "hidden_size": hidden, "num_layers": layers, "seed": seed},
+    }
+
+
 def qwen3_vl_moe_config(vocab_size: int, ids: dict[str, int], hidden: int = 64, layers: int = 2, seed: int = 0,
                         **_) -> dict:
     """Qwen3-VL's tower, positions and deepstack before a mixture-of-experts language model."""
@@ -515,6 +544,12 @@ FAMILIES = {
     "mage_vl": (QWEN_VISION_TOKENS, mage_vl_config, QWEN_VL_TEMPLATE,
                 {**QWEN3_VL_PREPROCESSOR, "temporal_patch_size": 1, "merge_size": 2, "processor_class": "MageVLProcessor"},
                 "MageVLProcessor", {}),
+    "cohere_compass": (COHERE_COMPASS_VISION_TOKENS, cohere_compass_config,
+                       QWEN_VL_TEMPLATE.replace("<|vision_start|><|image_pad|><|vision_end|>",
+                                                "<|VISION_START|><|IMAGE_PAD|><|VISION_END|>"),
+                       {"patch_size": 16, "merge_size": 2, "temporal_patch_size": 2, "min_pixels": 32 * 32 * 4,
+                        "max_pixels": 32 * 32 * 64, "processor_class": "CohereCompassProcessor"},
+                       "CohereCompassProcessor", {"extra_special_tokens": {"image_token": "<|IMAGE_PAD|>"}}),
     "qwen3_vl_moe": (QWEN_VISION_TOKENS, qwen3_vl_moe_config, QWEN_VL_TEMPLATE,
                      {**QWEN3_VL_PREPROCESSOR, "processor_class": "Qwen3VLProcessor"}, "Qwen3VLProcessor", {}),
     "glm4v": (GLM4V_VISION_TOKENS, glm4v_config, GLM4V_TEMPLATE, GLM4V_PREPROCESSOR, "Glm46VProcessor",
