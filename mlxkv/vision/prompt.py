@@ -111,6 +111,9 @@ class VisionPrompt:
         mlx-vlm gives the prompt. With every image in the encoder cache no vision tower runs; else
         mlx-vlm's get_input_embeddings embeds the whole prompt with all the processor's inputs (any family
         that writes an image's features over its placeholders), and each image's features are kept."""
+        if compat.deepstack_layers(model.vlm):  # this path keeps embeddings and positions only
+            raise MlxkvError(f"{model.vlm.config.model_type}: its deepstack features would be dropped on the "
+                             f"whole-prompt path; it must be embedded image by image (vision/compat.py)")
         ids = mx.array([self.tokens])
         features = [model.encoder_cache.get(span.digest) for span in self.spans]
         if any(f is None for f in features):

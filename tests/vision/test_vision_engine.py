@@ -130,3 +130,14 @@ def test_image_rows_preempted_by_a_full_pool_resume_to_their_solo_replies(reques
         batch = small.generate_batch(rows, max_tokens=24)
     assert sum(r.stats.preemptions for r in batch) > 0, [(r.finish_reason, r.extra) for r in batch]
     assert [r.tokens for r in batch] == solo
+
+
+def test_a_deepstack_family_is_never_embedded_whole(cohere_compass_dir, monkeypatch):
+    """The whole-prompt path keeps embeddings and positions, not deepstack features: a family with them
+    on that path (Cohere Compass without its image-by-image entry) is a clear error, not a wrong reply."""
+    from mlxkv.errors import MlxkvError
+
+    monkeypatch.setattr(compat, "per_image_features", lambda model: False)
+    with Engine(load_model(str(cohere_compass_dir)), CacheConfig(block_size=BS)) as engine:
+        with pytest.raises(MlxkvError, match="cohere_compass: its deepstack features would be dropped"):
+            engine.chat([_user(make_image(), "What is it?")], max_tokens=2)
