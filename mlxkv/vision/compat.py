@@ -86,8 +86,12 @@ def _embedding(model):
 
 
 def embed_tokens(model, input_ids):
-    """The language model's token embedding (text positions of any row)."""
-    return _embedding(model)(input_ids)
+    """The language model's token embedding (text positions of any row), normalized where its
+    get_input_embeddings normalizes it (Muse Glimmer's embed_norm)."""
+    language = model.language_model
+    norm = getattr(getattr(language, "model", language), "embed_norm", None)
+    embeds = _embedding(model)(input_ids)
+    return embeds if norm is None else norm(embeds)
 
 
 def attention_module(model):

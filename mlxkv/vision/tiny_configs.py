@@ -172,6 +172,29 @@ def cohere_compass_config(vocab_size: int, ids: dict[str, int], hidden: int = 64
     }
 
 
+MUSE_GLIMMER_VISION_TOKENS = ["<|patch|>", "<|image_start|>", "<|image_end|>", "<|video|>"]
+
+
+def muse_glimmer_config(vocab_size: int, ids: dict[str, int], hidden: int = 64, layers: int = 2, seed: int = 0,
+                        **_) -> dict:
+    """Muse Glimmer: `<|patch|>` x (h * w / 4 patches of 14 px) between `<|image_start|>` and
+    `<|image_end|>`; a sliding layer with rope then a full one without (its last layer is full)."""
+    text = {"model_type": "muse_glimmer_text", "vocab_size": vocab_size, "hidden_size": hidden,
+            "intermediate_size": 2 * hidden, "num_hidden_layers": layers, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": hidden // 4, "sliding_window": 16,
+            "max_position_embeddings": 4096}
+    return {
+        "model_type": "muse_glimmer", "architectures": ["MuseGlimmerForConditionalGeneration"],
+        "text_config": text, "vocab_size": vocab_size,
+        "vision_config": {"model_type": "muse_glimmer_vision", "patch_size": 14, "merge_size": 2,
+                          "pos_emb_height": 8, "pos_emb_width": 8, "hidden_size": 32, "intermediate_size": 64,
+                          "num_attention_heads": 2, "num_hidden_layers": 1},
+        "image_token_id": ids["<|patch|>"], "video_token_id": ids["<|video|>"], "out_hidden_size": 4 * 32,
+        "projector_hidden_size": hidden, "eos_token_id": [SPECIAL_TOKENS.index("<|im_end|>")],
+        "mlxkv_tiny_model": {"family": "muse_glimmer", "hidden_size": hidden, "num_layers": layers, "seed": seed},
+    }
+
+
 def qwen3_vl_moe_config(vocab_size: int, ids: dict[str, int], hidden: int = 64, layers: int = 2, seed: int = 0,
                         **_) -> dict:
     """Qwen3-VL's tower, positions and deepstack before a mixture-of-experts language model."""
@@ -550,6 +573,9 @@ FAMILIES = {
                        {"patch_size": 16, "merge_size": 2, "temporal_patch_size": 2, "min_pixels": 32 * 32 * 4,
                         "max_pixels": 32 * 32 * 64, "processor_class": "CohereCompassProcessor"},
                        "CohereCompassProcessor", {"extra_special_tokens": {"image_token": "<|IMAGE_PAD|>"}}),
+    "muse_glimmer": (MUSE_GLIMMER_VISION_TOKENS, muse_glimmer_config,
+                     QWEN_VL_TEMPLATE.replace("<|vision_start|><|image_pad|><|vision_end|>", "<|patch|>"),
+                     {}, "MuseGlimmerProcessor", {}),
     "qwen3_vl_moe": (QWEN_VISION_TOKENS, qwen3_vl_moe_config, QWEN_VL_TEMPLATE,
                      {**QWEN3_VL_PREPROCESSOR, "processor_class": "Qwen3VLProcessor"}, "Qwen3VLProcessor", {}),
     "glm4v": (GLM4V_VISION_TOKENS, glm4v_config, GLM4V_TEMPLATE, GLM4V_PREPROCESSOR, "Glm46VProcessor",
@@ -587,6 +613,7 @@ FAMILIES = {
 }
 # family -> its processor_config.json (the processor's own settings: placeholder counts, tokens)
 PROCESSOR_CONFIGS = {
+    "muse_glimmer": {"patch_size": 14, "merge_size": 2, "max_image_tokens": 16, "processor_class": "MuseGlimmerProcessor"},
     "aya_vision": {"img_size": AYA_TILE, "patch_size": 14, "downsample_factor": 2,
                    "processor_class": "AyaVisionProcessor"},
     "internvl": {"image_seq_length": (INTERNVL_TILE // 14 // 2) ** 2, "processor_class": "InternVLProcessor"},
