@@ -80,9 +80,13 @@ def rope_index(model, input_ids, grid):
 
 
 def _embedding(model):
-    """The language model's token embedding (Idefics3's sits on the language model itself)."""
+    """The language model's token embedding (Idefics3's sits on the language model itself; Nemotron-H's
+    is its backbone's `embeddings`)."""
     language = model.language_model
-    return getattr(language, "model", language).embed_tokens
+    for inner in (getattr(language, "model", None), getattr(language, "backbone", None), language):
+        if inner is not None and "embed_tokens" in inner:
+            return inner.embed_tokens
+    return language.backbone.embeddings
 
 
 def embed_tokens(model, input_ids):

@@ -15,7 +15,7 @@ from __future__ import annotations
 SERVED = (
     "qwen2_vl", "qwen2_5_vl", "gemma3", "smolvlm", "idefics3", "qwen3_vl", "qwen3_vl_moe", "mistral3", "pixtral",
     "glm4v", "glm4v_moe", "idefics2", "internvl_chat", "aya_vision", "llava_onevision",
-    "kimi_vl", "internvl", "kimi_k25", "glm_ocr", "mage_vl", "cohere_compass", "muse_glimmer",
+    "kimi_vl", "internvl", "kimi_k25", "glm_ocr", "mage_vl", "cohere_compass", "muse_glimmer", "nemotron_h_nano_omni",
 )
 
 TEXT_MODEL = "a text model (no vision tower in mlx-vlm's module): mlx-lm's class of that name serves it"
@@ -139,7 +139,7 @@ _REASONS = (
     "got", "granite4_vision", "inkling", "jina_vlm", "kimi_k3",
     "llmjpvl", "mimo_v2", "minicpmo", "minimax_m3_vl",
     "molmo", "molmo2",
-    "nemotron_h_nano_omni", "plamo2vl", "qwen3_omni_moe", "step3p7",
+    "plamo2vl", "qwen3_omni_moe", "step3p7",
     "unlimited_ocr", "youtu_vl",
 )),
     *((f"{UNTESTED}; tried: {found}", (family,)) for family, found in NOT_YET_RUN.items()),

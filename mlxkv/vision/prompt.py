@@ -31,7 +31,7 @@ class VisionPrompt:
 
     tokens: list[int]
     spans: list[ImageSpan]
-    pixel_values: np.ndarray
+    pixel_values: np.ndarray | list[np.ndarray]  # a list: one array an image, each of its own size (_pixels)
     grid: np.ndarray | None  # per image (t, h, w); None for families without one
     # A tiled family's [1, T, H, W] pixel_attention_mask (pixels [1, T, C, H, W], T tiles of all images);
     # its image's span runs from its first placeholder to its last, one run of placeholders a tile.
@@ -118,7 +118,7 @@ class VisionPrompt:
         features = [model.encoder_cache.get(span.digest) for span in self.spans]
         if any(f is None for f in features):
             extras = {k: mx.array(v) if isinstance(v, np.ndarray) else v for k, v in (self.extras or {}).items()}
-            embeds, positions, deltas = compat.input_embeddings(model.vlm, ids, mx.array(self.pixel_values), **extras)
+            embeds, positions, deltas = compat.input_embeddings(model.vlm, ids, _mx_pixels(self.pixel_values), **extras)
             if embeds.shape[1] != len(self.tokens):  # families.INSERTS: refused at load, so never here
                 raise MlxkvError(f"messages: {len(self.tokens)} prompt tokens became {embeds.shape[1]} embeddings")
             at = np.array(self.tokens) == model.image_token_id
@@ -190,25 +190,37 @@ def vision_prompt(model, messages: list[dict], max_pixels: int = MAX_IMAGE_PIXEL
     processor = model.processor
     text = compat.render_chat(processor, _template_messages(messages))
     inputs = compat.prepare_inputs(processor, text, images, return_tensors="np")
-    pixels = np.asarray(inputs["pixel_values"])
+    pixels = _pixels(inputs["pixel_values"])
     grid = inputs.get("image_grid_thw")
     grid = None if grid is None else np.asarray(grid)
     tokens = np.asarray(inputs["input_ids"])[0].tolist()
     mask = inputs.get("pixel_attention_mask")
     mask = None if mask is None else np.asarray(mask)
     sizes = inputs.get("image_sizes")  # Pixtral's: its images padded in [N, C, H, W] (LLaVA-OneVision's are 5-D)
-    sizes = None if sizes is None or pixels.ndim != 4 else np.asarray(sizes)
+    sizes = None if sizes is None or getattr(pixels, "ndim", 1) != 4 else np.asarray(sizes)
     groups = _even(_images(tokens, model.image_token_id, compat.global_image_token_id(processor),
                            compat.image_end_token_id(processor)), len(images), mask)
     if len(groups) != len(images):
         raise MlxkvError(f"messages: {len(images)} images became {len(groups)} image spans in the prompt")
     # InternVL's tiles of all images are [1, T, C, H, W]: an image's rows are its tiles.
-    total = pixels.shape[1] if pixels.ndim == 5 and mask is None and len(pixels) == 1 else len(pixels)
+    total = pixels.shape[1] if getattr(pixels, "ndim", 1) == 5 and mask is None and len(pixels) == 1 else len(pixels)
     rows = _image_rows(groups, total, grid, mask, sizes)
     spans = _spans(groups, pixels, rows, grid, mask, compat.processor_settings(processor), sizes,
                    compat.per_image_inputs(inputs, len(groups)))
     extras = {k: v for k, v in inputs.items() if k not in ("input_ids", "pixel_values", "attention_mask")}
     return VisionPrompt(tokens, spans, pixels, grid, mask, None if grid is not None else rows, sizes, extras)
+
+
+def _pixels(values) -> np.ndarray | list[np.ndarray]:
+    """pixel_values as one array, or as one array an image when the processor sizes each image on its
+    own (Nemotron Nano Omni's [C, H, W]): an image's rows are then its own array."""
+    if isinstance(values, (list, tuple)) and len({np.shape(v) for v in values}) > 1:
+        return [np.asarray(v) for v in values]
+    return np.asarray(values)
+
+
+def _mx_pixels(pixels):
+    return [mx.array(p) for p in pixels] if isinstance(pixels, list) else mx.array(pixels)
 
 
 def _image_rows(groups: list, total: int, grid, mask, sizes) -> list[int]:
@@ -317,7 +329,7 @@ def _spans(images: list[list[tuple[int, int]]], pixels: np.ndarray, rows: list[i
         elif sizes is not None:
             h, w = (int(x) for x in sizes[k])
             digest = image_hash(pixels[k, :, :h, :w], sizes[k], settings)
-        elif pixels.ndim == 5:
+        elif getattr(pixels, "ndim", 1) == 5:
             digest = image_hash(_own_tiles(pixels, k, a, b, len(images)), layouts and layouts[k], settings)
         else:
             digest = image_hash(pixels[a:b], grid[k] if grid is not None else layouts and layouts[k], settings)

@@ -195,6 +195,33 @@ def muse_glimmer_config(vocab_size: int, ids: dict[str, int], hidden: int = 64, 
     }
 
 
+NEMOTRON_OMNI_VISION_TOKENS = ["<image>", "<img>", "</img>", "<video>", "<so_embedding>"]
+
+
+def nemotron_h_nano_omni_config(vocab_size: int, ids: dict[str, int], hidden: int = 64, layers: int = 4,
+                                seed: int = 0, **_) -> dict:
+    """Nemotron Nano Omni: a RADIO tower over 16-pixel patches, pixel-shuffled 2 x 2 as InternVL's, `<image>`
+    x tokens between `<img>` and `</img>`; a Nemotron-H language model (Mamba 2, MLP and attention layers)."""
+    text = {"model_type": "nemotron_h", "vocab_size": vocab_size, "hidden_size": hidden,
+            "intermediate_size": 2 * hidden, "num_hidden_layers": 4, "hybrid_override_pattern": "M-*-",
+            "max_position_embeddings": 4096, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "head_dim": hidden // 4, "attention_bias": False, "mamba_num_heads": 4, "mamba_head_dim": hidden // 4,
+            "mamba_proj_bias": False, "ssm_state_size": 16, "conv_kernel": 4, "n_groups": 1, "mlp_bias": False,
+            "layer_norm_epsilon": 1e-5, "use_bias": False, "use_conv_bias": True}
+    return {
+        "model_type": "nemotron_h_nano_omni", "architectures": ["NemotronH_Nano_Omni_Reasoning_V3"],
+        "text_config": text,
+        "vision_config": {"model_type": "radio", "hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+                          "intermediate_size": 64, "patch_size": 16, "image_size": 64, "max_resolution": 256,
+                          "args": {"cpe_max_size": 256, "teachers": [], "register_multiple": None},
+                          "min_num_patches": 16, "max_num_patches": 64},
+        "vit_hidden_size": 32, "projector_hidden_size": hidden, "downsample_ratio": 0.5,
+        "img_context_token_id": ids["<image>"], "video_context_token_id": ids["<video>"],
+        "sound_context_token_id": ids["<so_embedding>"], "eos_token_id": [SPECIAL_TOKENS.index("<|im_end|>")],
+        "mlxkv_tiny_model": {"family": "nemotron_h_nano_omni", "hidden_size": hidden, "num_layers": 4, "seed": seed},
+    }
+
+
 def qwen3_vl_moe_config(vocab_size: int, ids: dict[str, int], hidden: int = 64, layers: int = 2, seed: int = 0,
                         **_) -> dict:
     """Qwen3-VL's tower, positions and deepstack before a mixture-of-experts language model."""
@@ -576,6 +603,11 @@ FAMILIES = {
     "muse_glimmer": (MUSE_GLIMMER_VISION_TOKENS, muse_glimmer_config,
                      QWEN_VL_TEMPLATE.replace("<|vision_start|><|image_pad|><|vision_end|>", "<|patch|>"),
                      {}, "MuseGlimmerProcessor", {}),
+    "nemotron_h_nano_omni": (NEMOTRON_OMNI_VISION_TOKENS, nemotron_h_nano_omni_config,
+                             QWEN_VL_TEMPLATE.replace("<|vision_start|><|image_pad|><|vision_end|>", "<image>"),
+                             {"norm_mean": [0.5] * 3, "norm_std": [0.5] * 3, "patch_size": 16,
+                              "downsample_ratio": 0.5, "min_num_patches": 16, "max_num_patches": 64},
+                             "NemotronHNanoOmniProcessor", {}),
     "qwen3_vl_moe": (QWEN_VISION_TOKENS, qwen3_vl_moe_config, QWEN_VL_TEMPLATE,
                      {**QWEN3_VL_PREPROCESSOR, "processor_class": "Qwen3VLProcessor"}, "Qwen3VLProcessor", {}),
     "glm4v": (GLM4V_VISION_TOKENS, glm4v_config, GLM4V_TEMPLATE, GLM4V_PREPROCESSOR, "Glm46VProcessor",
