@@ -16,6 +16,7 @@ SERVED = (
     "qwen2_vl", "qwen2_5_vl", "gemma3", "smolvlm", "idefics3", "qwen3_vl", "qwen3_vl_moe", "mistral3", "pixtral",
     "glm4v", "glm4v_moe", "idefics2", "internvl_chat", "aya_vision", "llava_onevision",
     "kimi_vl", "internvl", "kimi_k25", "glm_ocr", "mage_vl", "cohere_compass", "muse_glimmer", "nemotron_h_nano_omni",
+    "mimo_v2",
 )
 
 TEXT_MODEL = "a text model (no vision tower in mlx-vlm's module): mlx-lm's class of that name serves it"
@@ -137,7 +138,7 @@ _REASONS = (
     (UNTESTED, (
     "deepseekocr",
     "got", "granite4_vision", "inkling", "jina_vlm", "kimi_k3",
-    "llmjpvl", "mimo_v2", "minicpmo", "minimax_m3_vl",
+    "llmjpvl", "minicpmo", "minimax_m3_vl",
     "molmo", "molmo2",
     "plamo2vl", "qwen3_omni_moe", "step3p7",
     "unlimited_ocr", "youtu_vl",

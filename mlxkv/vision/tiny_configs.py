@@ -222,6 +222,32 @@ def nemotron_h_nano_omni_config(vocab_size: int, ids: dict[str, int], hidden: in
     }
 
 
+def mimo_v2_config(vocab_size: int, ids: dict[str, int], hidden: int = 64, layers: int = 2, seed: int = 0,
+                   **_) -> dict:
+    """MiMo-V2: Qwen2.5-VL's processor and placeholders, its own windowed tower, a sliding layer and a full
+    one (attention sinks on the sliding one), dense feed-forward; an audio tower beside (no audio sent)."""
+    base = qwen2_vl_config(vocab_size, ids, hidden, layers, seed)
+    text = {"vocab_size": vocab_size, "hidden_size": hidden, "intermediate_size": 2 * hidden,
+            "moe_intermediate_size": hidden, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 16, "v_head_dim": 16, "swa_head_dim": 16, "swa_v_head_dim": 16,
+            "swa_num_attention_heads": 4, "swa_num_key_value_heads": 2, "partial_rotary_factor": 0.5,
+            "max_position_embeddings": 4096, "sliding_window_size": 16, "hybrid_layer_pattern": [1, 0],
+            "moe_layer_freq": [0, 0], "n_routed_experts": 4, "num_experts_per_tok": 2}
+    return {
+        **{k: base[k] for k in ("image_token_id", "video_token_id", "vision_start_token_id",
+                                "vision_end_token_id")},
+        "model_type": "mimo_v2", "architectures": ["MiMoV2ForCausalLM"], "text_config": text,
+        "vocab_size": vocab_size, "eos_token_id": SPECIAL_TOKENS.index("<|im_end|>"),
+        "vision_config": {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "out_hidden_size": hidden,
+                          "num_heads": 2, "num_key_value_heads": 2, "num_query_groups": 1, "qk_channels": 16,
+                          "patch_size": 14, "spatial_patch_size": 14, "window_size": 56,
+                          "visual_token_window_size": 16, "fullatt_block_indexes": [1]},
+        "audio_config": {"out_hidden_size": hidden, "input_local_attn_heads": 2, "input_local_dim": 32,
+                         "input_local_head_dim": 16, "input_local_intermediate_size": 64, "input_local_layers": 1},
+        "mlxkv_tiny_model": {"family": "mimo_v2", "hidden_size": hidden, "num_layers": layers, "seed": seed},
+    }
+
+
 def qwen3_vl_moe_config(vocab_size: int, ids: dict[str, int], hidden: int = 64, layers: int = 2, seed: int = 0,
                         **_) -> dict:
     """Qwen3-VL's tower, positions and deepstack before a mixture-of-experts language model."""
@@ -608,6 +634,9 @@ FAMILIES = {
                              {"norm_mean": [0.5] * 3, "norm_std": [0.5] * 3, "patch_size": 16,
                               "downsample_ratio": 0.5, "min_num_patches": 16, "max_num_patches": 64},
                              "NemotronHNanoOmniProcessor", {}),
+    "mimo_v2": (QWEN_VISION_TOKENS + ["<|audio_pad|>"], mimo_v2_config, QWEN_VL_TEMPLATE,
+                {**PREPROCESSOR, "image_processor_type": "Qwen2VLImageProcessor", "processor_class": "MiMoV2Processor"},
+                "MiMoV2Processor", {}),
     "qwen3_vl_moe": (QWEN_VISION_TOKENS, qwen3_vl_moe_config, QWEN_VL_TEMPLATE,
                      {**QWEN3_VL_PREPROCESSOR, "processor_class": "Qwen3VLProcessor"}, "Qwen3VLProcessor", {}),
     "glm4v": (GLM4V_VISION_TOKENS, glm4v_config, GLM4V_TEMPLATE, GLM4V_PREPROCESSOR, "Glm46VProcessor",
