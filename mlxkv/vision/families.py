@@ -46,6 +46,9 @@ POSITIONS_ON_MODEL = ("mlx-vlm's HunYuan-VL keeps a prompt's four-axis XD-RoPE p
 IMAGE_TOKEN_WEIGHTS = ("its language model sends image tokens through their own weights (ERNIE-4.5-VL: multimodal "
                        "experts; ZAYA1-VL: a vision LoRA), chosen by a per-token image mask passed beside the "
                        "embeddings; mlxkv's rows give the language model embeddings and positions only")
+OWN_BATCH_MASK = ("mlx-vlm's Inkling builds its own relative-position mask from the key count (offset = keys - "
+                  "queries), one for the whole batch, not the cache's mask: in a batch of rows of different lengths "
+                  "a row gets another's positions (tried: one row equals mlx-vlm; a batch and preempted rows do not)")
 UNTESTED = ("not yet run over the pool with images: it needs its tiny model and the equality tests "
             "(docs/vision.md)")
 # family -> what a try found standing between it and its tiny model's tests (it stays not yet run: a
@@ -127,6 +130,9 @@ _REASONS = (
     (POSITIONS_ON_MODEL, (
     "hunyuan_vl",
 )),
+    (OWN_BATCH_MASK, (
+    "inkling",
+)),
     (IMAGE_TOKEN_WEIGHTS, (
     "ernie4_5_moe_vl", "zaya1_vl",
 )),
@@ -137,7 +143,7 @@ _REASONS = (
 )),
     (UNTESTED, (
     "deepseekocr",
-    "got", "granite4_vision", "inkling", "jina_vlm", "kimi_k3",
+    "got", "granite4_vision", "jina_vlm", "kimi_k3",
     "llmjpvl", "minicpmo", "minimax_m3_vl",
     "molmo", "molmo2",
     "plamo2vl", "qwen3_omni_moe", "step3p7",
