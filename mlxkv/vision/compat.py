@@ -80,14 +80,22 @@ def rope_index(model, input_ids, grid):
 
 
 def _embedding(model):
-    """The language model's token embedding (Idefics3's sits on the language model itself)."""
+    """The language model's token embedding (Idefics3's sits on the language model itself; Nemotron-H's
+    is its backbone's `embeddings`)."""
     language = model.language_model
-    return getattr(language, "model", language).embed_tokens
+    for inner in (getattr(language, "model", None), getattr(language, "backbone", None), language):
+        if inner is not None and "embed_tokens" in inner:
+            return inner.embed_tokens
+    return language.backbone.embeddings
 
 
 def embed_tokens(model, input_ids):
-    """The language model's token embedding (text positions of any row)."""
-    return _embedding(model)(input_ids)
+    """The language model's token embedding (text positions of any row), normalized where its
+    get_input_embeddings normalizes it (Muse Glimmer's embed_norm)."""
+    language = model.language_model
+    norm = getattr(getattr(language, "model", language), "embed_norm", None)
+    embeds = _embedding(model)(input_ids)
+    return embeds if norm is None else norm(embeds)
 
 
 def attention_module(model):
@@ -125,6 +133,21 @@ def prepare_inputs(processor, prompt: str, images: list, **kwargs) -> dict:
 _PROCESSOR_SETTINGS = ("min_pixels", "max_pixels", "size", "patch_size", "merge_size", "temporal_patch_size",
                        "image_mean", "image_std", "rescale_factor", "do_resize", "do_rescale", "do_normalize",
                        "do_convert_rgb", "resample", "image_seq_length", "do_image_splitting", "max_image_size")
+
+
+# The processor's per-image outputs beside pixel_values (a row an image) that change what an image's
+# pixels mean: Kimi-VL's patch grid (the same patches in 2 x 8 or 4 x 4 are different images),
+# LLaVA-OneVision's size (which AnyRes tiles are real). Part of an image's hash.
+_PER_IMAGE_INPUTS = ("image_grid_hws", "image_sizes")
+
+
+def per_image_inputs(inputs: dict, count: int) -> list:
+    """Per image, its values of _PER_IMAGE_INPUTS in `inputs` (prepare_inputs' output), flattened."""
+    import numpy as np
+
+    present = [np.asarray(inputs[name]) for name in _PER_IMAGE_INPUTS if inputs.get(name) is not None]
+    present = [a for a in present if a.ndim >= 1 and len(a) == count]
+    return [np.concatenate([a[k].ravel() for a in present]) if present else None for k in range(count)]
 
 
 def processor_settings(processor) -> dict:
@@ -179,8 +202,12 @@ def global_image_token_id(processor) -> int | None:
 
 
 def image_end_token_id(processor) -> int | None:
-    """The token after an image's last row of placeholders (Pixtral's, Mistral 3's [IMG_END]): its
-    rows, broken by [IMG_BREAK], are one image. None for families whose image is one run."""
+    """The token after an image's last run of placeholders (Pixtral's, Mistral 3's [IMG_END]; Aya Vision's
+    and Llama 4's, after their global view): the runs before it, rows or tiles, are one image. None for
+    families whose image is one run."""
+    token = getattr(processor, "end_of_img_token", None)  # Aya Vision's, Llama 4's
+    if token is not None:
+        return processor.tokenizer.convert_tokens_to_ids(token)
     return getattr(processor, "image_end_token_id", None)
 
 
@@ -189,6 +216,30 @@ def placeholder_features(model, input_ids, pixel_values, **image_inputs):
     get_input_embeddings puts the tower's projected output at every placeholder, so its embeddings of an
     all-placeholder prompt are the image's features (Mistral 3's, with its `image_sizes`)."""
     return model.get_input_embeddings(input_ids, pixel_values, **image_inputs).inputs_embeds[0]
+
+
+# Families embedded image by image (vision_features, tile_features, placeholder_features with their own
+# inputs), so the encoder cache spares the tower an image already seen beside a new one. Any other family
+# is embedded whole by its get_input_embeddings with all its processor's inputs, or by merged_embeddings
+# when every image is in the encoder cache (vision/prompt.py).
+_PER_IMAGE = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "glm4v_moe", "gemma3", "smolvlm",
+              "idefics3", "idefics2", "mistral3", "pixtral", "cohere_compass")
+
+
+def per_image_features(model) -> bool:
+    return getattr(model.config, "model_type", None) in _PER_IMAGE
+
+
+def merged_embeddings(model, input_ids, features):
+    """[1, L, D]: the prompt's token embeddings with `features` [n, D] at its n placeholders, in order:
+    what get_input_embeddings computes for a family that writes an image's features over its
+    placeholders (LLaVA-style merges), with no vision tower run."""
+    import numpy as np
+
+    embeds = embed_tokens(model, input_ids)
+    at = mx.array(np.flatnonzero(np.array(input_ids[0]) == vision_token_id(model)))
+    embeds[:, at] = features.astype(embeds.dtype)
+    return embeds
 
 
 def tile_features(model, input_ids, pixel_values, pixel_mask):

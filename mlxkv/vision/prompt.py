@@ -31,15 +31,18 @@ class VisionPrompt:
 
     tokens: list[int]
     spans: list[ImageSpan]
-    pixel_values: np.ndarray
+    pixel_values: np.ndarray | list[np.ndarray]  # a list: one array an image, each of its own size (_pixels)
     grid: np.ndarray | None  # per image (t, h, w); None for families without one
     # A tiled family's [1, T, H, W] pixel_attention_mask (pixels [1, T, C, H, W], T tiles of all images);
     # its image's span runs from its first placeholder to its last, one run of placeholders a tile.
     pixel_mask: np.ndarray | None = None
-    tiles: list[int] | None = None  # per image, its tiles (tiled families)
+    tiles: list[int] | None = None  # per image, its rows of pixel_values when it has no grid (its tiles)
     # Pixtral's (Mistral 3's) per image (h, w): its images are padded to the largest in pixel_values;
     # an image's span is its rows of placeholders, broken by [IMG_BREAK] and ended by [IMG_END].
     sizes: np.ndarray | None = None
+    # What else the processor returned, for the families whose images are embedded over the whole prompt
+    # (_whole_prompt_inputs): LLaVA-OneVision's image_sizes, Kimi-VL's image_grid_hws, InternVL's image_token_index.
+    extras: dict | None = None
 
     @property
     def image_tokens(self) -> int:
@@ -87,6 +90,8 @@ class VisionPrompt:
 
     def _image_inputs(self, model: VisionModel) -> RowInputs:
         """The whole prompt's embeddings, its images' features merged in, and its positions."""
+        if not compat.per_image_features(model.vlm):
+            return self._whole_prompt_inputs(model)
         extra = {} if self.grid is None else {"image_grid_thw": mx.array(self.grid)}
         if self.pixel_mask is not None:
             extra = {"pixel_attention_mask": mx.array(self.pixel_mask)}
@@ -100,6 +105,34 @@ class VisionPrompt:
         if positions is None:
             positions = mx.broadcast_to(mx.arange(len(self.tokens))[None, None], (3, 1, len(self.tokens)))
         return RowInputs(embeds[0], positions[:, 0], _delta(deltas), deepstack=deepstack)
+
+    def _whole_prompt_inputs(self, model: VisionModel) -> RowInputs:
+        """The embeddings of the tokens with each image's features at its placeholders, and the positions
+        mlx-vlm gives the prompt. With every image in the encoder cache no vision tower runs; else
+        mlx-vlm's get_input_embeddings embeds the whole prompt with all the processor's inputs (any family
+        that writes an image's features over its placeholders), and each image's features are kept."""
+        if compat.deepstack_layers(model.vlm):  # this path keeps embeddings and positions only
+            raise MlxkvError(f"{model.vlm.config.model_type}: its deepstack features would be dropped on the "
+                             f"whole-prompt path; it must be embedded image by image (vision/compat.py)")
+        ids = mx.array([self.tokens])
+        features = [model.encoder_cache.get(span.digest) for span in self.spans]
+        if any(f is None for f in features):
+            extras = {k: mx.array(v) if isinstance(v, np.ndarray) else v for k, v in (self.extras or {}).items()}
+            embeds, positions, deltas = compat.input_embeddings(model.vlm, ids, _mx_pixels(self.pixel_values), **extras)
+            if embeds.shape[1] != len(self.tokens):  # families.INSERTS: refused at load, so never here
+                raise MlxkvError(f"messages: {len(self.tokens)} prompt tokens became {embeds.shape[1]} embeddings")
+            at = np.array(self.tokens) == model.image_token_id
+            for span in self.spans:
+                inside = np.flatnonzero(at[span.start : span.end]) + span.start
+                kept = embeds[0, mx.array(inside)]
+                mx.eval(kept)
+                model.encoder_cache.put(span.digest, kept)
+        else:
+            embeds = compat.merged_embeddings(model.vlm, ids, mx.concatenate(features))
+            positions, deltas = compat.rope_index(model.vlm, ids, None if self.grid is None else mx.array(self.grid))
+        n = len(self.tokens)
+        positions = mx.broadcast_to(mx.arange(n)[None], (3, n)) if positions is None else positions[:, 0]
+        return RowInputs(embeds[0], positions, _delta(deltas))
 
     def _features(self, model: VisionModel, k: int) -> mx.array:
         """Image k's vision tower output: from the encoder cache, or computed and kept there."""
@@ -138,13 +171,8 @@ def _delta(deltas) -> int:
 
 
 def _pixel_rows(prompt: VisionPrompt, k: int) -> tuple[int, int]:
-    """Image k's rows of pixel_values: its grid's patches, its tiles, or one image."""
-    if prompt.grid is not None:
-        sizes = [int(np.prod(g)) for g in prompt.grid]
-    elif prompt.tiles is not None:
-        sizes = prompt.tiles
-    else:
-        sizes = [1] * len(prompt.spans)
+    """Image k's rows of pixel_values: its grid's patches, or its tiles."""
+    sizes = [int(np.prod(g)) for g in prompt.grid] if prompt.grid is not None else prompt.tiles
     rows = np.cumsum([0] + sizes)
     return int(rows[k]), int(rows[k + 1])
 
@@ -162,21 +190,53 @@ def vision_prompt(model, messages: list[dict], max_pixels: int = MAX_IMAGE_PIXEL
     processor = model.processor
     text = compat.render_chat(processor, _template_messages(messages))
     inputs = compat.prepare_inputs(processor, text, images, return_tensors="np")
-    pixels = np.asarray(inputs["pixel_values"])
+    pixels = _pixels(inputs["pixel_values"])
     grid = inputs.get("image_grid_thw")
     grid = None if grid is None else np.asarray(grid)
     tokens = np.asarray(inputs["input_ids"])[0].tolist()
     mask = inputs.get("pixel_attention_mask")
     mask = None if mask is None else np.asarray(mask)
-    sizes = inputs.get("image_sizes")
-    sizes = None if sizes is None else np.asarray(sizes)
+    sizes = inputs.get("image_sizes")  # Pixtral's: its images padded in [N, C, H, W] (LLaVA-OneVision's are 5-D)
+    sizes = None if sizes is None or getattr(pixels, "ndim", 1) != 4 else np.asarray(sizes)
     groups = _even(_images(tokens, model.image_token_id, compat.global_image_token_id(processor),
                            compat.image_end_token_id(processor)), len(images), mask)
-    spans = _spans(groups, pixels, grid, mask, compat.processor_settings(processor), sizes)
-    if len(spans) != len(images):
-        raise MlxkvError(f"messages: {len(images)} images became {len(spans)} image spans in the prompt")
-    return VisionPrompt(tokens, spans, pixels, grid, mask, None if mask is None else [len(g) for g in groups],
-                        sizes)
+    if len(groups) != len(images):
+        raise MlxkvError(f"messages: {len(images)} images became {len(groups)} image spans in the prompt")
+    # InternVL's tiles of all images are [1, T, C, H, W]: an image's rows are its tiles.
+    total = pixels.shape[1] if getattr(pixels, "ndim", 1) == 5 and mask is None and len(pixels) == 1 else len(pixels)
+    rows = _image_rows(groups, total, grid, mask, sizes)
+    spans = _spans(groups, pixels, rows, grid, mask, compat.processor_settings(processor), sizes,
+                   compat.per_image_inputs(inputs, len(groups)))
+    extras = {k: v for k, v in inputs.items() if k not in ("input_ids", "pixel_values", "attention_mask")}
+    return VisionPrompt(tokens, spans, pixels, grid, mask, None if grid is not None else rows, sizes, extras)
+
+
+def _pixels(values) -> np.ndarray | list[np.ndarray]:
+    """pixel_values as one array, or as one array an image when the processor sizes each image on its
+    own (Nemotron Nano Omni's [C, H, W]): an image's rows are then its own array."""
+    if isinstance(values, (list, tuple)) and len({np.shape(v) for v in values}) > 1:
+        return [np.asarray(v) for v in values]
+    return np.asarray(values)
+
+
+def _mx_pixels(pixels):
+    return [mx.array(p) for p in pixels] if isinstance(pixels, list) else mx.array(pixels)
+
+
+def _image_rows(groups: list, total: int, grid, mask, sizes) -> list[int]:
+    """Each image's rows of pixel_values (what its hash covers): its grid's patches, its tiles (a run of
+    placeholders a tile; Pixtral's: one padded image), one row an image, else its share of the rows by
+    its placeholders: tiles of one token count each (InternVL's, Aya Vision's)."""
+    if grid is not None:
+        return [int(np.prod(g)) for g in grid]
+    if mask is not None:
+        return [len(tiles) for tiles in groups]
+    if sizes is not None or total == len(groups):
+        return [1] * len(groups)
+    counts = [sum(n for _, n in tiles) for tiles in groups]
+    if any(total * c % sum(counts) for c in counts):
+        raise MlxkvError(f"messages: {total} image rows do not divide among images of {counts} tokens")
+    return [total * c // sum(counts) for c in counts]
 
 
 def fitted_vision_prompt(model, messages: list[dict], limit: int) -> tuple[VisionPrompt, int]:
@@ -254,16 +314,11 @@ def _even(groups: list, count: int, mask) -> list:
     return [[run for group in groups[i * k : (i + 1) * k] for run in group] for i in range(count)]
 
 
-def _spans(images: list[list[tuple[int, int]]], pixels: np.ndarray, grid, mask, settings: dict,
-           sizes=None) -> list[ImageSpan]:
+def _spans(images: list[list[tuple[int, int]]], pixels: np.ndarray, rows: list[int], grid, mask, settings: dict,
+           sizes=None, layouts: list | None = None) -> list[ImageSpan]:
     """Each image's span, first placeholder to last, keyed by its own pixels and grid (or tiles' mask,
-    or its size: a padded image is keyed by its own pixels, not by the padding its neighbours set)."""
-    if grid is not None:
-        rows = [int(np.prod(g)) for g in grid]
-    elif mask is not None:
-        rows = [len(tiles) for tiles in images]
-    else:
-        rows = [len(pixels) // max(1, len(images))] * len(images)
+    or its size: a padded image is keyed by its own pixels, not by the padding its neighbours set;
+    or its `layouts` entry, compat.per_image_inputs': Kimi-VL's patch grid)."""
     bounds = np.cumsum([0] + rows)
     spans = []
     for k, tiles in enumerate(images):
@@ -274,7 +329,19 @@ def _spans(images: list[list[tuple[int, int]]], pixels: np.ndarray, grid, mask, 
         elif sizes is not None:
             h, w = (int(x) for x in sizes[k])
             digest = image_hash(pixels[k, :, :h, :w], sizes[k], settings)
+        elif getattr(pixels, "ndim", 1) == 5:
+            digest = image_hash(_own_tiles(pixels, k, a, b, len(images)), layouts and layouts[k], settings)
         else:
-            digest = image_hash(pixels[a:b], None if grid is None else grid[k], settings)
+            digest = image_hash(pixels[a:b], grid[k] if grid is not None else layouts and layouts[k], settings)
         spans.append(ImageSpan(start, end - start, digest))
     return spans
+
+
+def _own_tiles(pixels: np.ndarray, k: int, a: int, b: int, count: int) -> np.ndarray:
+    """Image k's tiles [T, C, H, W] of a 5-D pixel_values, the same whichever images share its request:
+    LLaVA-OneVision's [images, tiles, ...] pads each image's tiles with zeros to the most tiles, InternVL's
+    [1, all tiles, ...] holds every image's tiles in a row (rows a:b are image k's)."""
+    tiles = pixels[k] if len(pixels) == count else pixels[0][a:b]
+    while len(tiles) > 1 and not tiles[-1].any():
+        tiles = tiles[:-1]
+    return tiles

@@ -19,7 +19,8 @@ from mlxkv.errors import MlxkvError
 from mlxkv.models.tiny import _tokenizer, random_weights
 from mlxkv.vision import compat
 from mlxkv.vision.families import SERVED as VISION_FAMILIES  # a tiny model of each
-from mlxkv.vision.tiny_configs import FAMILIES, GEMMA3_IMAGE_TOKENS, IDEFICS2_IMAGE_TOKENS, SMOLVLM_TILE_TOKENS
+from mlxkv.vision.tiny_configs import (FAMILIES, GEMMA3_IMAGE_TOKENS, IDEFICS2_IMAGE_TOKENS, PROCESSOR_CONFIGS,
+                                       SMOLVLM_TILE_TOKENS)
 
 
 def write_tiny_vlm(path: str | Path, family: str = "qwen2_vl", seed: int = 0, vocab_size: int = 512,
@@ -61,6 +62,8 @@ def write_tiny_vlm(path: str | Path, family: str = "qwen2_vl", seed: int = 0, vo
                                           "image_end_token": "[IMG_END]", "patch_size": 14,
                                           "spatial_merge_size": 2 if family == "mistral3" else 1,
                                           "processor_class": processor_class}
+    if family in PROCESSOR_CONFIGS:
+        files["processor_config.json"] = PROCESSOR_CONFIGS[family]
     for name, content in files.items():
         (path / name).write_text(json.dumps(content, indent=2, sort_keys=True) + "\n")
     return path

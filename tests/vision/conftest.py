@@ -27,7 +27,12 @@ def pytest_collection_modifyitems(config, items):
 
 # Each family's tiny model, written once per session as the fixture `<family>_dir`.
 VLM_SEEDS = {"qwen2_vl": 0, "qwen2_5_vl": 0, "gemma3": 1, "smolvlm": 0, "idefics3": 2, "qwen3_vl": 3,
-             "mistral3": 5, "pixtral": 6, "qwen3_vl_moe": 7, "glm4v": 8, "glm4v_moe": 9, "idefics2": 10}
+             "mistral3": 5, "pixtral": 6, "qwen3_vl_moe": 7, "glm4v": 8, "glm4v_moe": 9, "idefics2": 10,
+             "internvl_chat": 11, "aya_vision": 12,
+             "llava_onevision": 13, "kimi_vl": 14,
+             "internvl": 15, "kimi_k25": 16, "glm_ocr": 17, "mage_vl": 18,
+             "cohere_compass": 19, "muse_glimmer": 20,
+             "nemotron_h_nano_omni": 21, "mimo_v2": 22}
 
 
 def _vlm_dir_fixture(family: str, seed: int):

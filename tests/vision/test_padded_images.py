@@ -26,3 +26,31 @@ def test_an_image_keys_the_same_beside_a_larger_image_and_its_rows_are_one_span(
     assert padded.spans[0].digest != padded.spans[1].digest
     # 112x84 in 28-pixel placeholders: 3 rows of 4, two [IMG_BREAK]s between them, in one span.
     assert padded.spans[0].length == 3 * 4 + 2
+
+
+@pytest.mark.parametrize("family", ["llava_onevision", "internvl_chat"])
+def test_an_image_of_few_tiles_keys_the_same_beside_one_of_more_tiles(family, request):
+    """LLaVA-OneVision pads an image's AnyRes tiles with zeros to the most tiles of its request
+    ([images, tiles, C, H, W]); InternVL puts all images' tiles in one row ([1, tiles, C, H, W]). (Text
+    between the images: their placeholders are one token, so two images side by side are one run.)"""
+    model = VisionModel(*compat.load(str(request.getfixturevalue(f"{family}_dir"))))
+    small, wide = make_image(28, 28, seed=1), make_image(160, 60, seed=2)
+    alone = vision_prompt(model, _user(small))
+    image = {"type": "image", "image": small}
+    beside = vision_prompt(model, [{"role": "user", "content": [
+        {"type": "image", "image": wide}, {"type": "text", "text": "and"}, image]}])
+    assert len(beside.tokens) > len(alone.tokens) + 8  # the wide image has more tiles
+    assert beside.spans[1].digest == alone.spans[0].digest != beside.spans[0].digest
+
+
+def test_the_same_patches_in_another_grid_are_another_image(kimi_vl_dir):
+    """A one-colour 112x28 and 56x56 image are the same 16 patches of 14 px to Kimi-VL's processor, in a
+    2 x 8 and a 4 x 4 grid, and the same 4 placeholders: only the grid (image_grid_hws) tells them apart,
+    so it is in their keys, or the second would hit the first's KV."""
+    from PIL import Image
+
+    model = VisionModel(*compat.load(str(kimi_vl_dir)))
+    red = (200, 30, 30)
+    wide, square = (vision_prompt(model, _user(Image.new("RGB", size, red))) for size in ((112, 28), (56, 56)))
+    assert wide.tokens == square.tokens and (wide.pixel_values == square.pixel_values).all()
+    assert wide.spans[0].digest != square.spans[0].digest

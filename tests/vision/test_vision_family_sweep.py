@@ -26,6 +26,8 @@ def test_every_mlx_vlm_family_is_served_or_has_a_reason():
     undecided = present - set(families.SERVED) - set(families.NOT_SERVED)
     assert not undecided, f"mlx-vlm families with no decision in mlxkv/vision/families.py: {sorted(undecided)}"
     assert not set(families.SERVED) & set(families.NOT_SERVED)
+    listed = [f for _, names in families._REASONS for f in names]
+    assert len(listed) == len(set(listed)), "a family listed under two reasons: the later one wins silently"
     gone = (set(families.SERVED) | set(families.NOT_SERVED)) - present
     assert not gone, f"families mlx-vlm no longer has: {sorted(gone)}"
     assert all(reason.strip() for reason in families.NOT_SERVED.values())
@@ -51,7 +53,17 @@ def test_a_family_that_cannot_run_over_the_pool_is_refused_at_load_with_its_reas
     assert "\n" not in str(e.value)
 
 
-@pytest.mark.parametrize("family", ["qwen3_5", "llava"])  # llava: mlx-lm's loader remaps it to mistral3
+@pytest.mark.parametrize("family", ["llava_next", "llava_bunny", "granite_vision", "multi_modality", "fastvlm",
+                                    "phi4mm"])
+def test_a_family_whose_merge_inserts_features_is_refused_at_load_with_that_reason(family, tmp_path):
+    """LLaVA-NeXT's get_input_embeddings puts an image's features beside its placeholders: its embeddings
+    outgrow its ids, which key the pool's blocks. mlx-lm has no text class for these, so they are refused."""
+    with pytest.raises(MlxkvError) as e:
+        load_vision_model(_checkpoint(tmp_path, family), "m", object)
+    assert str(e.value) == f"m: mlx-vlm family {family!r} cannot run over mlxkv's pool: {families.INSERTS}"
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "llava", "llama4"])  # llava: mlx-lm's loader remaps it to mistral3
 def test_a_family_whose_images_are_not_served_loads_its_text_half_with_one_line(family, tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="mlxkv.vision.loading"):
         assert load_vision_model(_checkpoint(tmp_path, family), "m", object) is None
@@ -64,3 +76,32 @@ def test_a_family_mlx_vlm_has_no_class_for_loads_as_text_with_one_line(tmp_path,
         assert load_vision_model(_checkpoint(tmp_path, "no_such_vlm"), "x", object) is None
     assert [r.message for r in caplog.records] == [
         "x: mlx-vlm has no class for family 'no_such_vlm'; loading it as text"]
+
+
+def test_docs_family_table_says_served_exactly_for_the_served_families():
+    """docs/vision.md's table of vision families marks a row served iff families.SERVED has it."""
+    import re
+    from pathlib import Path
+
+    doc = (Path(__file__).parents[2] / "docs" / "vision.md").read_text()
+    rows = dict(re.findall(r"^\| `([a-z0-9_]+)` \| .* \| (.*) \|$", doc, flags=re.M))
+    assert {f for f, status in rows.items() if status == "**served**"} == set(families.SERVED)
+    assert all(f in families.NOT_SERVED for f, status in rows.items() if status != "**served**")
+
+
+@pytest.mark.parametrize("family", ["moondream2", "hunyuan_vl", "mistral_large3", "ernie4_5_moe_vl", "dots_ocr"])
+def test_a_family_a_try_ruled_out_says_what_it_found_at_load(family, tmp_path, caplog):
+    """A refusal names its cause (Moondream's bidirectional prefix, HunYuan-VL's positions kept on the
+    model, Mistral Large 3's tokenizer-only processor, ERNIE-4.5-VL's image-token experts); a family
+    still not yet run says what its try found, never only "untested"."""
+    with caplog.at_level(logging.INFO, logger="mlxkv.vision.loading"):
+        try:
+            loaded = load_vision_model(_checkpoint(tmp_path, family), "m", object)
+            assert loaded is None
+            said = caplog.records[-1].message
+        except MlxkvError as e:
+            said = str(e)
+    assert families.NOT_SERVED[family] in said and "\n" not in said
+    expected = {"moondream2": families.BIDIRECTIONAL, "hunyuan_vl": families.POSITIONS_ON_MODEL,
+                "mistral_large3": families.TOKENIZER_ONLY, "ernie4_5_moe_vl": families.IMAGE_TOKEN_WEIGHTS}.get(family, families.NOT_YET_RUN.get(family))
+    assert expected and expected in said

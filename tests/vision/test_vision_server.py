@@ -195,3 +195,45 @@ def test_a_tiled_family_served_counts_image_tokens_in_every_api_and_the_cache_st
         assert f"mlxkv_cached_image_tokens_total {3 * images}\n" in text
     finally:
         server.close()
+
+
+def _mlx_vlm_text(path, messages: list[dict], images: list, max_tokens: int) -> str:
+    """mlx-vlm's own greedy reply, loaded by its own loader and decoded by its tokenizer."""
+    from mlx_vlm.generate.dispatch import stream_generate
+
+    from mlxkv.vision import compat
+
+    model, processor = compat.load(str(path))
+    prompt = compat.render_chat(processor, messages)
+    tokens = [r.token for r in stream_generate(model, processor, prompt, image=images, max_tokens=max_tokens,
+                                               temperature=0.0)][:max_tokens]
+    return processor.tokenizer.decode(tokens)
+
+
+@pytest.fixture(scope="module")
+def gemma3_server(gemma3_dir):
+    server = Server.load(str(gemma3_dir), CacheConfig(**CACHE), ServerOptions(port=0)).start()
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+def test_gemma3_served_equals_mlx_vlm_and_its_next_turn_hits_the_first(gemma3_dir, gemma3_server):
+    """Gemma 3 (a fixed run of image tokens between <start_of_image> and <end_of_image>, sliding layers)
+    through the openai client: the reply is mlx-vlm's generate's; the next turn, the same image in its
+    history, has the first turn's prompt cached; an anthropic image block gets the same reply."""
+    question = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is it?"}]}]
+    expected = _mlx_vlm_text(gemma3_dir, question, [make_image(seed=1)], N)
+    client = openai.OpenAI(base_url=gemma3_server.url + "/v1", api_key="none", max_retries=0, timeout=120)
+    first = client.chat.completions.create(model="m", messages=_openai_messages(1), max_tokens=N, temperature=0)
+    assert first.choices[0].message.content == expected
+    turn = _openai_messages(1) + [{"role": "assistant", "content": expected},
+                                  {"role": "user", "content": "And in more words?"}]
+    second = client.chat.completions.create(model="m", messages=turn, max_tokens=N, temperature=0)
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached >= first.usage.prompt_tokens // CACHE["block_size"] * CACHE["block_size"]
+    block = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": _png(1)}}
+    reply = anthropic.Anthropic(base_url=gemma3_server.url, api_key="none", max_retries=0, timeout=120).messages.create(
+        model="m", max_tokens=N, messages=[{"role": "user", "content": [block, {"type": "text", "text": "What is it?"}]}])
+    assert reply.content[0].text == expected
