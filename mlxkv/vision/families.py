@@ -2,7 +2,7 @@
 
 mlx-vlm ships a module per family under mlx_vlm/models/. A family is either
 SERVED (its language model runs over mlxkv's paged pool with images, its
-tiny model in tiny_configs.py and its equality tests in
+tiny model in tiny_families.py's table and its equality tests in
 tests/vision/test_vision_engine.py) or has a reason it is not. The reasons
 come from reading each module's source (mlx-vlm 0.7.10; docs/vision.md has
 the table). tests/vision/test_vision_family_sweep.py lists mlx-vlm's modules and

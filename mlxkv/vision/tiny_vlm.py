@@ -19,8 +19,8 @@ from mlxkv.errors import MlxkvError
 from mlxkv.models.tiny import _tokenizer, random_weights
 from mlxkv.vision import compat
 from mlxkv.vision.families import SERVED as VISION_FAMILIES  # a tiny model of each
-from mlxkv.vision.tiny_configs import (FAMILIES, GEMMA3_IMAGE_TOKENS, IDEFICS2_IMAGE_TOKENS, PROCESSOR_CONFIGS,
-                                       SMOLVLM_TILE_TOKENS)
+from mlxkv.vision.tiny_configs import GEMMA3_IMAGE_TOKENS, IDEFICS2_IMAGE_TOKENS, SMOLVLM_TILE_TOKENS
+from mlxkv.vision.tiny_families import FAMILIES, PROCESSOR_CONFIGS
 
 
 def write_tiny_vlm(path: str | Path, family: str = "qwen2_vl", seed: int = 0, vocab_size: int = 512,

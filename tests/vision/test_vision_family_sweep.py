@@ -1,7 +1,7 @@
 """Every mlx-vlm model family is served with images or not served for a stated reason (vision/families.py).
 
 A new mlx-vlm release with a new family fails here until someone decides: serve it (a tiny model in
-tiny_configs.py, a param of tests/vision/test_vision_engine.py) or give the reason it is not served.
+tiny_families.py's table, a param of tests/vision/test_vision_engine.py) or give the reason it is not served.
 """
 
 import json
