@@ -145,7 +145,9 @@ class Engine:
 
         Options: max_tokens (256), temperature, top_p, top_k, min_p, seed,
         cache_salt, speculative (False: this request decodes without
-        proposals, when the engine speculates), grammar (a structured.Grammar
+        proposals, when the engine speculates), head (tokens: where the
+        prompt's system-and-tools head ends, chat/system_head.py; a hybrid
+        keeps a checkpoint there), grammar (a structured.Grammar
         the reply must match: a JSON schema, Lark, a regex). The request runs on the engine's batch loop, so streams
         consumed side by side decode as one batch. `should_stop` is asked
         after each token; when it says yes the reply ends there with
@@ -197,10 +199,12 @@ class Engine:
             return []
 
     def make_request(self, prompt, sink, should_stop: Callable[[], bool] | None = None, speculative: bool = True,
-                     grammar=None, **options) -> Request:
+                     grammar=None, head: int = 0, **options) -> Request:
         """A checked `Request` for the batch loop (options as for `stream`); raises MlxkvError on bad input."""
         if not isinstance(speculative, bool):
             raise MlxkvError(f"speculative must be true or false, got {speculative!r}")
+        if not whole(head) or head < 0:
+            raise MlxkvError(f"head must be a whole number of tokens, at least 0, got {head!r}")
         prompt_tokens, sampler, root = self._prepare(prompt, **options)
         max_tokens = self.limits.reply_room(len(prompt_tokens), options.get("max_tokens", DEFAULT_MAX_TOKENS))
         images = isinstance(prompt, VisionPrompt)  # its images key the blocks they overlap
@@ -211,11 +215,20 @@ class Engine:
             speculative=speculative and self.core.speculates and not images,
             grammar=None if grammar is None else self.core.structured.matcher(grammar),
             image_spans=tuple(prompt.spans) if images else (),
+            head=self._branch_point(head, len(prompt_tokens)),
         )
         if images:
             # Made at the row's first forward, on this thread, once its prefix hit is known.
             self.model.rows.attach(request, lambda computed, first: prompt.row_inputs(self.model, computed, first))
         return request
+
+    def _branch_point(self, head: int, num_tokens: int) -> int:
+        """A head's end as a branch point: whole blocks within the prompt, for a hybrid only
+        (attention blocks are shared without one)."""
+        if self.coordinator.recurrent is None:
+            return 0
+        block = self.config.pool.block_size
+        return min(head, num_tokens) // block * block
 
     def _prepare(
         self,

@@ -1,0 +1,41 @@
+"""A chat prompt's head: where its system messages and tools end.
+
+An agent's sessions all open on one system-and-tools head. A hybrid model
+(recurrent layers) resumes only at a checkpoint, so the first session on a
+head must leave one at the head's end, or a new session after a restart
+recomputes the whole head (cache/groups/recurrent.py, branch points). The
+head is found by rendering the system messages and tools alone and
+keeping what the whole prompt shares with them, in whole blocks.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from mlxkv.chat.reply_tokens import chat_tokens
+
+log = logging.getLogger(__name__)
+
+
+def head_length(tokenizer, messages: list[dict], tools: list | None, prompt: list[int], block_size: int) -> int:
+    """Tokens of `prompt` (the chat's whole prompt) that its system-and-tools head covers,
+    floored to whole blocks; 0 when there is no head or it is shorter than a block."""
+    system = [m for m in messages if m.get("role") == "system"]
+    if not system and not tools:
+        return 0
+    try:
+        head = chat_tokens(tokenizer, system, add_generation_prompt=False, tools=tools)
+    except Exception as e:  # a template that wants a user turn: no head, never a failed request
+        log.debug("could not render the system-and-tools head alone: %s", e)
+        return 0
+    shared = _common_prefix(head, prompt)
+    return shared // block_size * block_size
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
