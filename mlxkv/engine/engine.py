@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterator
 import mlx.core as mx
 
 from mlxkv.chat import prompting
+from mlxkv.chat.system_head import head_length
 from mlxkv.config import CacheConfig, EngineConfig, engine_config
 from mlxkv.engine.core import MAX_RUNNING, PREFILL_STEP, build_core  # noqa: F401  (PREFILL_STEP: re-exported)
 from mlxkv.engine.records import GenerationChunk, GenerationResult, RequestFailed
@@ -138,7 +139,15 @@ class Engine:
         (the reply with its ids): then the whole of this turn is a prefix hit."""
         if has_images(messages):  # image parts: a path, bytes, a PIL image or a data: URL
             return self.generate(vision_prompt(self.model, messages), **kwargs)
-        return self.generate(self.apply_chat_template(messages), **kwargs)
+        prompt = self.apply_chat_template(messages)
+        return self.generate(prompt, **{"head": self.chat_head(messages, prompt), **kwargs})
+
+    def chat_head(self, messages: list[dict], prompt) -> int:
+        """Where the chat prompt's system messages end (chat/system_head.py): a branch point
+        worth a checkpoint for a hybrid; 0 for any other model, which need not render it."""
+        if self.coordinator.recurrent is None or isinstance(prompt, VisionPrompt):
+            return 0
+        return head_length(self.tokenizer, messages, None, prompt, self.config.pool.block_size)
 
     def stream(self, prompt, should_stop: Callable[[], bool] | None = None, **options) -> Iterator[GenerationChunk]:
         """Yield one `GenerationChunk` per generated token; the last carries stats.

@@ -12,6 +12,7 @@ from mlxkv.chat.system_head import head_length
 from mlxkv.config import CacheConfig
 from mlxkv.engine.engine import Engine
 from mlxkv.errors import MlxkvError
+from mlxkv.host.engine_thread import EngineThread
 from mlxkv.models.tiny import TinyModelSpec
 
 BLOCK = 16
@@ -32,10 +33,14 @@ def chat(loaded, user: str) -> tuple[list[int], int]:
     return prompt, head_length(loaded.tokenizer, messages, TOOLS, prompt, BLOCK)
 
 
-def engine_for(loaded, disk: str) -> Engine:
+def config_for(disk: str) -> CacheConfig:
     # No write-through (the ratio): only what the close writes survives the restart.
-    return Engine(loaded, CacheConfig(block_size=BLOCK, num_blocks=128, memory_tier_bytes=0, disk_tier=disk,
-                                      checkpoint_interval=4096, checkpoint_write_ratio=1e9), prefill_chunk=512)
+    return CacheConfig(block_size=BLOCK, num_blocks=128, memory_tier_bytes=0, disk_tier=disk,
+                       checkpoint_interval=4096, checkpoint_write_ratio=1e9)
+
+
+def engine_for(loaded, disk: str) -> Engine:
+    return Engine(loaded, config_for(disk), prefill_chunk=512)
 
 
 def test_the_head_is_the_system_and_tools_in_whole_blocks(hybrid):
@@ -59,3 +64,31 @@ def test_a_new_chat_on_a_rendered_head_resumes_there_after_a_restart(hybrid, tmp
             engine.generate(second, max_tokens=1, head=-1)
     assert result.stats.cached_tokens["disk"] == head
     assert result.tokens == reference(second, 6)
+
+
+
+def chat_in_engine(path, loaded, disk, messages) -> None:
+    with engine_for(loaded, disk) as engine:
+        engine.chat(messages, max_tokens=1)
+
+
+def chat_in_thread(path, loaded, disk, messages) -> None:
+    """As the chat app sends a turn: messages, templated on the submitting thread."""
+    thread = EngineThread(path, config_for(disk), load=lambda model, cache, report: Engine(loaded, cache, prefill_chunk=512))
+    thread.start().wait_ready(timeout=120)
+    try:
+        list(thread.submit(messages=messages, max_tokens=1))
+    finally:
+        thread.close()
+
+
+@pytest.mark.parametrize("first_chat", [chat_in_engine, chat_in_thread])
+def test_a_chat_s_system_head_is_found_without_the_server(hybrid, tmp_path, first_chat):
+    """Engine.chat and the chat app's EngineThread.submit find the head themselves."""
+    path, loaded, _ = hybrid
+    disk = str(tmp_path / "kv")
+    first_chat(path, loaded, disk, [SYSTEM, {"role": "user", "content": "list the files"}])
+    second = chat_prompt(loaded.tokenizer, [SYSTEM, {"role": "user", "content": "and the tests?"}])
+    alone = chat_prompt(loaded.tokenizer, [SYSTEM], add_generation_prompt=False)
+    with engine_for(loaded, disk) as engine:  # a restart
+        assert engine.generate(second, max_tokens=1).stats.cached_tokens["disk"] == len(alone) // BLOCK * BLOCK > 0
