@@ -28,11 +28,12 @@ def head_length(tokenizer, messages: list[dict], tools: list | None, prompt: lis
     except Exception as e:  # a template that wants a user turn: no head, never a failed request
         log.debug("could not render the system-and-tools head alone: %s", e)
         return 0
-    shared = _common_prefix(head, prompt)
+    shared = common_prefix(head, prompt)
     return shared // block_size * block_size
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens two token lists share."""
     n = 0
     for x, y in zip(a, b):
         if x != y:
