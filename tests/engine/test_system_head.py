@@ -8,7 +8,7 @@ import pytest
 
 from family_support import model_with_oracle
 from mlxkv.chat.prompting import chat_prompt
-from mlxkv.chat.system_head import head_length
+from mlxkv.chat.system_head import common_prefix, head_length
 from mlxkv.config import CacheConfig
 from mlxkv.engine.engine import Engine
 from mlxkv.errors import MlxkvError
@@ -51,6 +51,29 @@ def test_the_head_is_the_system_and_tools_in_whole_blocks(hybrid):
     assert head_length(loaded.tokenizer, [{"role": "user", "content": "hi"}], None, prompt, BLOCK) == 0
 
 
+class NeedsAUser:
+    """A template that refuses a chat without a user turn, as Qwen3.5's does."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def apply_chat_template(self, messages, **options):
+        if not any(m["role"] == "user" for m in messages):
+            raise ValueError("No user query found in messages.")
+        return self.tokenizer.apply_chat_template(messages, **options)
+
+    def encode(self, text, **options):
+        return self.tokenizer.encode(text, **options)
+
+
+def test_a_template_that_wants_a_user_turn_still_has_a_head(hybrid):
+    _, loaded, _ = hybrid
+    prompt, head = chat(loaded, "list the files")
+    other, _ = chat(loaded, "what does the README say?")
+    found = head_length(NeedsAUser(loaded.tokenizer), [SYSTEM, {"role": "user", "content": "x"}], TOOLS, prompt, BLOCK)
+    assert found % BLOCK == 0 and head <= found <= common_prefix(prompt, other)
+
+
 def test_a_new_chat_on_a_rendered_head_resumes_there_after_a_restart(hybrid, tmp_path):
     _, loaded, reference = hybrid
     disk = str(tmp_path / "kv")
@@ -82,6 +105,7 @@ def chat_in_thread(path, loaded, disk, messages) -> None:
         thread.close()
 
 
+@pytest.mark.slow  # two restarts
 @pytest.mark.parametrize("first_chat", [chat_in_engine, chat_in_thread])
 def test_a_chat_s_system_head_is_found_without_the_server(hybrid, tmp_path, first_chat):
     """Engine.chat and the chat app's EngineThread.submit find the head themselves."""
