@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 
 from mlxkv.benchmarks.rows import format_rows, row  # noqa: F401  (format_rows: the suite's printer)
 from mlxkv.benchmarks.serve import _free_port, _mlx_lm_server, _Process, _words
+from mlxkv.chat.system_head import common_prefix
 
 BLOCK = 16
 
@@ -215,21 +216,12 @@ def _reuse(p: Played, tools: list[dict], path: str) -> tuple[int, int, int]:
     for i, (messages, reply, reused) in enumerate(p.requests):
         prompt = list(tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True))
         if i != p.retried:
-            best = max((_common(prompt, s) for s in seen), default=0)
+            best = max((common_prefix(prompt, s) for s in seen), default=0)
             ideal += min(best, len(prompt) - 1) // BLOCK * BLOCK
             cached += reused
             total += len(prompt)
         seen.append((prompt + list(tokenizer.encode(reply)))[:-1])
     return ideal, cached, total
-
-
-def _common(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def _mlxkv_server(path: str, ssd: str) -> _Process:

@@ -163,18 +163,20 @@ class KVCacheCoordinator:
         """The most blocks one sequence holds on its way to `num_tokens` tokens."""
         return sum(m.peak_blocks(num_tokens, chunk) for m in self.attention)
 
-    def admit(self, request_id: int, tokens: list[int], root: BlockHash | None, hit: PrefixHit) -> Sequence:
-        """A sequence holding the hit's blocks, hydrated from the tiers; if a tier's copy is gone, look again."""
+    def admit(self, request_id: int, tokens: list[int], root: BlockHash | None, hit: PrefixHit,
+              head: int = 0) -> Sequence:
+        """A sequence holding the hit's blocks, hydrated from the tiers; if a tier's copy is gone, look again.
+        `head`: where a rendered system-and-tools head ends (tokens), a hybrid's branch point too."""
         for _ in range(HYDRATE_ATTEMPTS):
             if not self._hydration.room_for(hit):
                 break  # computing those blocks would not fit either: the scheduler waits or preempts
-            seq = self._hydration.take(request_id, tokens, root, hit)
+            seq = self._hydration.take(request_id, tokens, root, hit, head)
             if seq is not None:
                 seq.restore_choice, seq.recomputed_hit = hit.restore_choice, hit.recomputed
                 return seq
             hit = self.lookup(tokens, root, hashes=hit.hashes)
         return self._hydration.take(request_id, tokens, root,
-                                    self.lookup(tokens, root, hashes=hit.hashes, use_tiers=False))
+                                    self.lookup(tokens, root, hashes=hit.hashes, use_tiers=False), head)
 
     # -- computing ------------------------------------------------------------
 

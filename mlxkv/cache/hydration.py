@@ -28,8 +28,9 @@ class Hydration:
         unreferenced = sum(1 for block in hit.pool_blocks if block.ref_count == 0)
         return hit.tier_blocks <= self.pool.num_free - unreferenced
 
-    def take(self, request_id: int, tokens: list[int], root, hit) -> Sequence | None:
-        """A sequence holding the hit's blocks; None (holding nothing) if a tier could not supply its share."""
+    def take(self, request_id: int, tokens: list[int], root, hit, head: int = 0) -> Sequence | None:
+        """A sequence holding the hit's blocks; None (holding nothing) if a tier could not supply its share.
+        `head` (tokens): a rendered head's end, a branch point as the hit's own is."""
         loaded = self.recurrent.load(hit.checkpoint) if hit.checkpoint is not None else None
         if hit.checkpoint is not None and loaded is None:
             return None
@@ -51,7 +52,7 @@ class Hydration:
             manager.start(request_id, hit.num_blocks, blocks)
         if self.recurrent is not None:
             self.recurrent.start(request_id, loaded[0] if loaded else None, seq.num_computed,
-                                 hit.branch * self.block_size)
+                                 max(hit.branch * self.block_size, head))
         state_tier = loaded[1] if loaded else POOL
         for source in sources:
             source = max(source, state_tier, key=TIERS.index)  # as slow as the checkpoint, too

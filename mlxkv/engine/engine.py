@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterator
 import mlx.core as mx
 
 from mlxkv.chat import prompting
+from mlxkv.chat.system_head import head_length
 from mlxkv.config import CacheConfig, EngineConfig, engine_config
 from mlxkv.engine.core import MAX_RUNNING, PREFILL_STEP, build_core  # noqa: F401  (PREFILL_STEP: re-exported)
 from mlxkv.engine.records import GenerationChunk, GenerationResult, RequestFailed
@@ -138,14 +139,24 @@ class Engine:
         (the reply with its ids): then the whole of this turn is a prefix hit."""
         if has_images(messages):  # image parts: a path, bytes, a PIL image or a data: URL
             return self.generate(vision_prompt(self.model, messages), **kwargs)
-        return self.generate(self.apply_chat_template(messages), **kwargs)
+        prompt = self.apply_chat_template(messages)
+        return self.generate(prompt, **{"head": self.chat_head(messages, prompt), **kwargs})
+
+    def chat_head(self, messages: list[dict], prompt) -> int:
+        """Where the chat prompt's system messages end (chat/system_head.py): a branch point
+        worth a checkpoint for a hybrid; 0 for any other model, which need not render it."""
+        if self.coordinator.recurrent is None or isinstance(prompt, VisionPrompt):
+            return 0
+        return head_length(self.tokenizer, messages, None, prompt, self.config.pool.block_size)
 
     def stream(self, prompt, should_stop: Callable[[], bool] | None = None, **options) -> Iterator[GenerationChunk]:
         """Yield one `GenerationChunk` per generated token; the last carries stats.
 
         Options: max_tokens (256), temperature, top_p, top_k, min_p, seed,
         cache_salt, speculative (False: this request decodes without
-        proposals, when the engine speculates), grammar (a structured.Grammar
+        proposals, when the engine speculates), head (tokens: where the
+        prompt's system-and-tools head ends, chat/system_head.py; a hybrid
+        keeps a checkpoint there), grammar (a structured.Grammar
         the reply must match: a JSON schema, Lark, a regex). The request runs on the engine's batch loop, so streams
         consumed side by side decode as one batch. `should_stop` is asked
         after each token; when it says yes the reply ends there with
@@ -197,10 +208,12 @@ class Engine:
             return []
 
     def make_request(self, prompt, sink, should_stop: Callable[[], bool] | None = None, speculative: bool = True,
-                     grammar=None, **options) -> Request:
+                     grammar=None, head: int = 0, **options) -> Request:
         """A checked `Request` for the batch loop (options as for `stream`); raises MlxkvError on bad input."""
         if not isinstance(speculative, bool):
             raise MlxkvError(f"speculative must be true or false, got {speculative!r}")
+        if not whole(head) or head < 0:
+            raise MlxkvError(f"head must be a whole number of tokens, at least 0, got {head!r}")
         prompt_tokens, sampler, root = self._prepare(prompt, **options)
         max_tokens = self.limits.reply_room(len(prompt_tokens), options.get("max_tokens", DEFAULT_MAX_TOKENS))
         images = isinstance(prompt, VisionPrompt)  # its images key the blocks they overlap
@@ -211,11 +224,20 @@ class Engine:
             speculative=speculative and self.core.speculates and not images,
             grammar=None if grammar is None else self.core.structured.matcher(grammar),
             image_spans=tuple(prompt.spans) if images else (),
+            head=self._branch_point(head, len(prompt_tokens)),
         )
         if images:
             # Made at the row's first forward, on this thread, once its prefix hit is known.
             self.model.rows.attach(request, lambda computed, first: prompt.row_inputs(self.model, computed, first))
         return request
+
+    def _branch_point(self, head: int, num_tokens: int) -> int:
+        """A head's end as a branch point: whole blocks within the prompt, for a hybrid only
+        (attention blocks are shared without one)."""
+        if self.coordinator.recurrent is None:
+            return 0
+        block = self.config.pool.block_size
+        return min(head, num_tokens) // block * block
 
     def _prepare(
         self,

@@ -72,6 +72,9 @@ class Request:
     speculative: bool = False  # its decode may take proposals (the engine speculates, it did not opt out)
     grammar: object | None = None  # its structured.RowMatcher: its tokens are masked to the grammar
     image_spans: tuple = ()  # its images' vision.image_keys.ImageSpan: its stats count their tokens
+    # Tokens: the end of the system-and-tools head the server rendered (whole blocks), a
+    # hybrid's branch point to checkpoint at (cache/groups/recurrent.py); 0: none.
+    head: int = 0
     seq: Sequence | None = None
     state: RequestState = RequestState.WAITING
     stats: RequestStats | None = None  # from the first admission on; written here only

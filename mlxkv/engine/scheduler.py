@@ -169,7 +169,7 @@ class Scheduler:
             self._shortfalls.pop(request, None)
 
     def _start(self, request: Request, hit: PrefixHit) -> None:
-        seq = self.cache.admit(request.request_id, request.tokens, request.hash_root, hit)
+        seq = self.cache.admit(request.request_id, request.tokens, request.hash_root, hit, head=request.head)
         self._prompt_slots(seq)
         self._run(request, seq)
 

@@ -148,6 +148,7 @@ class EngineThread(MlxThread):
             prompt = self._chat_prompt(handle, messages, options, fit_context, reply_room)
             if prompt is None:  # failed: the handle says why
                 return handle
+            options = {"head": self.engine.chat_head(messages, prompt), **options}  # a hybrid's branch point
         with self._lock:  # so no request is queued behind the close
             if self._closed:
                 raise MlxkvError("the engine is closed")

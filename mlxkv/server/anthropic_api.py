@@ -152,12 +152,13 @@ async def messages(request: Request):
     body = await parse_body(request, MessagesRequest)
     backend = await routed(request, body.model, body.stream)
     tools = template_tools(body.tools, body.tool_choice)
-    tokens = await off_loop(backend.chat_tokens, template_messages(body), tools)
+    prompt = await off_loop(backend.chat_prompt, template_messages(body), tools)
+    tokens = prompt.tokens
     max_tokens = backend.reply_limit(tokens, body.max_tokens, anthropic=True)
     temperature = request.app.state.temperature if body.temperature is None else body.temperature
     grammar = anthropic_grammar(body, backend.info.tokenizer)  # a 400 if it does not compile
     handle = backend.submit(tokens, max_tokens=max_tokens, temperature=temperature, top_p=body.top_p or 0.0,
-                            top_k=body.top_k or 0, speculative=body.speculative,
+                            top_k=body.top_k or 0, speculative=body.speculative, head=prompt.head,
                             **({} if grammar is None else {"grammar": grammar}))
     reply = request.state.reply = Reply(backend, handle, tokens, body.stop_sequences, tools)
     head = {"id": new_id("msg_"), "type": "message", "role": "assistant", "model": backend.info.name}

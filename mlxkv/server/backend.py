@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from mlxkv.chat import prompting
+from mlxkv.chat.system_head import head_length
 from mlxkv.engine.limits import RequestLimits
 from mlxkv.engine.records import is_last
 from mlxkv.errors import MlxkvError
@@ -64,6 +65,13 @@ class ModelInfo:
     vision: object = None  # a VisionModel: its processor and image token (read-only) build image prompts
     nbytes: int = 0  # the weights and the pool's budget: what the model holds in memory at most
     kind: str = CHAT  # or "embedding" (models/embedding.py): which requests it serves
+    hybrid: bool = False  # recurrent layers: a chat's system-and-tools head is worth a checkpoint
+
+
+@dataclass(frozen=True)
+class ChatPrompt:
+    tokens: list[int]
+    head: int  # tokens of a system-and-tools head, in whole blocks (chat/system_head.py); 0: none
 
 
 def not_for_replies(info: ModelInfo) -> ApiError:
@@ -109,7 +117,8 @@ def _model_info(name: str, engine) -> ModelInfo:
     vision = model if isinstance(model, VisionModel) else None
     return ModelInfo(name, core.tokenizer, core.limits, core.loaded.max_context, log_path,
                      block_size, ", ".join(tiers), vision, _footprint(core),
-                     model_kind(getattr(core.loaded, "config", {}) or {}))
+                     model_kind(getattr(core.loaded, "config", {}) or {}),
+                     hybrid=core.coordinator.recurrent is not None)
 
 
 class RecordReader:
@@ -186,6 +195,15 @@ class ServingBackend:
         self._tools_lock = threading.Lock()
 
     # -- prompts (blocking: call through a worker thread) ---------------------
+
+    def chat_prompt(self, messages: list[dict], tools: list | None = None) -> ChatPrompt:
+        """The chat's prompt and where its system-and-tools head ends (a hybrid's only: the
+        head costs a second render, and only a hybrid keeps a checkpoint there)."""
+        tokens = self.chat_tokens(messages, tools)
+        head = 0
+        if self.info.hybrid and not has_images(messages):
+            head = head_length(self.info.tokenizer, strip_heads(messages), tools, tokens, self.info.block_size)
+        return ChatPrompt(tokens, head)
 
     def chat_tokens(self, messages: list[dict], tools: list | None = None) -> list[int]:
         if has_images(messages):  # ids with the images' placeholders, and the images (vision/prompt.py)

@@ -53,6 +53,8 @@ class EncoderBackend:
     def chat_tokens(self, *args, **kwargs):
         raise not_for_replies(self.info)
 
+    chat_prompt = chat_tokens
+
     def reply_limit(self, *args, **kwargs):
         raise not_for_replies(self.info)
 

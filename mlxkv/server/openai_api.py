@@ -131,8 +131,9 @@ async def chat_completions(request: Request):
     tools = body.tools or None
     if body.tool_choice == "none":
         tools = None
-    tokens = await off_loop(backend.chat_tokens, template_messages(body.messages), tools)
-    reply = start(request, tokens, body.max_completion_tokens or body.max_tokens, body, tools, "messages")
+    prompt = await off_loop(backend.chat_prompt, template_messages(body.messages), tools)
+    reply = start(request, prompt.tokens, body.max_completion_tokens or body.max_tokens, body, tools, "messages",
+                  head=prompt.head)
     if body.stream:
         return event_stream(_chat_chunks(backend.info.name, reply, body, request.app.state.keepalive))
     whole = await until_disconnect(request, reply.collect())
@@ -161,12 +162,13 @@ async def completions(request: Request):
 
 
 def start(request: Request, tokens: list[int], max_tokens: int | None, body: _Sampling,
-          tools: list | None, param: str) -> Reply:
-    """Queue the request (max_tokens cut to the room left) and start reading its reply."""
+          tools: list | None, param: str, head: int = 0) -> Reply:
+    """Queue the request (max_tokens cut to the room left) and start reading its reply;
+    `head`: where its system-and-tools head ends (backend.ChatPrompt)."""
     backend = request.state.backend
     max_tokens = backend.reply_limit(tokens, max_tokens, param=param)
     grammar = chat_grammar(body, backend.info.tokenizer)  # a 400 if it does not compile
-    handle = backend.submit(tokens, max_tokens=max_tokens, **body.options(request.app.state.temperature),
+    handle = backend.submit(tokens, max_tokens=max_tokens, head=head, **body.options(request.app.state.temperature),
                             **({} if grammar is None else {"grammar": grammar}))
     reply = request.state.reply = Reply(backend, handle, tokens, body.stops(), tools)
     return reply

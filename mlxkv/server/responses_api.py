@@ -68,12 +68,14 @@ async def responses(request: Request):
                                 "memory, the newest first, when sent with store)", param="previous_response_id")
     tools = template_tools(body.tools, body.tool_choice)
     backend = await routed(request, body.model, body.stream)
-    tokens = await off_loop(backend.chat_tokens, system + history + new, tools)
+    prompt = await off_loop(backend.chat_prompt, system + history + new, tools)
+    tokens = prompt.tokens
     max_tokens = backend.reply_limit(tokens, body.max_output_tokens, param="input")
     temperature = request.app.state.temperature if body.temperature is None else body.temperature
     grammar = responses_grammar(body, backend.info.tokenizer)  # a 400 if it does not compile
     handle = backend.submit(tokens, max_tokens=max_tokens, temperature=temperature, top_p=body.top_p or 0.0,
-                            speculative=body.speculative, **({} if grammar is None else {"grammar": grammar}))
+                            speculative=body.speculative, head=prompt.head,
+                            **({} if grammar is None else {"grammar": grammar}))
     reply = request.state.reply = Reply(backend, handle, tokens, None, tools)
     shape = _Shape(body, backend.info.name)
     kept = (lambda message: store.put(shape.id, history + new + [message])) if body.store else (lambda m: None)

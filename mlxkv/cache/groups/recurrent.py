@@ -11,7 +11,9 @@ resumes:
   there, `prefill_stop`), and at the prompt's last full block;
 - at a *branch point*: the end of the prefix the attention groups hit when
   no checkpoint is there (another chain shares it, then went its own way:
-  two chats on one system-and-tools head);
+  two chats on one system-and-tools head), or the end of the head the
+  request names (`Request.head`: the system-and-tools head the server
+  rendered, so the first chat on it leaves a checkpoint there);
 - at the last full block a sequence has computed when it leaves (a
   reply's end, or a preemption).
 
