@@ -42,6 +42,7 @@ class ModelSlot:
     state: str = UNLOADED
     backend: object = None  # a ServingBackend while loaded
     leases: int = 0  # requests being handled (templating, or a response still being sent)
+    waiting: int = 0  # requests waiting for it to load: it is theirs once loaded, not the keep-alive's
     last_used: float = 0.0  # the clock's time of its last request's start or end
     loads: int = 0
     unloads: int = 0
@@ -114,7 +115,7 @@ class ModelRegistry:
         return victims
 
     def unloadable(self, slot: ModelSlot) -> bool:
-        return slot.state == LOADED and not slot.spec.pin and slot.open_requests == 0
+        return slot.state == LOADED and not slot.spec.pin and slot.open_requests == 0 and slot.waiting == 0
 
     def blocked_by(self) -> str:
         """Why a load waits: the loaded models and what holds each."""
@@ -149,6 +150,12 @@ class ModelRegistry:
     def release(self, slot: ModelSlot) -> None:
         slot.leases -= 1
         slot.last_used = self.clock()
+
+    def wait_for(self, slot: ModelSlot) -> None:
+        slot.waiting += 1
+
+    def stop_waiting(self, slot: ModelSlot) -> None:
+        slot.waiting -= 1
 
     def loading(self, slot: ModelSlot) -> None:
         slot.state, slot.error = LOADING, None

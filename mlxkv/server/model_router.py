@@ -59,6 +59,9 @@ class ModelRouter:
             raise ApiError(503, why)
         deadline = time.monotonic() + self.wait_s
         queued = False
+        # Until it leases the model, this request holds it against the keep-alive and other loads'
+        # unloads: a model loaded for it was unloaded again (keep-alive 0) before it woke to lease it.
+        self.registry.wait_for(slot)
         try:
             while True:
                 if slot.state == LOADED:
@@ -81,6 +84,7 @@ class ModelRouter:
                                         f"{self.registry.blocked_by() if slot.state == UNLOADED else slot.state}",
                                    headers=RETRY_AFTER)
         finally:
+            self.registry.stop_waiting(slot)
             if queued:
                 self.waiting -= 1
 

@@ -127,6 +127,27 @@ def test_keep_alive_zero_unloads_when_the_last_request_ends():
     run(main())
 
 
+def test_a_model_loaded_for_a_waiting_request_is_not_reaped_before_the_request_leases_it():
+    """Keep-alive 0: the reaper's tick may land between the load's end and the waiter's wake-up
+    (it did under load: the model was loaded and unloaded three times for one request)."""
+    engines = Engines()
+    r = router([ModelSpec("a", "a", keep_alive_s=0)], engines)
+    loaded_as = r.registry.loaded_as
+
+    def loaded_then_a_tick(*args):
+        loaded_as(*args)
+        r.reap()  # the keep-alive's tick, before the waiting request runs
+
+    r.registry.loaded_as = loaded_then_a_tick
+
+    async def main():
+        slot = await r.acquire("a")
+        assert slot.state == "loaded" and engines.started == ["a"] and engines.stopped == []
+        r.release(slot)
+
+    run(main())
+
+
 def test_a_load_cancelled_by_the_servers_stop_leaves_no_slot_loading_and_closes_what_it_loaded():
     """The server's loop cancels its tasks as it stops, a load's too: the slot is no longer
     "loading", and the engine the load still finishes is closed."""
