@@ -81,6 +81,7 @@
 
   // The head-dim elements of lane `lane`: its e-th is d(e), e < E.
   int dims[E];
+  MLXKV_UNROLL
   for (int e = 0; e < E; e++) {
     dims[e] = (e / W) * 32 * W + lane * W + e % W;
   }
@@ -91,7 +92,9 @@
   float l[G];     // running sum of exp2(score - m)
   float o[G][E];  // running sum of exp2(score - m) x V
   const bool sink_here = has_sinks && part == 0 && sg == 0;
+  MLXKV_UNROLL
   for (int g = 0; g < G; g++) {
+    MLXKV_UNROLL
     for (int e = 0; e < E; e++) {
       const bool real = g < group && (FULL || dims[e] < D);
       q[g][e] = real ? float(queries[size_t(row0 + g) * D + dims[e]]) * scale_log2 : 0.0f;
@@ -120,32 +123,44 @@
     bool seen[TPI];  // within [first, last): uniform over the simdgroup
     float k[TPI][E];
     float v[TPI][E];
+    MLXKV_UNROLL
     for (int j = 0; j < TPI; j++) {
       seen[j] = t0 + j >= first && t0 + j < last;
 #if defined(MLXKV_QUANTIZED)
       if (seen[j]) {
         mlxkv_dequantize<T, D, E, BITS>(k[j], k_pool, k_scales, k_biases, row + j, lane * E, q_group);
         mlxkv_dequantize<T, D, E, BITS>(v[j], v_pool, v_scales, v_biases, row + j, lane * E, q_group);
+      } else {  // 0, not garbage: p = 0 times a NaN would still be NaN
+        MLXKV_UNROLL
+        for (int e = 0; e < E; e++) {
+          k[j][e] = 0.0f;
+          v[j][e] = 0.0f;
+        }
       }
 #else
       const device T* k_row = k_pool + row * D;
       const device T* v_row = v_pool + row * D;
+      MLXKV_UNROLL
       for (int e = 0; e < E; e++) {
         k[j][e] = seen[j] && (FULL || dims[e] < D) ? float(k_row[j * D + dims[e]]) : 0.0f;
       }
+      MLXKV_UNROLL
       for (int e = 0; e < E; e++) {  // in flight while the scores reduce
         v[j][e] = seen[j] && (FULL || dims[e] < D) ? float(v_row[j * D + dims[e]]) : 0.0f;
       }
 #endif
     }
+    MLXKV_UNROLL
     for (int g = 0; g < G; g++) {
       if (g >= group) {
         break;  // G rounds the group up: the padded heads do no work (uniform over the threadgroup)
       }
       float s[TPI];
       float m_new = m[g];
+      MLXKV_UNROLL
       for (int j = 0; j < TPI; j++) {
         s[j] = 0.0f;
+        MLXKV_UNROLL
         for (int e = 0; e < E; e++) {
           s[j] += q[g][e] * k[j][e];
         }
@@ -155,14 +170,17 @@
       const float correction = fast::exp2(m[g] - m_new);
       float p[TPI];
       float p_sum = 0.0f;
+      MLXKV_UNROLL
       for (int j = 0; j < TPI; j++) {
         p[j] = seen[j] ? fast::exp2(s[j] - m_new) : 0.0f;
         p_sum += p[j];
       }
       l[g] = l[g] * correction + p_sum;
       m[g] = m_new;
+      MLXKV_UNROLL
       for (int e = 0; e < E; e++) {
         float acc = o[g][e] * correction;
+        MLXKV_UNROLL
         for (int j = 0; j < TPI; j++) {
           acc += p[j] * v[j][e];
         }
@@ -189,6 +207,7 @@
         m_max = max(m_max, m_s[w * G + g]);
       }
       const float own = fast::exp2(m[g] - m_max);
+      MLXKV_UNROLL
       for (int e = 0; e < E; e++) {
         if (FULL || dims[e] < D) {
           o_s[sg * D + dims[e]] = o[g][e] * own;
