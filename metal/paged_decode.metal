@@ -167,19 +167,26 @@
         s[j] = simd_sum(s[j]);
         m_new = seen[j] ? max(m_new, s[j]) : m_new;
       }
-      const float correction = fast::exp2(m[g] - m_new);
+      // Rescale only when the maximum grew (uniform over the simdgroup): after a row's first
+      // tokens it seldom does, and the exp2 and E multiplies are skipped.
+      if (m_new > m[g]) {
+        const float correction = fast::exp2(m[g] - m_new);
+        l[g] *= correction;
+        MLXKV_UNROLL
+        for (int e = 0; e < E; e++) {
+          o[g][e] *= correction;
+        }
+        m[g] = m_new;
+      }
       float p[TPI];
-      float p_sum = 0.0f;
       MLXKV_UNROLL
       for (int j = 0; j < TPI; j++) {
         p[j] = seen[j] ? fast::exp2(s[j] - m_new) : 0.0f;
-        p_sum += p[j];
+        l[g] += p[j];
       }
-      l[g] = l[g] * correction + p_sum;
-      m[g] = m_new;
       MLXKV_UNROLL
       for (int e = 0; e < E; e++) {
-        float acc = o[g][e] * correction;
+        float acc = o[g][e];
         MLXKV_UNROLL
         for (int j = 0; j < TPI; j++) {
           acc += p[j] * v[j][e];

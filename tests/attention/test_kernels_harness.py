@@ -118,7 +118,7 @@ def test_arithmetic_bug_fails_the_comparison(harness):
     expected = oracle(case).reshape(1, 2, 64)
     (good, _) = harness.run(decode(case))
     assert_close(good, expected, mx.float32)
-    forgot = planted("float acc = o[g][e] * correction;", "float acc = o[g][e];")
+    forgot = planted("          o[g][e] *= correction;\n", "")
     (bad, _) = harness.run(decode(case, decode_kernel=forgot))
     with pytest.raises(AssertionError):
         assert_close(bad, expected, mx.float32)
