@@ -169,18 +169,23 @@
               m_new = max(m_new, s[j]);
             }
           }
-          const float correction = fast::exp2(m[i] - m_new);
-          float p_sum = 0.0f;
+          if (m_new > m[i]) {  // rescale only when the maximum grew (uniform over the simdgroup)
+            const float correction = fast::exp2(m[i] - m_new);
+            l[i] *= correction;
+            MLXKV_UNROLL
+            for (int e = 0; e < E; e++) {
+              o[i][e] *= correction;
+            }
+            m[i] = m_new;
+          }
           MLXKV_UNROLL
           for (int j = 0; j < TPI; j++) {
             s[j] = seen[j] ? fast::exp2(s[j] - m_new) : 0.0f;  // now the token's weight
-            p_sum += s[j];
+            l[i] += s[j];
           }
-          l[i] = l[i] * correction + p_sum;
-          m[i] = m_new;
           MLXKV_UNROLL
           for (int e = 0; e < E; e++) {
-            float acc = o[i][e] * correction;
+            float acc = o[i][e];
             MLXKV_UNROLL
             for (int j = 0; j < TPI; j++) {
               acc += s[j] * v[j][e];
