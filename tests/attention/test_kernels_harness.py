@@ -221,3 +221,21 @@ def test_vector_constructors_conversions_and_maths(harness):
     expected = np.stack([np.full(4, 2.5), 2.5 + 8.5 + 18 + t * (2 * t + 1), 2 * t + 1,
                          np.full(4, 7.0)], axis=-1)
     assert np.array_equal(np.array(out).reshape(4, 4), expected.astype(np.float32))
+
+
+@pytest.mark.parametrize(("old", "new"), [
+    ("seen[j] = t0 + j >= first && t0 + j < last;", "seen[j] = t0 + j < last;"),  # a group's tokens before first
+    ("seen[j] = t0 + j >= first && t0 + j < last;", "seen[j] = t0 + j >= first;"),  # ... past last
+], ids=["before-first", "past-last"])
+def test_token_groups_that_straddle_a_partition_or_window_bound(harness, old, new):
+    # Four tokens an iteration from a multiple of 4: a window starting at 45 and partitions of
+    # 67 tokens start and end inside groups, so each group's edges are masked.
+    case = make_case(mx.float32, 64, 2, n_kv_heads=1, context_lens=(300,), seed=7, window=255)
+    expected = oracle(case).reshape(1, 2, 64)
+    (_, partials) = harness.run(decode(case, partition=67))
+    (good,) = harness.run(kernels.reduce_launch(partials, mx.float32))
+    assert_close(good, expected, mx.float32)
+    (_, partials) = harness.run(decode(case, partition=67, decode_kernel=planted(old, new)))
+    (bad,) = harness.run(kernels.reduce_launch(partials, mx.float32))
+    with pytest.raises(AssertionError):
+        assert_close(bad, expected, mx.float32)
