@@ -18,6 +18,11 @@ constant constexpr float MLXKV_NO_SCORE = -1e30f;
 // reduce (paged_reduce.metal) merges them with exp2 too.
 constant constexpr float MLXKV_LOG2E = 1.4426950408889634f;
 
+// Loops over a lane's elements, a group's heads or an iteration's tokens have constant
+// trip counts: unrolled in full, as MLX's steel kernels ask (STEEL_PRAGMA_UNROLL), so their
+// arrays stay in registers rather than thread memory whatever the compiler's heuristics.
+#define MLXKV_UNROLL _Pragma("clang loop unroll(full)")
+
 // ---- quantized pools ---------------------------------------------------------
 // A quantized pool holds each K or V row as MLX's affine quantization along
 // the head dim, as mx.quantize lays out [blocks, kv heads, BS, D]: packed

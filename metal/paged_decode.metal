@@ -66,8 +66,22 @@
   const int row0 = seq * n_heads + head0;
   const device int32_t* table = block_tables + size_t(seq) * table_width;
 
+  if (first >= last) {  // an empty partition (a shorter row of the batch): its rows are 0, its sums too
+    for (int x = tid; x < group * (D + 2); x += THREADS) {
+      const int g = x / (D + 2);
+      const int d = x % (D + 2);
+      if (n_parts == 1 && d < D) {
+        out[size_t(row0 + g) * D + d] = T(0.0f);
+      } else if (n_parts > 1) {
+        partials[(size_t(row0 + g) * n_parts + part) * (D + 2) + d] = d == D ? MLXKV_NO_SCORE : 0.0f;
+      }
+    }
+    return;  // uniform over the threadgroup: no barrier waits for it
+  }
+
   // The head-dim elements of lane `lane`: its e-th is d(e), e < E.
   int dims[E];
+  MLXKV_UNROLL
   for (int e = 0; e < E; e++) {
     dims[e] = (e / W) * 32 * W + lane * W + e % W;
   }
@@ -78,7 +92,9 @@
   float l[G];     // running sum of exp2(score - m)
   float o[G][E];  // running sum of exp2(score - m) x V
   const bool sink_here = has_sinks && part == 0 && sg == 0;
+  MLXKV_UNROLL
   for (int g = 0; g < G; g++) {
+    MLXKV_UNROLL
     for (int e = 0; e < E; e++) {
       const bool real = g < group && (FULL || dims[e] < D);
       q[g][e] = real ? float(queries[size_t(row0 + g) * D + dims[e]]) * scale_log2 : 0.0f;
@@ -89,75 +105,129 @@
     l[g] = sink_here && g < group ? 1.0f : 0.0f;
   }
 
-  // Each token's block id is loaded an iteration ahead, so the K/V loads never wait on it.
-  int block = first + sg < last ? table[(first + sg) / BS] : 0;
-  for (int t = first + sg; t < last; t += NSG) {
-    const int next_block = t + NSG < last ? table[(t + NSG) / BS] : 0;
-    // The token's row of the pools [blocks, kv heads, BS, ...].
-    const size_t row = (size_t(block) * n_kv_heads + kv_head) * BS + t % BS;
+  // Each simdgroup takes TPI consecutive tokens per iteration, from a multiple of TPI (so
+  // that they lie in one block: BS is a multiple of TPI), and rescales its running sums once
+  // per group of tokens rather than once per token. Fewer tokens per iteration at head dim
+  // 256, where each of them holds 2E values per lane.
+  constexpr int TPI = E <= 4 ? 4 : 2;
+  constexpr int STEP = NSG * TPI;
+  // The group's block id is loaded an iteration ahead, so the K/V loads never wait on it.
+  int t0 = first - first % TPI + sg * TPI;
+  int block = t0 < last ? table[t0 / BS] : 0;
+  for (; t0 < last; t0 += STEP) {
+    const int next_block = t0 + STEP < last ? table[(t0 + STEP) / BS] : 0;
+    // The group's first row of the pools [blocks, kv heads, BS, ...]: 64-bit math once per
+    // group, 32-bit offsets from there (a block of a kv head is BS * D elements).
+    const size_t row = (size_t(block) * n_kv_heads + kv_head) * BS + t0 % BS;
     block = next_block;
-    float k[E];
-    float v[E];
+    bool seen[TPI];  // within [first, last): uniform over the simdgroup
+    float k[TPI][E];
+    float v[TPI][E];
+    MLXKV_UNROLL
+    for (int j = 0; j < TPI; j++) {
+      seen[j] = t0 + j >= first && t0 + j < last;
 #if defined(MLXKV_QUANTIZED)
-    mlxkv_dequantize<T, D, E, BITS>(k, k_pool, k_scales, k_biases, row, lane * E, q_group);
-    // in flight while the scores reduce
-    mlxkv_dequantize<T, D, E, BITS>(v, v_pool, v_scales, v_biases, row, lane * E, q_group);
+      if (seen[j]) {
+        mlxkv_dequantize<T, D, E, BITS>(k[j], k_pool, k_scales, k_biases, row + j, lane * E, q_group);
+        mlxkv_dequantize<T, D, E, BITS>(v[j], v_pool, v_scales, v_biases, row + j, lane * E, q_group);
+      } else {  // 0, not garbage: p = 0 times a NaN would still be NaN
+        MLXKV_UNROLL
+        for (int e = 0; e < E; e++) {
+          k[j][e] = 0.0f;
+          v[j][e] = 0.0f;
+        }
+      }
 #else
-    for (int e = 0; e < E; e++) {
-      k[e] = FULL || dims[e] < D ? float(k_pool[row * D + dims[e]]) : 0.0f;
-    }
-    for (int e = 0; e < E; e++) {  // in flight while the scores reduce
-      v[e] = FULL || dims[e] < D ? float(v_pool[row * D + dims[e]]) : 0.0f;
-    }
+      const device T* k_row = k_pool + row * D;
+      const device T* v_row = v_pool + row * D;
+      MLXKV_UNROLL
+      for (int e = 0; e < E; e++) {
+        k[j][e] = seen[j] && (FULL || dims[e] < D) ? float(k_row[j * D + dims[e]]) : 0.0f;
+      }
+      MLXKV_UNROLL
+      for (int e = 0; e < E; e++) {  // in flight while the scores reduce
+        v[j][e] = seen[j] && (FULL || dims[e] < D) ? float(v_row[j * D + dims[e]]) : 0.0f;
+      }
 #endif
+    }
+    MLXKV_UNROLL
     for (int g = 0; g < G; g++) {
       if (g >= group) {
         break;  // G rounds the group up: the padded heads do no work (uniform over the threadgroup)
       }
-      float s = 0.0f;
-      for (int e = 0; e < E; e++) {
-        s += q[g][e] * k[e];
+      float s[TPI];
+      float m_new = m[g];
+      MLXKV_UNROLL
+      for (int j = 0; j < TPI; j++) {
+        s[j] = 0.0f;
+        MLXKV_UNROLL
+        for (int e = 0; e < E; e++) {
+          s[j] += q[g][e] * k[j][e];
+        }
+        s[j] = simd_sum(s[j]);
+        m_new = seen[j] ? max(m_new, s[j]) : m_new;
       }
-      s = simd_sum(s);
-      const float m_new = max(m[g], s);
-      const float correction = fast::exp2(m[g] - m_new);
-      const float p = fast::exp2(s - m_new);
-      l[g] = l[g] * correction + p;
-      m[g] = m_new;
+      // Rescale only when the maximum grew (uniform over the simdgroup): after a row's first
+      // tokens it seldom does, and the exp2 and E multiplies are skipped.
+      if (m_new > m[g]) {
+        const float correction = fast::exp2(m[g] - m_new);
+        l[g] *= correction;
+        MLXKV_UNROLL
+        for (int e = 0; e < E; e++) {
+          o[g][e] *= correction;
+        }
+        m[g] = m_new;
+      }
+      float p[TPI];
+      MLXKV_UNROLL
+      for (int j = 0; j < TPI; j++) {
+        p[j] = seen[j] ? fast::exp2(s[j] - m_new) : 0.0f;
+        l[g] += p[j];
+      }
+      MLXKV_UNROLL
       for (int e = 0; e < E; e++) {
-        o[g][e] = o[g][e] * correction + p * v[e];
+        float acc = o[g][e];
+        MLXKV_UNROLL
+        for (int j = 0; j < TPI; j++) {
+          acc += p[j] * v[j][e];
+        }
+        o[g][e] = acc;
       }
     }
   }
 
-  // Merge the simdgroups: rescale each to the threadgroup's maximum, sum.
+  // Merge the simdgroups: each rescales its own sums to the threadgroup's maximum (one exp2
+  // a lane per head), and the rescaled sums add up.
   threadgroup float m_s[NSG * G];
-  threadgroup float l_s[NSG * G];
+  threadgroup float l_s[NSG * G];  // each simdgroup's sum, rescaled
   threadgroup float o_s[NSG * D];  // one query head at a time
   if (lane == 0) {
     for (int g = 0; g < G; g++) {
       m_s[sg * G + g] = m[g];
-      l_s[sg * G + g] = l[g];
     }
   }
-  threadgroup_barrier(mem_flags::mem_threadgroup);  // maxima and sums visible
+  threadgroup_barrier(mem_flags::mem_threadgroup);  // maxima visible
   for (int g = 0; g < G; g++) {
     if (g < group) {  // uniform over the threadgroup
       float m_max = MLXKV_NO_SCORE;
       for (int w = 0; w < NSG; w++) {
         m_max = max(m_max, m_s[w * G + g]);
       }
-      float total = 0.0f;
-      for (int w = 0; w < NSG; w++) {
-        total += l_s[w * G + g] * fast::exp2(m_s[w * G + g] - m_max);
-      }
       const float own = fast::exp2(m[g] - m_max);
+      MLXKV_UNROLL
       for (int e = 0; e < E; e++) {
         if (FULL || dims[e] < D) {
           o_s[sg * D + dims[e]] = o[g][e] * own;
         }
       }
+      if (lane == 0) {
+        l_s[sg * G + g] = l[g] * own;
+      }
       threadgroup_barrier(mem_flags::mem_threadgroup);  // this head's rows visible
+      float total = 0.0f;
+      for (int w = 0; w < NSG; w++) {
+        total += l_s[w * G + g];
+      }
       // total is 0 only for an empty partition, whose rows are all 0.
       const float inv = total > 0.0f ? 1.0f / total : 0.0f;
       const size_t row = size_t(row0 + g);

@@ -43,6 +43,8 @@
   constexpr int CHUNK = 16 / int(sizeof(T));
 #endif
   constexpr bool FULL = E * 32 == D;  // no lane reads past the row
+  // Positions a stream takes per iteration (fewer at head dim 256: registers).
+  constexpr int TPI = E <= 4 ? 4 : 2;
 
   const int n_heads = params[0];
   const int n_kv_heads = params[1];
@@ -133,29 +135,62 @@
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);  // the tile is in
     if (stream < streams) {
-      for (int t = t0 + stream; t < t0 + n_rows; t += streams) {
-        const int slot = (t - p0) * D;
-        float k[E];
-        float v[E];
-        for (int e = 0; e < E; e++) {
-          k[e] = FULL || dims[e] < D ? k_tile[slot + dims[e]] : 0.0f;
-          v[e] = FULL || dims[e] < D ? v_tile[slot + dims[e]] : 0.0f;
+      // TPI of the stream's positions at a time (t, t + streams, ...), one rescale each.
+      for (int t = t0 + stream; t < t0 + n_rows; t += TPI * streams) {
+        int pos[TPI];
+        float k[TPI][E];
+        float v[TPI][E];
+        MLXKV_UNROLL
+        for (int j = 0; j < TPI; j++) {
+          pos[j] = t + j * streams;
+          const bool in_tile = pos[j] < t0 + n_rows;
+          const int slot = (pos[j] - p0) * D;
+          MLXKV_UNROLL
+          for (int e = 0; e < E; e++) {
+            k[j][e] = in_tile && (FULL || dims[e] < D) ? k_tile[slot + dims[e]] : 0.0f;
+            v[j][e] = in_tile && (FULL || dims[e] < D) ? v_tile[slot + dims[e]] : 0.0f;
+          }
         }
+        MLXKV_UNROLL
         for (int i = 0; i < RS; i++) {
-          if (t >= lo[i] && t < hi[i]) {  // uniform over the simdgroup
-            float s = 0.0f;
-            for (int e = 0; e < E; e++) {
-              s += q[i][e] * k[e];
+          bool seen[TPI];  // uniform over the simdgroup
+          float s[TPI];
+          float m_new = m[i];
+          MLXKV_UNROLL
+          for (int j = 0; j < TPI; j++) {
+            seen[j] = pos[j] < t0 + n_rows && pos[j] >= lo[i] && pos[j] < hi[i];
+            s[j] = 0.0f;
+            if (seen[j]) {
+              MLXKV_UNROLL
+              for (int e = 0; e < E; e++) {
+                s[j] += q[i][e] * k[j][e];
+              }
+              s[j] = simd_sum(s[j]);
+              m_new = max(m_new, s[j]);
             }
-            s = simd_sum(s);
-            const float m_new = max(m[i], s);
+          }
+          if (m_new > m[i]) {  // rescale only when the maximum grew (uniform over the simdgroup)
             const float correction = fast::exp2(m[i] - m_new);
-            const float p = fast::exp2(s - m_new);
-            l[i] = l[i] * correction + p;
-            m[i] = m_new;
+            l[i] *= correction;
+            MLXKV_UNROLL
             for (int e = 0; e < E; e++) {
-              o[i][e] = o[i][e] * correction + p * v[e];
+              o[i][e] *= correction;
             }
+            m[i] = m_new;
+          }
+          MLXKV_UNROLL
+          for (int j = 0; j < TPI; j++) {
+            s[j] = seen[j] ? fast::exp2(s[j] - m_new) : 0.0f;  // now the token's weight
+            l[i] += s[j];
+          }
+          MLXKV_UNROLL
+          for (int e = 0; e < E; e++) {
+            float acc = o[i][e];
+            MLXKV_UNROLL
+            for (int j = 0; j < TPI; j++) {
+              acc += s[j] * v[j][e];
+            }
+            o[i][e] = acc;
           }
         }
       }
@@ -165,15 +200,14 @@
 
   // Merge each row set's streams: rescale each to the set's maximum, sum.
   threadgroup float m_s[NSG * RS];
-  threadgroup float l_s[NSG * RS];
+  threadgroup float l_s[NSG * RS];  // each stream's sum, rescaled to its set's maximum
   threadgroup float* o_s = stage;  // [NSG][D], one row of each set at a time
   if (lane == 0) {
     for (int i = 0; i < RS; i++) {
       m_s[sg * RS + i] = m[i];
-      l_s[sg * RS + i] = l[i];
     }
   }
-  threadgroup_barrier(mem_flags::mem_threadgroup);  // maxima and sums visible
+  threadgroup_barrier(mem_flags::mem_threadgroup);  // maxima visible
   for (int i = 0; i < RS; i++) {
     if (stream < streams) {
       float m_max = MLXKV_NO_SCORE;
@@ -185,6 +219,9 @@
         if (FULL || dims[e] < D) {
           o_s[sg * D + dims[e]] = o[i][e] * own;
         }
+      }
+      if (lane == 0) {
+        l_s[sg * RS + i] = l[i] * own;  // rescaled here: the sum below takes no exp2
       }
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);  // row i of every set visible
@@ -200,7 +237,7 @@
         float total = 0.0f;
         float sum = 0.0f;
         for (int w = 0; w < streams; w++) {
-          total += l_s[(w * n_sets + s) * RS + i] * fast::exp2(m_s[(w * n_sets + s) * RS + i] - m_max);
+          total += l_s[(w * n_sets + s) * RS + i];
           sum += o_s[(w * n_sets + s) * D + d];
         }
         // total is 0 only for a row that sees nothing in this partition.

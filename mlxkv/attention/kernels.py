@@ -41,6 +41,8 @@ from typing import Any
 
 import mlx.core as mx
 
+from mlxkv.attention import gpu_size
+from mlxkv.attention.gpu_size import GPUSize
 from mlxkv.errors import MlxkvError
 
 DTYPES = (mx.float16, mx.bfloat16, mx.float32)
@@ -55,13 +57,11 @@ TILE = 8  # positions the multi-query kernel copies to threadgroup memory at onc
 SIMDGROUPS = 8
 THREADS = 32 * SIMDGROUPS  # per decode threadgroup
 REDUCE_THREADS = 64
-# Simdgroups that keep an Apple GPU busy: what MLX's sdpa_vector launches
-# for Llama-3-8B at batch 1 (32 heads x 1024 threads). Sequences are split
-# into partitions until the grid has this many...
-TARGET_SIMDGROUPS = 1024
-# ...but no partition under this many tokens (8 per simdgroup): each one
-# costs a row of partials written and read again by the reduce.
-MIN_PART_TOKENS = 64
+# Sequences are split into partitions until the grid fills the GPU
+# (gpu_size.GPUSize.target_simdgroups), but no partition under this many
+# tokens (four iterations of each simdgroup's token loop): each one costs a
+# merge of 1 + 2G barriers and a row of partials the reduce reads again.
+MIN_PART_TOKENS = 128
 MIN_ELEMENTS = 8  # MLX passes smaller inputs in the constant address space
 
 _POOLS = ["k_pool", "v_pool"]
@@ -180,14 +180,16 @@ def quantized_format(pages, head_dim: int) -> tuple[int, int] | None:
     return bits, group
 
 
-def partition_size(batch: int, n_kv_heads: int, max_span: int) -> int:
-    """Tokens per partition, or 0 for one pass over each sequence.
+def partition_size(batch: int, n_kv_heads: int, max_span: int, gpu: GPUSize | None = None) -> int:
+    """Tokens per partition, or 0 for one pass over each sequence (one launch, no reduce).
 
     Chosen by occupancy: a grid of batch x kv heads threadgroups is split
-    until it holds about TARGET_SIMDGROUPS simdgroups, in partitions of at
-    least MIN_PART_TOKENS of the longest row's `max_span` visible tokens.
+    until it holds the simdgroups `gpu` (default: this machine's) needs, in
+    partitions of at least MIN_PART_TOKENS of the longest row's `max_span`
+    visible tokens.
     """
-    wanted = -(-TARGET_SIMDGROUPS // (batch * n_kv_heads * SIMDGROUPS))
+    target = (gpu or gpu_size.current()).target_simdgroups
+    wanted = -(-target // (batch * n_kv_heads * SIMDGROUPS))
     n_parts = min(wanted, max_span // MIN_PART_TOKENS)
     return -(-max_span // n_parts) if n_parts > 1 else 0
 

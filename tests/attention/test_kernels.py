@@ -17,7 +17,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlxkv.attention import dispatch as attention, kernels
+from mlxkv import kv_format
+from mlxkv.attention import dispatch as attention, gpu_size, kernels
+from mlxkv.attention.gpu_size import GPUSize
 from mlxkv.errors import MlxkvError
 from mlxkv.cache.kv_pool import KVLayout, KVPool
 from mlxkv.attention.paged_cache import PagedBatch, PagedKVCache
@@ -120,7 +122,7 @@ def test_gqa_factors(on_device, group):
     # 3, 6 and 7 run on the instantiations for 4 and 8. 300 tokens on a
     # small grid: the automatic choice splits into partitions.
     case = make_case(mx.float16, 64, group, n_kv_heads=2, context_lens=(40, 300), seed=group)
-    assert kernels.partition_size(2, 2, 300) == 75
+    assert kernels.partition_size(2, 2, 300, GPUSize(32)) == 150
     check_case(case)
 
 
@@ -188,9 +190,11 @@ def test_a_steps_layers_share_their_small_inputs(monkeypatch):
     assert launches[-2].inputs[4] is not first.inputs[4]
 
 
-@pytest.mark.slow  # enumerates every shape the engine could ask for: 14 s of pure Python
+@pytest.mark.slow  # enumerates every shape the engine could ask for: seconds of pure Python
 def test_every_instantiation_the_engine_can_dispatch_is_tested():
-    formats = [()] + [(bits, group) for bits in range(1, 17) for group in (16, 32, 64, 128)]
+    # A pool's format is a KVFormat, which refuses any other bits or group: the formats a
+    # model can ask for are these (a bits x group sweep of 1-16 x 16-128 took 13x longer).
+    formats = [()] + [(bits, group) for bits in kv_format.BITS for group in kv_format.GROUP_SIZES]
     dispatchable = {
         Instantiation(dtype, d, kernels.rows_per_simdgroup(g, n) if n > 1 else kernels.group_size_for(g), bs, n > 1,
                       fmt[0] if fmt else None)
@@ -221,17 +225,38 @@ def test_supported_shapes():
 
 
 def test_partitions_fill_the_grid():
-    # Llama-3-8B (8 kv heads): 64 simdgroups a partition at batch 1, so up to
-    # 16 partitions; 8 at batch 8 is 2; from batch 16 the grid is full.
-    assert kernels.partition_size(1, 8, 16384) == 1024  # 16 partitions
-    assert kernels.partition_size(1, 8, 512) == 64  # 8: none under 64 tokens
-    assert kernels.partition_size(1, 8, 127) == 0  # not two partitions' worth
-    assert kernels.partition_size(8, 8, 4096) == 2048
-    assert kernels.partition_size(16, 8, 16384) == 0
+    # Llama-3-8B (8 kv heads): 64 simdgroups a partition at batch 1, so on 32 cores (1024
+    # simdgroups) up to 16 partitions; 8 at batch 8 is 2; from batch 16 the grid is full.
+    gpu = GPUSize(32)
+    assert kernels.partition_size(1, 8, 16384, gpu) == 1024  # 16 partitions
+    assert kernels.partition_size(1, 8, 512, gpu) == 128  # 4: none under 128 tokens
+    assert kernels.partition_size(1, 8, 255, gpu) == 0  # not two partitions' worth: one launch
+    assert kernels.partition_size(8, 8, 4096, gpu) == 2048
+    assert kernels.partition_size(16, 8, 16384, gpu) == 0
     for batch, context in [(1, 200), (1, 999), (3, 5000), (2, 70000)]:
-        tokens = kernels.partition_size(batch, 8, context)
-        n_parts = -(-context // tokens)
-        assert tokens >= kernels.MIN_PART_TOKENS and batch * 8 * n_parts * kernels.SIMDGROUPS <= 2048
+        tokens = kernels.partition_size(batch, 8, context, gpu)
+        n_parts = -(-context // tokens) if tokens else 1
+        assert (tokens == 0 or tokens >= kernels.MIN_PART_TOKENS) and batch * 8 * n_parts * kernels.SIMDGROUPS <= 2048
+
+
+def test_the_partition_count_follows_the_gpus_size():
+    # A base chip (8 cores: 256 simdgroups) splits Llama-3-8B's rows into 4, an Ultra into 16+.
+    base = gpu_size.from_device_info({"architecture": "applegpu_g14g", "device_name": "Apple M2"})
+    ultra = gpu_size.from_device_info({"architecture": "applegpu_g13d"})
+    assert (base.cores, ultra.cores) == (8, 48)
+    assert kernels.partition_size(1, 8, 16384, base) == 4096
+    assert kernels.partition_size(1, 8, 16384, ultra) == -(-16384 // 24)  # 24 partitions
+    # A name it does not know, or no Metal (the harness): the default.
+    assert gpu_size.from_device_info({"architecture": "applegpu_g99x"}).cores == gpu_size.DEFAULT_CORES
+    assert gpu_size.from_device_info({}).cores == gpu_size.DEFAULT_CORES
+    with pytest.raises(ValueError, match="at least one core"):
+        GPUSize(0)
+
+
+def test_partitions_default_to_this_machines_gpu(monkeypatch):
+    asked = []
+    monkeypatch.setattr(gpu_size, "current", lambda: asked.append(1) or GPUSize(8))
+    assert kernels.partition_size(1, 8, 16384) == 4096 and asked == [1]
 
 
 def test_signature_is_the_same_for_every_call():

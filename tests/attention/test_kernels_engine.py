@@ -19,6 +19,7 @@ from mlx_lm.generate import stream_generate
 
 from mlxkv.attention import kernels, self_check
 from mlxkv.attention.dispatch import ATTENTION_ENV
+from mlxkv.cache.kv_format import FULL
 from mlxkv.config import CacheConfig
 from mlxkv.engine.engine import Engine
 from mlxkv.models.tiny import TinyModelSpec, write_tiny_model
@@ -45,8 +46,16 @@ def family(tmp_path_factory):
     return "llama-hd64", path, model, tokenizer
 
 
+@pytest.fixture(scope="module")
+def checks():
+    """The engines' self-checks by (shape, pool format), answered once per module: every
+    Engine.load checks its shape, and in the harness a check costs more than a test's
+    decode. The check itself is test_self_check.py's."""
+    return {}
+
+
 @pytest.fixture(autouse=True)
-def kernel_attention(monkeypatch):
+def kernel_attention(monkeypatch, checks):
     """Attention on the kernel, launches counted; each test must decode through it."""
     launches = []
     run = kernels.run_launch if mx.metal.is_available() else shared_harness().run
@@ -57,9 +66,16 @@ def kernel_attention(monkeypatch):
 
     monkeypatch.setenv(ATTENTION_ENV, "kernel")
     monkeypatch.setattr(kernels, "run_launch", counted)
-    # The engine's self-check runs uncounted: only decode steps count.
+    # The engine's self-check runs uncounted (only decode steps count), in the pool's format.
     check = self_check.check_kernels
-    monkeypatch.setattr(self_check, "check_kernels", lambda *shape_and_run: check(*shape_and_run[:5], run=run))
+
+    def check_once(dtype, head_dim, block_size, n_heads, n_kv_heads, _run=None, kv=FULL):
+        key = (dtype, head_dim, block_size, n_heads, n_kv_heads, kv)
+        if key not in checks:
+            checks[key] = check(*key[:5], run, kv)
+        return checks[key]
+
+    monkeypatch.setattr(self_check, "check_kernels", check_once)
     yield launches
     assert launches, "no decode step ran on the kernel"
 

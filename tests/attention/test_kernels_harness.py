@@ -59,10 +59,10 @@ def test_out_of_range_block_id_is_caught_by_address_sanitizer(harness):
 
 
 @pytest.mark.parametrize("barrier", [
-    "  threadgroup_barrier(mem_flags::mem_threadgroup);  // maxima and sums visible\n",
+    "  threadgroup_barrier(mem_flags::mem_threadgroup);  // maxima visible\n",
     "      threadgroup_barrier(mem_flags::mem_threadgroup);  // this head's rows visible\n",
     "      threadgroup_barrier(mem_flags::mem_threadgroup);  // o_s free for the next head\n",
-], ids=["maxima-and-sums", "rows", "next-head"])
+], ids=["maxima", "rows", "next-head"])
 def test_missing_barrier_is_caught_by_thread_sanitizer(harness, barrier):
     case = make_case(mx.float32, 64, 2, n_kv_heads=1, context_lens=(40,))
     launch = decode(case)
@@ -118,7 +118,7 @@ def test_arithmetic_bug_fails_the_comparison(harness):
     expected = oracle(case).reshape(1, 2, 64)
     (good, _) = harness.run(decode(case))
     assert_close(good, expected, mx.float32)
-    forgot = planted("o[g][e] = o[g][e] * correction + p * v[e];", "o[g][e] = o[g][e] + p * v[e];")
+    forgot = planted("          o[g][e] *= correction;\n", "")
     (bad, _) = harness.run(decode(case, decode_kernel=forgot))
     with pytest.raises(AssertionError):
         assert_close(bad, expected, mx.float32)
@@ -221,3 +221,21 @@ def test_vector_constructors_conversions_and_maths(harness):
     expected = np.stack([np.full(4, 2.5), 2.5 + 8.5 + 18 + t * (2 * t + 1), 2 * t + 1,
                          np.full(4, 7.0)], axis=-1)
     assert np.array_equal(np.array(out).reshape(4, 4), expected.astype(np.float32))
+
+
+@pytest.mark.parametrize(("old", "new"), [
+    ("seen[j] = t0 + j >= first && t0 + j < last;", "seen[j] = t0 + j < last;"),  # a group's tokens before first
+    ("seen[j] = t0 + j >= first && t0 + j < last;", "seen[j] = t0 + j >= first;"),  # ... past last
+], ids=["before-first", "past-last"])
+def test_token_groups_that_straddle_a_partition_or_window_bound(harness, old, new):
+    # Four tokens an iteration from a multiple of 4: a window starting at 45 and partitions of
+    # 67 tokens start and end inside groups, so each group's edges are masked.
+    case = make_case(mx.float32, 64, 2, n_kv_heads=1, context_lens=(300,), seed=7, window=255)
+    expected = oracle(case).reshape(1, 2, 64)
+    (_, partials) = harness.run(decode(case, partition=67))
+    (good,) = harness.run(kernels.reduce_launch(partials, mx.float32))
+    assert_close(good, expected, mx.float32)
+    (_, partials) = harness.run(decode(case, partition=67, decode_kernel=planted(old, new)))
+    (bad,) = harness.run(kernels.reduce_launch(partials, mx.float32))
+    with pytest.raises(AssertionError):
+        assert_close(bad, expected, mx.float32)

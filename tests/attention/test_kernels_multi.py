@@ -145,10 +145,10 @@ def test_out_of_range_block_id_is_caught_by_address_sanitizer():
 @pytest.mark.parametrize("barrier", [
     "    threadgroup_barrier(mem_flags::mem_threadgroup);  // the tile is in\n",
     "    threadgroup_barrier(mem_flags::mem_threadgroup);  // the tile is free\n",
-    "  threadgroup_barrier(mem_flags::mem_threadgroup);  // maxima and sums visible\n",
+    "  threadgroup_barrier(mem_flags::mem_threadgroup);  // maxima visible\n",
     "    threadgroup_barrier(mem_flags::mem_threadgroup);  // row i of every set visible\n",
     "    threadgroup_barrier(mem_flags::mem_threadgroup);  // o_s free for the next row\n",
-], ids=["tile-in", "tile-free", "maxima-and-sums", "row-visible", "next-row"])
+], ids=["tile-in", "tile-free", "maxima", "row-visible", "next-row"])
 def test_missing_barrier_is_caught_by_thread_sanitizer(barrier):
     # 3 x 3 rows: two per simdgroup (the merge runs twice), five sets; two tiles.
     case = make_case(mx.float32, 64, 3, n_kv_heads=1, context_lens=(13,), queries=3)

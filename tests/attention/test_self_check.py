@@ -21,13 +21,15 @@ from mlxkv.engine.engine import Engine
 from mlxkv.kv_format import KVFormat
 from mlxkv.models.loader import load_model
 from mlxkv.models.tiny import TinyModelSpec, write_tiny_model
-from msl.harness import SKIP_REASON, clang_available, shared_harness
+from msl.harness import SKIP_REASON, clang_available, remembered_run
 
 
 def harness_run():
+    """The real kernels, each launch run once in the session: the stand-ins below each run most
+    of a check on them before their one wrong path, and the same launches recur across them."""
     if not clang_available():
         pytest.skip(SKIP_REASON)
-    return shared_harness().run
+    return remembered_run
 
 
 def broken_compiler(launch):
@@ -260,7 +262,7 @@ def test_an_engine_whose_kernels_fail_their_check_still_serves_every_request(tmp
 
 
 @pytest.mark.slow  # the self-check of Llama-3-8B's shape, in the harness
-def test_doctor_reports_the_kernel_path_and_its_check(monkeypatch):
+def test_doctor_reports_the_kernel_path_and_its_check(monkeypatch, checked_once):
     from mlxkv.attention.doctor import attention_lines, attention_report
 
     monkeypatch.setenv(ATTENTION_ENV, "kernel")  # as "auto" is on a Mac

@@ -106,10 +106,12 @@ PASSES = {False: (("k", (1,)), ("v", (2,))), True: (("k", (1, 2, 3)), ("v", (4, 
 def _launch(inst, contexts=CONTEXTS, decode_kernel=None):
     """A case of this instantiation and its launch, partitioned as the engine would."""
     from mlxkv.attention import kernels
+    from mlxkv.attention.gpu_size import DEFAULT_CORES, GPUSize
     from msl.paged import launch_of
 
     case = inst.case(n_kv_heads=N_KV_HEADS, context_lens=contexts, seed=inst.head_dim + inst.rows)
-    partition = kernels.partition_size(len(contexts), N_KV_HEADS, max(contexts))
+    # A fixed GPU, so that the figures do not depend on the machine.
+    partition = kernels.partition_size(len(contexts), N_KV_HEADS, max(contexts), GPUSize(DEFAULT_CORES))
     return case, launch_of(case, partition, decode_kernel)
 
 

@@ -250,6 +250,7 @@ class Harness:
         self.cache_dir = Path(base)
         self.cache_dir.mkdir(parents=True, exist_ok=True)
         self._sources: dict = {}
+        self._remembered: dict = {}
         self._lock = threading.Lock()
 
     def _key(self, *parts: str) -> str:
@@ -321,6 +322,23 @@ class Harness:
     def translation_unit(self, launch) -> str:
         return translate(self.source(launch))
 
+    def digest(self, launch) -> str:
+        """What determines a run of `launch`: its generated source, geometry and input bytes."""
+        h = hashlib.sha256(repr((self.source(launch).text, launch.grid, launch.threadgroup,
+                                 launch.output_shapes)).encode())
+        for x in launch.inputs:
+            h.update(repr((x.dtype, x.shape)).encode())
+            h.update(_raw_bytes(x))
+        return h.hexdigest()
+
+    def remembered(self, what: str, launch, compute):
+        """compute(), once per (what, launch) in this harness: for results of a run that several
+        tests ask for and that cost seconds each (outputs, instruction counts under valgrind)."""
+        key = (what, self.digest(launch))
+        if key not in self._remembered:
+            self._remembered[key] = compute()
+        return self._remembered[key]
+
     # ---- 4. run --------------------------------------------------------------------
 
     def run(self, launch, sanitizer: str | None = None, tu: str | None = None) -> list[mx.array]:
@@ -385,3 +403,10 @@ def _raw_bytes(x: mx.array) -> bytes:
 def shared_harness() -> Harness:
     """One harness per test process: sources and binaries are shared by all tests."""
     return Harness()
+
+
+def remembered_run(launch) -> list[mx.array]:
+    """The shared harness's outputs of `launch`, run once per session: tests of what follows a
+    check (its stand-ins, the speed gate, doctor) ask for the same launches again and again."""
+    harness = shared_harness()
+    return harness.remembered("outputs", launch, lambda: harness.run(launch))
