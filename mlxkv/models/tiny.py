@@ -205,7 +205,12 @@ def random_weights(model, seed: int, dtype: mx.Dtype | None = None) -> dict[str,
             value = mx.random.normal(value.shape, key=key)
         elif name.endswith(".A_log"):  # state decay rates (Mamba, gated delta net): the classes draw them globally
             value = mx.log(mx.random.uniform(1.0, 16.0, value.shape, key=key))
-        # Other 1-D tensors are norm scales, constants in every class.
+        elif value.ndim == 1 and value.size > 1 and mx.issubdtype(value.dtype, mx.floating) \
+                and not mx.all(value == value[0]).item():
+            # A vector the class drew at random (LLaVA's image_newline): drawn from the key too,
+            # or the model would depend on how much of the global RNG earlier code used.
+            value = mx.random.normal(value.shape, key=key) / value.shape[-1] ** 0.5
+        # Other 1-D tensors are norm scales and constants, the same in every class.
         floating = mx.issubdtype(value.dtype, mx.floating)
         weights[name] = value.astype(dtype or params_dtype[name]) if floating else value
     mx.eval(weights)

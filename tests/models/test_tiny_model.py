@@ -250,3 +250,24 @@ def test_sliding_pattern_puts_a_full_layer_every_n(tmp_path, family):
     model, _ = mlx_lm.load(str(write_tiny_model(tmp_path / family, spec)))
     kinds = [type(c).__name__ for c in make_prompt_cache(model)]
     assert kinds == ["RotatingKVCache", "RotatingKVCache", "KVCache"] * 2
+
+
+def test_random_weights_do_not_depend_on_the_global_rng():
+    """A class that draws a vector at init (LLaVA's image_newline) gets it from the seed too: with
+    it left as drawn, a tiny model depended on what earlier tests took from the global RNG."""
+    import mlx.nn as nn
+
+    class WithVector(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(4, 4)
+            self.newline = mx.random.normal((4,))
+            self.norm = nn.RMSNorm(4)
+
+    def drawn(global_seed):
+        mx.random.seed(global_seed)
+        return tiny_model.random_weights(WithVector(), seed=3)
+
+    a, b = drawn(1), drawn(2)
+    assert all(mx.array_equal(a[k], b[k]).item() for k in a)
+    assert mx.array_equal(a["norm.weight"], mx.ones(4)).item()  # constants stay as the class made them
