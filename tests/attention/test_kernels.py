@@ -67,6 +67,7 @@ def test_every_instantiation(request, on_device, inst):
     check_case(case, partition=partition)
 
 
+@pytest.mark.slow  # over a second or many params: the not-slow suite's 2 minutes
 @pytest.mark.parametrize("sinks", [False, True], ids=["no-sinks", "sinks"])
 @pytest.mark.parametrize("window", [1, 5, 16, 19, 40, 300])
 @pytest.mark.parametrize("partition", [0, 256])

@@ -104,6 +104,7 @@ def harness_output(case, partition, decode_kernel=None):
     return out.reshape(case.queries.shape)
 
 
+@pytest.mark.slow  # over a second or many params: the not-slow suite's 2 minutes
 @needs_clang
 @pytest.mark.parametrize(("old", "new", "group", "queries"), [
     # a query sees the later proposals

@@ -27,6 +27,7 @@ slow = pytest.mark.slow
 FORMATS = [(8, 64), (8, 32), (4, 64), (4, 32)]
 
 
+@pytest.mark.slow  # over a second or many params: the not-slow suite's 2 minutes
 @pytest.mark.parametrize(("bits", "group", "head_dim", "queries"), [
     pytest.param(b, g, d, q, id=f"q{b}-g{g}-d{d}-L{q}", marks=() if d in (64, 128) else slow)
     for b, g in FORMATS for d in (64, 96, 128, 256) for q in (1, 4) if d % g == 0])  # mx.quantize's groups

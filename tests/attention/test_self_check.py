@@ -208,6 +208,7 @@ def test_a_kernel_just_outside_the_tolerance_fails_its_check():
     assert "at row 0, head 0" in check.reason
 
 
+@pytest.mark.slow  # over a second or many params: the not-slow suite's 2 minutes
 def test_a_passing_check_keeps_the_kernels(checked_once):
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -157,6 +157,7 @@ def test_auto_uses_the_kernels_only_where_they_are_faster(monkeypatch, checked_o
     assert forced.gate is None and forced.path_for(1, 512) == "kernel"
 
 
+@pytest.mark.slow  # over a second or many params: the not-slow suite's 2 minutes
 def test_a_gate_that_fails_sends_decode_to_the_reference_path(monkeypatch, checked_once):
     monkeypatch.delenv(ATTENTION_ENV, raising=False)
 

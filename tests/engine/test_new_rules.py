@@ -57,6 +57,7 @@ def test_each_family_has_its_rule(family):
     assert rules[name](), layout.describe()
 
 
+@pytest.mark.slow  # over a second or many params: the not-slow suite's 2 minutes
 @pytest.mark.parametrize("length", [1, WINDOW + 1, 130])
 def test_cold_prompts_match_mlx_lm(family, length):
     _, _, loaded, reference = family
@@ -69,6 +70,7 @@ def test_a_second_chat_turn_reuses_the_whole_first_turn(family):
     assert_next_turn_reuses_the_first(engine_for(loaded), reference, BLOCK)
 
 
+@pytest.mark.slow  # over a second or many params: the not-slow suite's 2 minutes
 @pytest.mark.parametrize("extra", [1, BLOCK + 3, 3 * BLOCK])
 def test_a_longer_prompt_reuses_what_it_shares(family, extra):
     name, _, loaded, reference = family
@@ -154,6 +156,7 @@ def run_short_once(engine: Engine, after: int) -> None:
     scheduler.decode_fits, cache.allocate_slots = decode_fits, allocate_slots
 
 
+@pytest.mark.slow  # over a second or many params: the not-slow suite's 2 minutes
 def test_a_request_preempted_mid_reply_resumes_with_the_same_output(family):
     _, _, loaded, reference = family
     engine = engine_for(loaded)

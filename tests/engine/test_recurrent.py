@@ -47,6 +47,7 @@ def test_the_recurrent_layers_are_their_own_slots(family):
     assert not set(layout.recurrent) & {s for g in layout.groups for s in g.slots}
 
 
+@pytest.mark.slow  # over a second or many params: the not-slow suite's 2 minutes
 @pytest.mark.parametrize("length", [1, 15, BLOCK, 2 * BLOCK + 1, 75, 130])
 def test_cold_prompts_match_mlx_lm(family, length):
     _, loaded, reference = family

@@ -37,6 +37,7 @@ def engine_for(loaded, num_blocks=256, prefill_chunk=512, **cache) -> Engine:
     return Engine(loaded, config, prefill_chunk=prefill_chunk)
 
 
+@pytest.mark.slow  # over a second or many params: the not-slow suite's 2 minutes
 @pytest.mark.parametrize("length", [1, 20, WINDOW, WINDOW + 1, 3 * BLOCK + 5, 130])
 def test_cold_prompts_match_mlx_lm(family, length):
     _, loaded, reference = family
@@ -108,6 +109,7 @@ def test_a_batch_equals_solo_runs(family):
         assert result.tokens == reference(prompt, 24)
 
 
+@pytest.mark.slow  # over a second or many params: the not-slow suite's 2 minutes
 def test_preemption_and_evictions_through_the_memory_tier_keep_output_equal(family):
     _, loaded, reference = family
     # Room for one request and a little: the others are preempted, cached blocks evicted to the tier.

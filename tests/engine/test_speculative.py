@@ -122,6 +122,7 @@ def test_greedy_acceptance_keeps_the_matching_run_and_the_targets_next_token():
     assert greedy_tokens([5], []) == [5]
 
 
+@pytest.mark.slow  # over a second or many params: the not-slow suite's 2 minutes
 @pytest.mark.parametrize("draft", [False, True])
 def test_the_rejection_rule_keeps_the_targets_distribution(draft):
     """Over many draws the first token kept is distributed as the target's p, whatever was proposed."""
