@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator
 import mlx.core as mx
 
 from mlxkv.chat import prompting
-from mlxkv.chat.system_head import head_length
+from mlxkv.chat.system_head import SystemHeads
 from mlxkv.config import CacheConfig, EngineConfig, engine_config
 from mlxkv.engine.core import MAX_RUNNING, PREFILL_STEP, build_core  # noqa: F401  (PREFILL_STEP: re-exported)
 from mlxkv.engine.records import GenerationChunk, GenerationResult, RequestFailed
@@ -49,6 +49,7 @@ class Engine:
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
         self._request_ids = itertools.count()
+        self._heads = SystemHeads()  # chat(): a hybrid's system head, rendered once per system text
 
     @classmethod
     def load(cls, model: str, config: CacheConfig | EngineConfig | None = None, *, report=None,
@@ -147,7 +148,7 @@ class Engine:
         worth a checkpoint for a hybrid; 0 for any other model, which need not render it."""
         if self.coordinator.recurrent is None or isinstance(prompt, VisionPrompt):
             return 0
-        return head_length(self.tokenizer, messages, None, prompt, self.config.pool.block_size)
+        return self._heads.length(self.tokenizer, messages, None, prompt, self.config.pool.block_size)
 
     def stream(self, prompt, should_stop: Callable[[], bool] | None = None, **options) -> Iterator[GenerationChunk]:
         """Yield one `GenerationChunk` per generated token; the last carries stats.

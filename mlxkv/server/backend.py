@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from mlxkv.chat import prompting
-from mlxkv.chat.system_head import head_length
+from mlxkv.chat.system_head import SystemHeads
 from mlxkv.engine.limits import RequestLimits
 from mlxkv.engine.records import is_last
 from mlxkv.errors import MlxkvError
@@ -193,6 +193,7 @@ class ServingBackend:
         self.stop_at: float | None = None
         self._tools_checked = False
         self._tools_lock = threading.Lock()
+        self._heads = SystemHeads()  # a hybrid's system-and-tools heads, rendered once per text
 
     # -- prompts (blocking: call through a worker thread) ---------------------
 
@@ -202,7 +203,7 @@ class ServingBackend:
         tokens = self.chat_tokens(messages, tools)
         head = 0
         if self.info.hybrid and not has_images(messages):
-            head = head_length(self.info.tokenizer, strip_heads(messages), tools, tokens, self.info.block_size)
+            head = self._heads.length(self.info.tokenizer, strip_heads(messages), tools, tokens, self.info.block_size)
         return ChatPrompt(tokens, head)
 
     def chat_tokens(self, messages: list[dict], tools: list | None = None) -> list[int]:

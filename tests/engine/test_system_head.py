@@ -8,7 +8,7 @@ import pytest
 
 from family_support import model_with_oracle
 from mlxkv.chat.prompting import chat_prompt
-from mlxkv.chat.system_head import common_prefix, head_length
+from mlxkv.chat.system_head import SystemHeads, common_prefix, head_length
 from mlxkv.config import CacheConfig
 from mlxkv.engine.engine import Engine
 from mlxkv.errors import MlxkvError
@@ -116,3 +116,22 @@ def test_a_chat_s_system_head_is_found_without_the_server(hybrid, tmp_path, firs
     alone = chat_prompt(loaded.tokenizer, [SYSTEM], add_generation_prompt=False)
     with engine_for(loaded, disk) as engine:  # a restart
         assert engine.generate(second, max_tokens=1).stats.cached_tokens["disk"] == len(alone) // BLOCK * BLOCK > 0
+
+
+def test_a_system_text_seen_before_is_not_rendered_again(hybrid):
+    """Agents re-send one system-and-tools head every turn: SystemHeads renders it once."""
+    _, loaded, _ = hybrid
+    renders = []
+
+    class Counting(NeedsAUser):
+        def apply_chat_template(self, messages, **options):
+            renders.append(len(messages))
+            return self.tokenizer.apply_chat_template(messages, **options)
+
+    heads, tokenizer = SystemHeads(), Counting(loaded.tokenizer)
+    lengths = set()
+    for user in ("list the files", "what does the README say?"):
+        prompt, head = chat(loaded, user)
+        lengths.add(heads.length(tokenizer, [SYSTEM, {"role": "user", "content": user}], TOOLS, prompt, BLOCK))
+        assert lengths == {head}
+    assert renders == [1]  # the system message alone, once
