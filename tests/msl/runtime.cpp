@@ -1,6 +1,11 @@
-// Runs one compiled Metal kernel on the CPU: one OS thread per Metal thread,
-// one threadgroup at a time, as MLX dispatches it (dispatchThreads: the grid
-// is counted in threads, edge threadgroups are partial).
+// Runs one compiled Metal kernel on the CPU, one threadgroup at a time, as
+// MLX dispatches it (dispatchThreads: the grid is counted in threads, edge
+// threadgroups are partial). A Metal thread is a fiber on one OS thread
+// (ucontext): a barrier or simd operation is then a switch of a few hundred
+// nanoseconds, where with OS threads it was a futex round trip through a
+// scheduler that the test suite keeps busy. Under a sanitizer each Metal
+// thread is an OS thread, so that ThreadSanitizer sees the races a missing
+// barrier allows and AddressSanitizer its usual stacks.
 //
 // stdin:  "MSL1", grid[3], threadgroup[3], buffer count (uint32 each), then
 //         per buffer its size (uint64) and kind (uint32: 0 input, 1 output),
@@ -37,8 +42,10 @@
 
 #include <linux/futex.h>
 #include <sched.h>
+#include <sys/mman.h>
 #include <sys/syscall.h>
 #include <time.h>
+#include <ucontext.h>
 #include <unistd.h>
 
 #include "msl_abi.h"
@@ -62,6 +69,23 @@ constexpr unsigned kMaxThreads = 1024;
 
 unsigned line_of(unsigned site) { return site >> 10; }
 
+#if defined(__has_feature)
+#if __has_feature(thread_sanitizer) || __has_feature(address_sanitizer)
+#define MLXKV_MSL_OS_THREADS 1
+#endif
+#endif
+
+// The fibers of the threadgroup that is running, or none (OS threads).
+struct Fibers {
+  ucontext_t scheduler;
+  void* current = nullptr;      // the Fiber being resumed
+  unsigned long progress = 0;   // a gate opened, a wait ended, a fiber began or ended
+  const char* waiting_at = "";  // what the last idle fiber waits at
+};
+Fibers* fibers = nullptr;
+
+void fiber_yield();
+
 double deadlock_seconds() {
   const char* s = std::getenv("MLXKV_MSL_DEADLOCK_S");
   return s ? std::atof(s) : 30.0;
@@ -77,11 +101,24 @@ struct Gate {
 
   void open() {
     generation.fetch_add(1, std::memory_order_release);
+    if (fibers != nullptr) {
+      fibers->progress++;
+      return;
+    }
     syscall(SYS_futex, &generation, FUTEX_WAKE_PRIVATE, INT32_MAX, nullptr, nullptr, 0);
   }
 
-  // Wait for the opening after `seen`; a wait this long means no thread can move.
+  // Wait for the opening after `seen`; a wait this long means no thread can move
+  // (as fibers: a round of every fiber in which none moved).
   void wait(uint32_t seen, const char* what) const {
+    if (fibers != nullptr) {
+      while (generation.load(std::memory_order_acquire) == seen) {
+        fibers->waiting_at = what;
+        fiber_yield();
+      }
+      fibers->progress++;
+      return;
+    }
     for (int spin = 0; spin < 8; spin++) {
       if (generation.load(std::memory_order_acquire) != seen) return;
       sched_yield();
@@ -231,6 +268,124 @@ void run_thread(Group* g, unsigned index, const unsigned local[3], const unsigne
   self = nullptr;
 }
 
+// ---- fibers ----
+
+struct Fiber {
+  ucontext_t context;
+  Group* group;
+  unsigned index;
+  unsigned local[3];
+  bool done = false;
+};
+
+// What every fiber of a grid shares: the launch's geometry and buffers.
+struct FiberLaunch {
+  const unsigned* dims;
+  const unsigned* grid;
+  const unsigned* tg;
+  const unsigned* groups;
+  void* const* buffers;
+};
+const FiberLaunch* fiber_launch = nullptr;
+
+void fiber_yield() {
+  ThreadState* me = self;
+  Fiber* f = static_cast<Fiber*>(fibers->current);
+  swapcontext(&f->context, &fibers->scheduler);
+  self = me;
+}
+
+void fiber_main() {
+  Fiber* f = static_cast<Fiber*>(fibers->current);
+  const FiberLaunch& l = *fiber_launch;
+  fibers->progress++;
+  run_thread(f->group, f->index, f->local, l.dims, l.grid, l.tg, l.groups, l.buffers);
+  f->done = true;
+  fibers->progress++;
+}  // returns to uc_link: the scheduler
+
+// Fiber stacks: the kernels keep their per-thread arrays on them (q, o: a few KB).
+constexpr size_t kFiberStack = 256 * 1024;
+
+struct FiberStacks {
+  char* base = nullptr;
+  size_t count = 0;
+  explicit FiberStacks(size_t n) : count(n) {
+    void* p = mmap(nullptr, n * kFiberStack, PROT_READ | PROT_WRITE,
+                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (p == MAP_FAILED) fail("cannot map %zu fiber stacks", n);
+    base = static_cast<char*>(p);
+  }
+  ~FiberStacks() { munmap(base, count * kFiberStack); }
+  char* stack(size_t i) const { return base + i * kFiberStack; }
+};
+
+// Run group `g` to its end: each fiber runs until it waits, round after round.
+void run_group_as_fibers(Group& g, const FiberStacks& stacks) {
+  const unsigned* dims = fiber_launch->dims;
+  Fibers f;
+  fibers = &f;
+  std::vector<Fiber> list(g.size);
+  for (unsigned i = 0; i < g.size; i++) {
+    Fiber& fb = list[i];
+    fb.group = &g;
+    fb.index = i;
+    fb.local[0] = i % dims[0];
+    fb.local[1] = (i / dims[0]) % dims[1];
+    fb.local[2] = i / (dims[0] * dims[1]);
+    getcontext(&fb.context);
+    fb.context.uc_stack.ss_sp = stacks.stack(i);
+    fb.context.uc_stack.ss_size = kFiberStack;
+    fb.context.uc_link = &f.scheduler;
+    makecontext(&fb.context, fiber_main, 0);
+  }
+  for (unsigned live = g.size; live > 0;) {
+    unsigned long before = f.progress;
+    for (Fiber& fb : list) {
+      if (fb.done) continue;
+      f.current = &fb;
+      swapcontext(&f.scheduler, &fb.context);
+      if (fb.done) live--;
+    }
+    if (live > 0 && f.progress == before)
+      fail("deadlock at a %s: some threads never reach it", f.waiting_at);
+  }
+  fibers = nullptr;
+}
+
+void run_grid_as_fibers(const unsigned grid[3], const unsigned tg[3], const unsigned groups[3],
+                        void* const* buffers) {
+  unsigned dims[3];
+  FiberLaunch launch{dims, grid, tg, groups, buffers};
+  fiber_launch = &launch;
+  FiberStacks stacks(tg[0] * tg[1] * tg[2]);
+  for (unsigned z = 0; z < groups[2]; z++) {
+    for (unsigned y = 0; y < groups[1]; y++) {
+      for (unsigned x = 0; x < groups[0]; x++) {
+        Group g;
+        g.position[0] = x;
+        g.position[1] = y;
+        g.position[2] = z;
+        g.index = (z * groups[1] + y) * groups[0] + x;
+        for (int i = 0; i < 3; i++) {
+          unsigned left = grid[i] - g.position[i] * tg[i];
+          dims[i] = left < tg[i] ? left : tg[i];
+        }
+        g.size = dims[0] * dims[1] * dims[2];
+        for (unsigned s = 0; s * kSimdWidth < g.size; s++) {
+          g.simdgroups.emplace_back(new Simdgroup);
+          unsigned left = g.size - s * kSimdWidth;
+          g.simdgroups.back()->size = left < kSimdWidth ? left : kSimdWidth;
+        }
+        run_group_as_fibers(g, stacks);
+      }
+    }
+  }
+  fiber_launch = nullptr;
+}
+
+// ---- OS threads (under a sanitizer) ----
+
 // The grid's threadgroups run one at a time on one set of OS threads, as
 // many as the largest group has (starting 256 threads per group would cost
 // more than most kernels' runs).
@@ -277,6 +432,10 @@ void run_grid(unsigned grid[3], unsigned tg[3], void* const* buffers) {
   }
   const unsigned threads = tg[0] * tg[1] * tg[2];
   if (threads > kMaxThreads) fail("%u threads per threadgroup, over Metal's %u", threads, kMaxThreads);
+#ifndef MLXKV_MSL_OS_THREADS
+  run_grid_as_fibers(grid, tg, groups, buffers);
+  return;
+#endif
   Dispatch d;
   std::vector<std::thread> workers;
   workers.reserve(threads);
