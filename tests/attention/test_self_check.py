@@ -260,17 +260,3 @@ def test_an_engine_whose_kernels_fail_their_check_still_serves_every_request(tmp
     assert result.finish_reason in ("stop", "length") and result.tokens
     attention = engine.stats()["attention"]
     assert attention["path"] == "reference" and "Unable to build" in attention["check"]["reason"]
-
-
-@pytest.mark.slow  # the self-check of Llama-3-8B's shape, in the harness
-def test_doctor_reports_the_kernel_path_and_its_check(monkeypatch, checked_once):
-    from mlxkv.attention.doctor import attention_lines, attention_report
-
-    monkeypatch.setenv(ATTENTION_ENV, "kernel")  # as "auto" is on a Mac
-    passed = attention_report(run=harness_run())
-    assert passed["path"] == "kernel" and passed["check"]["ok"]
-    failed = attention_report(run=broken_compiler)
-    assert failed["path"] == "reference" and not failed["check"]["ok"]
-    lines = dict(attention_lines(failed))
-    assert "failed their self-check" in lines["attention"]
-    assert lines["kernel check"].startswith("FAILED: float16, head dim 128, block 16, group 4: RuntimeError")

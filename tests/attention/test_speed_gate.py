@@ -1,10 +1,9 @@
 """The speed gate: under `auto` the kernels serve only the (queries, batch, context) buckets
-where they were timed faster than the reference path, and doctor says which. The timer and
+where they were timed faster than the reference path, and doctor says which (test_doctor.py). The timer and
 the kernel runner are injected: a fake GPU answers canned times, the harness runs the kernels."""
 
 from __future__ import annotations
 
-import json
 import warnings
 
 import mlxkv  # noqa: F401  (before mlx)
@@ -171,24 +170,6 @@ def test_a_gate_that_fails_sends_decode_to_the_reference_path(monkeypatch, check
     assert choice.path == "reference" and choice.path_for(8, 512) == "reference"
 
 
-@pytest.mark.slow  # the self-check of Llama-3-8B's shape, in the harness
-def test_doctor_shows_the_timings_and_the_choice(monkeypatch, checked_once):
-    from mlxkv.attention.doctor import attention_lines, attention_report
-
-    monkeypatch.delenv(ATTENTION_ENV, raising=False)  # auto, as on a Mac
-    report = attention_report(run=harness_run(), timer=FakeGPU(TIMES).timer, metal=True)
-    json.dumps(report)  # what `mlxkv doctor --json` prints
-    assert report["path"] == "kernel" and report["check"]["ok"]
-    assert [(b["batch"], b["context"], b["path"]) for b in report["gate"]][:2] == [(1, 512, "reference"),
-                                                                                   (1, 4096, "reference")]
-    assert "the speed gate uses them in 8 of 12 (queries, batch, context) buckets" in report["why"]
-    lines = attention_lines(report)
-    assert ("speed gate", "batch 1, context 512: kernels 1.500 ms, reference 1.000 ms: reference") in lines
-    assert ("speed gate", "batch 8, context 512: kernels 0.500 ms, reference 1.000 ms: kernel") in lines
-    assert ("speed gate", "4 queries per row, batch 8, context 512: kernels 0.500 ms, reference 1.000 ms: "
-                          "kernel") in lines
-
-
 # ---- what the engine runs: verify buckets, pipelined steps of many layers, distinct rows ----
 
 
@@ -298,3 +279,4 @@ def test_an_unreadable_stored_choice_is_timed_again(tmp_path, caplog):
     gate = gate_store.stored_or_measured(shape, timer=gpu.timer, store=store)
     assert len(gpu.timed) == 12 and "unreadable" in caplog.text
     assert store.load(key).buckets == gate.buckets  # rewritten
+
