@@ -209,12 +209,14 @@ class DecodeCase:
         self.kv = shape.kv
         layout = KVLayout(layers, shape.n_kv_heads, shape.head_dim, shape.head_dim, shape.block_size, shape.dtype,
                           kv=shape.kv)
-        self.pool = KVPool(layout, n_blocks)
         blocks = (n_blocks, shape.n_kv_heads, shape.block_size, shape.head_dim)
-        for layer in range(layers):
-            for pages in (self.pool.keys, self.pool.values):
-                x = mx.random.normal(blocks, dtype=shape.dtype)
-                pages[layer] = self.kv.quantize(x) if self.kv.quantized else x
+
+        def random_pages():
+            x = mx.random.normal(blocks, dtype=shape.dtype)
+            return self.kv.quantize(x) if self.kv.quantized else x
+
+        keys, values = [random_pages() for _ in range(layers)], [random_pages() for _ in range(layers)]
+        self.pool = KVPool(layout, n_blocks, pages=(keys, values))
         order = rng.permutation(n_blocks) if distinct else None
         tables = [[int(x) for x in (order[i * per_row:(i + 1) * per_row] if distinct else rng.permutation(per_row))]
                   for i in range(batch)]

@@ -120,13 +120,17 @@ class PageView:
 class KVPool:
     """Every page layer's K and V: an array each, or a quantized pool's (packed, scales, biases)."""
 
-    def __init__(self, layout: KVLayout, num_blocks: int):
+    def __init__(self, layout: KVLayout, num_blocks: int, pages: tuple[list, list] | None = None):
+        """Zeros, allocated now; or `pages`, every layer's K and V made elsewhere (the speed
+        gate's random ones), left lazy: a gate whose timer runs no step never computes them."""
         self.layout = layout
         self.kv = layout.kv
         self.num_blocks = num_blocks
-        self.keys = [self.kv.zeros(self._k_shape(num_blocks), layout.dtype) for _ in range(layout.num_layers)]
-        self.values = [self.kv.zeros(self._v_shape(num_blocks), layout.dtype) for _ in range(layout.num_layers)]
-        mx.eval(self.arrays)
+        self.keys, self.values = pages or (
+            [self.kv.zeros(self._k_shape(num_blocks), layout.dtype) for _ in range(layout.num_layers)],
+            [self.kv.zeros(self._v_shape(num_blocks), layout.dtype) for _ in range(layout.num_layers)])
+        if pages is None:
+            mx.eval(self.arrays)
         self._heads = mx.arange(layout.n_kv_heads)
 
     def _k_shape(self, num_blocks: int) -> tuple[int, ...]:
