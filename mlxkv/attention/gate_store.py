@@ -38,7 +38,8 @@ def chip() -> str:
     """The GPU's name (Metal), else the CPU's: timings hold for this chip only."""
     try:
         if mx.metal.is_available():
-            return str(mx.metal.device_info().get("device_name", "metal"))
+            # mx.device_info, not mx.metal.device_info: MLX deprecated the latter (0.29)
+            return str(mx.device_info().get("device_name", "metal"))
     except Exception:  # an MLX without device_info: the platform still names the machine
         log.exception("could not read the Metal device's name")
     return platform.processor() or platform.machine() or "cpu"

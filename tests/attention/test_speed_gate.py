@@ -280,3 +280,10 @@ def test_an_unreadable_stored_choice_is_timed_again(tmp_path, caplog):
     assert len(gpu.timed) == 12 and "unreadable" in caplog.text
     assert store.load(key).buckets == gate.buckets  # rewritten
 
+
+def test_the_stored_choice_names_the_chip_mlx_reports(monkeypatch):
+    from mlxkv.attention import gate_store
+
+    monkeypatch.setattr(mx.metal, "is_available", lambda: True)  # as on a Mac
+    monkeypatch.setattr(mx, "device_info", lambda: {"device_name": "Apple M3 Max"})
+    assert gate_store.chip() == "Apple M3 Max"
