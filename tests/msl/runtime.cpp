@@ -1,8 +1,8 @@
 // Runs one compiled Metal kernel on the CPU, one threadgroup at a time, as
 // MLX dispatches it (dispatchThreads: the grid is counted in threads, edge
-// threadgroups are partial). A Metal thread is a fiber on one OS thread
-// (ucontext): a barrier or simd operation is then a switch of a few hundred
-// nanoseconds, where with OS threads it was a futex round trip through a
+// threadgroups are partial). A Metal thread is a fiber on one OS thread: a
+// barrier or simd operation is then a switch of a few nanoseconds (x86-64;
+// ucontext elsewhere), where with OS threads it was a futex round trip through a
 // scheduler that the test suite keeps busy. Under a sanitizer each Metal
 // thread is an OS thread, so that ThreadSanitizer sees the races a missing
 // barrier allows and AddressSanitizer its usual stacks.
@@ -75,9 +75,78 @@ unsigned line_of(unsigned site) { return site >> 10; }
 #endif
 #endif
 
+// A fiber's saved registers. On x86-64 a switch is a dozen instructions
+// (mlxkv_fiber_switch below); swapcontext also saves the signal mask with a
+// system call each time, which was 40% of a launch's time.
+#if defined(__x86_64__)
+struct Context {
+  void* sp = nullptr;  // its stack, the registers pushed on it
+};
+
+extern "C" void mlxkv_fiber_switch(void** save_sp, void* load_sp);
+// Push the callee-saved registers and the SSE and x87 control words, swap
+// stacks, pop the other side's. A new fiber's stack is laid out the same
+// way by context_make, its return address the fiber's entry.
+asm(R"(
+  .text
+  .globl mlxkv_fiber_switch
+  .type mlxkv_fiber_switch, @function
+mlxkv_fiber_switch:
+  pushq %rbp
+  pushq %rbx
+  pushq %r12
+  pushq %r13
+  pushq %r14
+  pushq %r15
+  subq $8, %rsp
+  stmxcsr (%rsp)
+  fnstcw 4(%rsp)
+  movq %rsp, (%rdi)
+  movq %rsi, %rsp
+  ldmxcsr (%rsp)
+  fldcw 4(%rsp)
+  addq $8, %rsp
+  popq %r15
+  popq %r14
+  popq %r13
+  popq %r12
+  popq %rbx
+  popq %rbp
+  ret
+  .size mlxkv_fiber_switch, .-mlxkv_fiber_switch
+)");
+
+void context_make(Context& c, char* stack, size_t bytes, void (*entry)()) {
+  uintptr_t top = (reinterpret_cast<uintptr_t>(stack) + bytes) & ~uintptr_t(15);
+  auto* frame = reinterpret_cast<uint64_t*>(top - 72);  // entry starts as if called: rsp = 8 mod 16
+  std::memset(frame, 0, 72);
+  uint32_t mxcsr = 0x1F80, fpcw = 0x037F;  // the defaults: round to nearest, exceptions masked
+  std::memcpy(frame, &mxcsr, 4);
+  std::memcpy(reinterpret_cast<char*>(frame) + 4, &fpcw, 4);
+  frame[7] = reinterpret_cast<uint64_t>(entry);
+  c.sp = frame;
+}
+
+void context_switch(Context& from, const Context& to) { mlxkv_fiber_switch(&from.sp, to.sp); }
+#else
+struct Context {
+  ucontext_t uc;
+};
+
+void context_make(Context& c, char* stack, size_t bytes, void (*entry)()) {
+  getcontext(&c.uc);
+  c.uc.uc_stack.ss_sp = stack;
+  c.uc.uc_stack.ss_size = bytes;
+  c.uc.uc_link = nullptr;
+  makecontext(&c.uc, entry, 0);
+}
+
+void context_switch(Context& from, const Context& to) { swapcontext(&from.uc, &to.uc); }
+#endif
+
 // The fibers of the threadgroup that is running, or none (OS threads).
 struct Fibers {
-  ucontext_t scheduler;
+  Context scheduler;
   void* current = nullptr;      // the Fiber being resumed
   unsigned long progress = 0;   // a gate opened, a wait ended, a fiber began or ended
   const char* waiting_at = "";  // what the last idle fiber waits at
@@ -271,7 +340,7 @@ void run_thread(Group* g, unsigned index, const unsigned local[3], const unsigne
 // ---- fibers ----
 
 struct Fiber {
-  ucontext_t context;
+  Context context;
   Group* group;
   unsigned index;
   unsigned local[3];
@@ -291,7 +360,7 @@ const FiberLaunch* fiber_launch = nullptr;
 void fiber_yield() {
   ThreadState* me = self;
   Fiber* f = static_cast<Fiber*>(fibers->current);
-  swapcontext(&f->context, &fibers->scheduler);
+  context_switch(f->context, fibers->scheduler);
   self = me;
 }
 
@@ -302,7 +371,9 @@ void fiber_main() {
   run_thread(f->group, f->index, f->local, l.dims, l.grid, l.tg, l.groups, l.buffers);
   f->done = true;
   fibers->progress++;
-}  // returns to uc_link: the scheduler
+  context_switch(f->context, fibers->scheduler);  // never resumed
+  fail("a finished fiber was resumed");
+}
 
 // Fiber stacks: the kernels keep their per-thread arrays on them (q, o: a few KB).
 constexpr size_t kFiberStack = 256 * 1024;
@@ -333,18 +404,14 @@ void run_group_as_fibers(Group& g, const FiberStacks& stacks) {
     fb.local[0] = i % dims[0];
     fb.local[1] = (i / dims[0]) % dims[1];
     fb.local[2] = i / (dims[0] * dims[1]);
-    getcontext(&fb.context);
-    fb.context.uc_stack.ss_sp = stacks.stack(i);
-    fb.context.uc_stack.ss_size = kFiberStack;
-    fb.context.uc_link = &f.scheduler;
-    makecontext(&fb.context, fiber_main, 0);
+    context_make(fb.context, stacks.stack(i), kFiberStack, fiber_main);
   }
   for (unsigned live = g.size; live > 0;) {
     unsigned long before = f.progress;
     for (Fiber& fb : list) {
       if (fb.done) continue;
       f.current = &fb;
-      swapcontext(&f.scheduler, &fb.context);
+      context_switch(f.scheduler, fb.context);
       if (fb.done) live--;
     }
     if (live > 0 && f.progress == before)
