@@ -337,6 +337,26 @@ void run_thread(Group* g, unsigned index, const unsigned local[3], const unsigne
   self = nullptr;
 }
 
+// Threadgroup (x, y, z) of the grid: its position, linear index, size `dims`
+// (an edge group is partial) and simdgroups.
+void place_group(Group& g, unsigned x, unsigned y, unsigned z, const unsigned grid[3],
+                 const unsigned tg[3], const unsigned groups[3], unsigned dims[3]) {
+  g.position[0] = x;
+  g.position[1] = y;
+  g.position[2] = z;
+  g.index = (z * groups[1] + y) * groups[0] + x;
+  for (int i = 0; i < 3; i++) {
+    unsigned left = grid[i] - g.position[i] * tg[i];
+    dims[i] = left < tg[i] ? left : tg[i];
+  }
+  g.size = dims[0] * dims[1] * dims[2];
+  for (unsigned s = 0; s * kSimdWidth < g.size; s++) {
+    g.simdgroups.emplace_back(new Simdgroup);
+    unsigned left = g.size - s * kSimdWidth;
+    g.simdgroups.back()->size = left < kSimdWidth ? left : kSimdWidth;
+  }
+}
+
 // ---- fibers ----
 
 struct Fiber {
@@ -386,6 +406,8 @@ struct FiberStacks {
                    MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
     if (p == MAP_FAILED) fail("cannot map %zu fiber stacks", n);
     base = static_cast<char*>(p);
+    // A page below each stack faults on an overflow, where it would write the next fiber's.
+    for (size_t i = 0; i < n; i++) mprotect(stack(i), 4096, PROT_NONE);
   }
   ~FiberStacks() { munmap(base, count * kFiberStack); }
   char* stack(size_t i) const { return base + i * kFiberStack; }
@@ -430,20 +452,7 @@ void run_grid_as_fibers(const unsigned grid[3], const unsigned tg[3], const unsi
     for (unsigned y = 0; y < groups[1]; y++) {
       for (unsigned x = 0; x < groups[0]; x++) {
         Group g;
-        g.position[0] = x;
-        g.position[1] = y;
-        g.position[2] = z;
-        g.index = (z * groups[1] + y) * groups[0] + x;
-        for (int i = 0; i < 3; i++) {
-          unsigned left = grid[i] - g.position[i] * tg[i];
-          dims[i] = left < tg[i] ? left : tg[i];
-        }
-        g.size = dims[0] * dims[1] * dims[2];
-        for (unsigned s = 0; s * kSimdWidth < g.size; s++) {
-          g.simdgroups.emplace_back(new Simdgroup);
-          unsigned left = g.size - s * kSimdWidth;
-          g.simdgroups.back()->size = left < kSimdWidth ? left : kSimdWidth;
-        }
+        place_group(g, x, y, z, grid, tg, groups, dims);
         run_group_as_fibers(g, stacks);
       }
     }
@@ -512,21 +521,8 @@ void run_grid(unsigned grid[3], unsigned tg[3], void* const* buffers) {
     for (unsigned y = 0; y < groups[1]; y++) {
       for (unsigned x = 0; x < groups[0]; x++) {
         Group g;
-        g.position[0] = x;
-        g.position[1] = y;
-        g.position[2] = z;
-        g.index = (z * groups[1] + y) * groups[0] + x;
         std::unique_lock<std::mutex> lock(d.mu);
-        for (int i = 0; i < 3; i++) {
-          unsigned left = grid[i] - g.position[i] * tg[i];
-          d.dims[i] = left < tg[i] ? left : tg[i];
-        }
-        g.size = d.dims[0] * d.dims[1] * d.dims[2];
-        for (unsigned s = 0; s * kSimdWidth < g.size; s++) {
-          g.simdgroups.emplace_back(new Simdgroup);
-          unsigned left = g.size - s * kSimdWidth;
-          g.simdgroups.back()->size = left < kSimdWidth ? left : kSimdWidth;
-        }
+        place_group(g, x, y, z, grid, tg, groups, d.dims);
         d.group = &g;
         d.busy = threads;
         d.round++;
