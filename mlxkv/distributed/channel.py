@@ -5,8 +5,15 @@ byte buffer, the others contribute zeros, so the sum is rank 0's bytes on every
 rank. Every rank must pass a buffer of the same size, or MLX returns a wrong
 sum with no error, so the size is agreed, never measured per rank: the buffer
 has a fixed capacity and a length header, and a plan longer than the capacity
-is finished by a second collective whose size every rank reads from the header;
-then all ranks grow the capacity the same way.
+(one that brings new prompts) is finished by a second collective whose size
+every rank reads from the header. The capacity never grows: a step with
+nothing new (most decode steps) costs one small fixed-size collective.
+
+The same sum carries each rank's own numbers in its own slot (the others
+write zeros there): how long this rank spent in its last exchange, so every
+rank can tell the collective itself (the fastest rank's time) from waiting
+for a slower rank; and, when the last plan asked for it, this rank's report
+(rank_report.py). Nothing costs a collective of its own.
 """
 
 from __future__ import annotations
@@ -21,6 +28,9 @@ from mlxkv.distributed.cluster import Cluster
 from mlxkv.errors import MlxkvError, first_line
 
 HEADER = 8  # the plan's length, little-endian
+PLAN_BYTES = 256  # the plan's room in every exchange: an empty plan is 0 bytes, a cancel a few dozen
+TIMING = 8  # per rank: its last exchange's seconds, float64
+REPORT_BYTES = 1024  # per rank, in an exchange the last plan asked reports for
 
 
 class RankLost(MlxkvError):
@@ -32,35 +42,75 @@ class PlanMismatch(MlxkvError):
 
 
 class PlanChannel:
-    def __init__(self, cluster: Cluster, capacity: int = 4096):
-        if capacity <= HEADER:
-            raise ValueError(f"capacity {capacity} must exceed the {HEADER}-byte header")
+    def __init__(self, cluster: Cluster, capacity: int = PLAN_BYTES):
+        if capacity <= 0:
+            raise ValueError(f"capacity {capacity} must be positive")
         self.cluster = cluster
         self.capacity = capacity
         self.collectives = 0  # all_sum / all_gather calls made (the bench's per-step count)
         self.bytes_moved = 0
         self.seconds = 0.0  # spent in them, waiting for the slowest rank included
+        self.wait_seconds = 0.0  # of which, in plan exchanges, waiting for a slower rank to reach them
+        self.exchanges = 0
+        self.reports: list[bytes] = []  # every rank's last report, in rank order
+        self._last_s = 0.0  # this rank's time in its last exchange, sent with the next
+        self._report: bytes | None = None  # this rank's report, for the next exchange
+
+    def attach(self, report: bytes) -> None:
+        """Send `report` with the next exchange. Every rank attaches one before the same
+        exchange (a plan says so to all), or the ranks' buffers would differ in size."""
+        if len(report) > REPORT_BYTES:
+            raise ValueError(f"a rank's report is {len(report)} bytes; the slot holds {REPORT_BYTES}")
+        self._report = report
 
     def exchange(self, plan: bytes | None) -> bytes:
         """Rank 0 passes the encoded plan, the others None; every rank returns rank 0's bytes."""
         if self.cluster.leader != (plan is not None):
             raise ValueError("exactly rank 0 supplies the plan")
-        first = np.zeros(self.capacity, dtype=np.uint8)
+        began = time.perf_counter()
+        slots = self._slots()
+        first = np.zeros(slots.nbytes + HEADER + self.capacity, dtype=np.uint8)
+        first[: slots.nbytes] = slots
         if plan is not None:
-            first[:HEADER] = np.frombuffer(len(plan).to_bytes(HEADER, "little"), dtype=np.uint8)
-            head = plan[: self.capacity - HEADER]
-            first[HEADER : HEADER + len(head)] = np.frombuffer(head, dtype=np.uint8)
+            at = slots.nbytes
+            first[at : at + HEADER] = np.frombuffer(len(plan).to_bytes(HEADER, "little"), dtype=np.uint8)
+            head = plan[: self.capacity]
+            first[at + HEADER : at + HEADER + len(head)] = np.frombuffer(head, dtype=np.uint8)
         received = self._sum(first)
-        length = int.from_bytes(received[:HEADER].tobytes(), "little")
-        body = received[HEADER : HEADER + length].tobytes()
-        rest = length - len(body)
-        if rest > 0:
+        self._read_slots(received[: slots.nbytes])
+        at = slots.nbytes
+        length = int.from_bytes(received[at : at + HEADER].tobytes(), "little")
+        body = received[at + HEADER : at + HEADER + min(length, self.capacity)].tobytes()
+        if (rest := length - len(body)) > 0:
             tail = np.zeros(rest, dtype=np.uint8)
             if plan is not None:
                 tail[:] = np.frombuffer(plan[len(body):], dtype=np.uint8)
             body += self._sum(tail).tobytes()
-            self._grow(length)
+        self.exchanges += 1
+        self._last_s = time.perf_counter() - began
         return body
+
+    def _slots(self) -> np.ndarray:
+        """This rank's timing (and report, if attached) in its own slots; zeros in the others'."""
+        size, rank = self.cluster.size, self.cluster.rank
+        report = self._report is not None
+        slots = np.zeros(size * (TIMING + (REPORT_BYTES if report else 0)), dtype=np.uint8)
+        slots[rank * TIMING : (rank + 1) * TIMING] = np.frombuffer(np.float64(self._last_s).tobytes(), dtype=np.uint8)
+        if report:
+            at = size * TIMING + rank * REPORT_BYTES
+            slots[at : at + len(self._report)] = np.frombuffer(self._report, dtype=np.uint8)
+        return slots
+
+    def _read_slots(self, slots: np.ndarray) -> None:
+        size = self.cluster.size
+        last = slots[: size * TIMING].view(np.float64)
+        # The rank that came last waited for nobody: its time is the collective's own cost.
+        self.wait_seconds += float(last[self.cluster.rank] - last.min())
+        if self._report is not None:
+            at = size * TIMING
+            self.reports = [slots[at + r * REPORT_BYTES : at + (r + 1) * REPORT_BYTES].tobytes().rstrip(b"\0")
+                            for r in range(size)]
+            self._report = None
 
     def agree(self, what: str, data: bytes) -> None:
         """Stop with PlanMismatch unless every rank passes equal `data` (compared by digest)."""
@@ -75,11 +125,6 @@ class PlanChannel:
         mine = mx.array(np.frombuffer(data, dtype=np.uint8))
         rows = self._collective(lambda: mx.distributed.all_gather(mine, group=self.cluster.group))
         return [row.tobytes() for row in rows.reshape(self.cluster.size, len(data))]
-
-    def _grow(self, length: int) -> None:
-        # Every rank saw the same length, so every rank picks the same new capacity.
-        while self.capacity < length + HEADER:
-            self.capacity *= 2
 
     def _sum(self, buffer: np.ndarray) -> np.ndarray:
         return self._collective(lambda: mx.distributed.all_sum(mx.array(buffer), group=self.cluster.group))

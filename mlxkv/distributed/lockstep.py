@@ -25,6 +25,7 @@ import time
 
 from mlxkv.distributed.channel import PlanChannel, PlanMismatch, RankLost
 from mlxkv.distributed.identity import cluster_fingerprint
+from mlxkv.distributed.rank_report import REPORT_INTERVAL_S, rank_report, read_reports
 from mlxkv.distributed.sharding import ShardSpec
 from mlxkv.distributed.step_plan import CLOSE, IDLE, STEP, NewRequest, StepPlan
 from mlxkv.engine.records import GenerationChunk, RequestFailed
@@ -64,6 +65,7 @@ class LockstepCore:
         self._cancelled: set[int] = set()  # ids every rank treats as cancelled
         self._aborts: list[int] = []  # rank 0's, not sent yet
         self._tokens: list[tuple[int, int]] = []  # (request id, token) handed out this step
+        self._next_report = 0.0  # rank 0's clock: when its next plan asks every rank for a report
 
     def __getattr__(self, name):  # the rest of EngineCore's surface: state, stats, hashes
         return getattr(self.core, name)
@@ -88,7 +90,7 @@ class LockstepCore:
 
     def step(self) -> list[Request]:
         plan = StepPlan(STEP, new=[_describe(r) for r in self._new], cancel=self._poll_cancels(),
-                        abort=self._aborts, decisions=self.core.decisions())
+                        abort=self._aborts, decisions=self.core.decisions(), report=self._report_due())
         added, self._new, self._aborts = self._new, [], []
         if self.lost is not None:
             return self._end_all(self.lost, added)
@@ -117,11 +119,11 @@ class LockstepCore:
         if self.lost is not None:
             return
         try:
-            self._exchange(StepPlan(IDLE, idle_s=seconds))
+            plan = self._exchange(StepPlan(IDLE, idle_s=seconds, report=self._report_due()))
         except RankLost as e:
             self._end_all(str(e), [])
             return
-        self.core.idle(seconds)
+        self._idle(plan)
 
     def close(self) -> None:
         if self.lost is None and self.channel.cluster.leader:
@@ -141,7 +143,7 @@ class LockstepCore:
                 self.core.close()
                 return
             if plan.op == IDLE:
-                self.core.idle(plan.idle_s)
+                self._idle(plan)
                 continue
             self._apply(plan, [self._build(r) for r in plan.new])
             self._run(plan)
@@ -151,6 +153,26 @@ class LockstepCore:
     def _exchange(self, plan: StepPlan) -> StepPlan:
         """Rank 0's plan as every rank decodes it (rank 0 too: all apply the same bytes)."""
         return StepPlan.decode(self.channel.exchange(plan.encode()))
+
+    def _idle(self, plan: StepPlan) -> None:
+        self.core.idle(plan.idle_s)
+        self._report_if_asked(plan)
+
+    def _report_due(self) -> bool:
+        """Rank 0: whether this plan asks every rank for its report (at most once an interval)."""
+        now = time.monotonic()
+        if now < self._next_report:
+            return False
+        self._next_report = now + REPORT_INTERVAL_S
+        return True
+
+    def _report_if_asked(self, plan: StepPlan) -> None:
+        """Every rank, after the plan's step or pause: its report rides on the next exchange."""
+        if plan.report:
+            ch = self.channel
+            self.channel.attach(rank_report(ch.cluster.rank, self.core, {
+                "steps": self.steps, "step_s": round(self.step_seconds, 6), "plan_s": round(ch.seconds, 6),
+                "plan_wait_s": round(ch.wait_seconds, 6)}))
 
     def _apply(self, plan: StepPlan, added: list[Request]) -> None:
         self._cancelled.update(plan.cancel)
@@ -164,12 +186,15 @@ class LockstepCore:
         self.core.follow(plan.decisions)
 
     def stats(self) -> dict:
-        """The core's, and the set's: this rank, its split, and the plan channel's cost."""
+        """The core's, and the set's: this rank, its split, the plan channel's cost (`plan_s`, of
+        which `plan_wait_s` waiting for a slower rank) and every rank's last report (`per_rank`)."""
         ch = self.channel
         return {**self.core.stats(), "distributed": {
             "rank": ch.cluster.rank, "ranks": ch.cluster.size, "split": self.spec.kind, "shard": self.spec.tag,
             "steps": self.steps, "step_s": round(self.step_seconds, 6), "plan_collectives": ch.collectives,
-            "plan_bytes": ch.bytes_moved, "plan_s": round(ch.seconds, 6), "check": self.check, "lost": self.lost}}
+            "plan_exchanges": ch.exchanges, "plan_bytes": ch.bytes_moved, "plan_s": round(ch.seconds, 6),
+            "plan_wait_s": round(ch.wait_seconds, 6), "check": self.check, "lost": self.lost,
+            "per_rank": read_reports(ch.reports)}}
 
     def _run(self, plan: StepPlan) -> list[Request]:
         self._tokens = []
@@ -186,6 +211,7 @@ class LockstepCore:
             # the ranks out of step, and a ring that lost a peer can hang the next collective
             # rather than fail it: the set stops here, with no collective more.
             raise RankLost(f"{self.channel.cluster.describe()}: a step failed ({self.core.step_failure})")
+        self._report_if_asked(plan)
         if self.check:
             self._agree(plan)
         return finished

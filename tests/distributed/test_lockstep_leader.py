@@ -21,11 +21,18 @@ class EchoChannel:
     def __init__(self):
         self.cluster = Cluster(rank=0, size=2)
         self.plans: list[StepPlan] = []
-        self.collectives = self.bytes_moved = 0
-        self.seconds = 0.0
+        self.collectives = self.bytes_moved = self.exchanges = 0
+        self.seconds = self.wait_seconds = 0.0
+        self.reports: list[bytes] = []
+        self._report: bytes | None = None
+
+    def attach(self, report: bytes) -> None:
+        self._report = report
 
     def exchange(self, plan: bytes) -> bytes:
         self.plans.append(StepPlan.decode(plan))
+        if self._report is not None:
+            self.reports, self._report = [self._report], None
         return plan
 
     def agree(self, what: str, data: bytes) -> None:
