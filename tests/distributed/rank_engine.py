@@ -1,6 +1,7 @@
 """One rank of tests/distributed/test_lockstep.py: engines split over the set, driven by rank 0.
 
-argv: the disk tier dir, the scenario ("first" or "restart"), then one MODEL=KIND
+argv: the disk tier dir, the Redis tier's URL (the first engine's only: one model shows the
+sharing, and each write costs), the scenario ("first" or "restart"), then one MODEL=KIND
 per engine, loaded one after another in this one pair of processes (a start
 costs seconds). Rank 0 prints one JSON record per result; every other rank
 follows each engine until rank 0 closes it, then prints how many steps it
@@ -51,10 +52,10 @@ def batch(job, engine):
          reasons=[recs[-1].finish_reason if recs else None for recs in records])
 
 
-disk, scenario = sys.argv[1:3]
-for job, spec in enumerate(sys.argv[3:]):
+disk, redis, scenario = sys.argv[1:4]
+for job, spec in enumerate(sys.argv[4:]):
     model, kind = spec.rsplit("=", 1)
-    engine = Engine.load(model, CacheConfig(disk_tier=disk, **config_fields()), distributed=kind,
+    engine = Engine.load(model, CacheConfig(disk_tier=disk, remote_tier=redis if job == 0 else None, **config_fields()), distributed=kind,
                          distributed_check=True, backend="ring")
     core = engine.core
     if not core.channel.cluster.leader:
