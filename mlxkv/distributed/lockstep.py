@@ -218,7 +218,9 @@ class LockstepCore:
 
     def _agree(self, plan: StepPlan) -> None:
         """Stop the set (PlanMismatch) unless every rank holds the same plan, tables and tokens."""
-        tables = [(sorted(cached.items()), [b.block_id if b is not None else None for b in table])
+        # Cached tokens in all, not by tier: one rank may read from its SSD tier what another
+        # reads from Redis (its SSD tier lost or new), with the same tables after.
+        tables = [(sum(cached.values()), [b.block_id if b is not None else None for b in table])
                   for cached, table in self.core.running_tables()]
         state = repr((plan.encode(), tables, self._tokens, self.core.block_pool.num_free))
         self.channel.agree(f"step {self.steps}", state.encode())

@@ -1,7 +1,6 @@
 """One rank of tests/distributed/test_lockstep.py: engines split over the set, driven by rank 0.
 
-argv: the disk tier dir, the Redis tier's URL (the first engine's only: one model shows the
-sharing, and each write costs), the scenario ("first" or "restart"), then one MODEL=KIND
+argv: the disk tier dir, then one MODEL=KIND
 per engine, loaded one after another in this one pair of processes (a start
 costs seconds). Rank 0 prints one JSON record per result; every other rank
 follows each engine until rank 0 closes it, then prints how many steps it
@@ -52,10 +51,10 @@ def batch(job, engine):
          reasons=[recs[-1].finish_reason if recs else None for recs in records])
 
 
-disk, redis, scenario = sys.argv[1:4]
-for job, spec in enumerate(sys.argv[4:]):
+disk = sys.argv[1]
+for job, spec in enumerate(sys.argv[2:]):
     model, kind = spec.rsplit("=", 1)
-    engine = Engine.load(model, CacheConfig(disk_tier=disk, remote_tier=redis if job == 0 else None, **config_fields()), distributed=kind,
+    engine = Engine.load(model, CacheConfig(disk_tier=disk, **config_fields()), distributed=kind,
                          distributed_check=True, backend="ring")
     core = engine.core
     if not core.channel.cluster.leader:
@@ -63,8 +62,7 @@ for job, spec in enumerate(sys.argv[4:]):
         emit(job=job, name="end", steps=core.steps)
         continue
     result(job, "first", engine.generate(FIRST, max_tokens=8))
-    if scenario == "first":
-        result(job, "second", engine.generate(SECOND, max_tokens=8))
-        batch(job, engine)
+    result(job, "second", engine.generate(SECOND, max_tokens=8))
+    batch(job, engine)
     engine.close()
     emit(job=job, name="end", steps=core.steps)

@@ -4,8 +4,8 @@ A launch costs seconds, so one launched pair runs every split in turn: greedy
 tokens and prefix hits, then a batch of 4 in which one client hangs up
 mid-prefill and one closes its stream, with the step-cost guard on and every
 step's plan, tables and tokens digested and agreed (a difference stops both
-ranks). A second pair is a second set of the same shape on the same Redis tier, with SSD tiers
-of its own (test_serve.py restarts a set on the same SSD tier).
+ranks). test_serve.py restarts a set on its SSD tiers, and starts a second set of the same shape
+on the same Redis tier.
 """
 
 from pathlib import Path
@@ -14,10 +14,8 @@ import pytest
 
 from lockstep_prompts import FIRST, SECOND, config_fields
 from ranks import run_ranks
-from real_parts import require
 
 from mlxkv.config import CacheConfig
-from mlxkv.connectors.remote.local_server import LocalRedisServer, server_binary
 from mlxkv.engine.engine import Engine
 
 HERE = Path(__file__).parent
@@ -25,9 +23,9 @@ pytestmark = pytest.mark.slow
 SPLITS = [("llama", "tensor"), ("qwen3", "tensor"), ("qwen2", "pipeline")]
 
 
-def _launch(run: Path, disk: Path, redis: str, scenario: str, jobs: list[str]) -> dict:
+def _launch(run: Path, disk: Path, jobs: list[str]) -> dict:
     """Rank 0's records by (job, name); both ranks must exit cleanly after equal step counts."""
-    results = run_ranks(HERE / "rank_engine.py", run, timeout=150, args=(str(disk), redis, scenario, *jobs))
+    results = run_ranks(HERE / "rank_engine.py", run, timeout=150, args=(str(disk), *jobs))
     for r in results:
         assert r.returncode == 0, r.stderr[-3000:]
     leader, follower = ({(rec["job"], rec["name"]): rec for rec in r.records()} for r in results)
@@ -37,18 +35,10 @@ def _launch(run: Path, disk: Path, redis: str, scenario: str, jobs: list[str]) -
 
 
 @pytest.fixture(scope="module")
-def redis(tmp_path_factory):
-    require("redis-server", server_binary())
-    server = LocalRedisServer(tmp_path_factory.mktemp("lockstep-redis")).start()
-    yield server.url
-    server.stop()
-
-
-@pytest.fixture(scope="module")
-def ranks(tmp_path_factory, model_dirs, redis):
+def ranks(tmp_path_factory, model_dirs):
     root = tmp_path_factory.mktemp("lockstep")
     jobs = [f"{model_dirs[family]}={kind}" for family, kind in SPLITS]
-    return _launch(root, root / "disk", redis, "first", jobs), root
+    return _launch(root, root / "disk", jobs), root
 
 
 @pytest.mark.parametrize("job, family", [(i, family) for i, (family, _) in enumerate(SPLITS)])
@@ -69,13 +59,8 @@ def test_a_client_hanging_up_mid_prefill_keeps_the_ranks_in_step(ranks, job):
     assert [len(tokens) for tokens in batch["tokens"]] == [6, 1, 6, 6]
 
 
-def test_a_second_set_of_the_same_shape_shares_the_prefix_through_redis(ranks, model_dirs, redis):
-    first, root = ranks
-    run = root / "second"
-    run.mkdir()
-    again = _launch(run, run / "disk", redis, "restart", [f"{model_dirs['llama']}=tensor"])
-    assert again[0, "first"]["tokens"] == first[0, "first"]["tokens"]
-    assert again[0, "first"]["tiers"]["remote"] == 32  # its own SSD tier is empty
+def test_each_rank_writes_its_own_shard_to_the_ssd_tier(ranks):
+    _, root = ranks
     # Each rank wrote its own shard's bytes, under the set's identity and its shard tag.
     fingerprints = [p for p in (root / "disk").iterdir() if p.is_dir()]
     assert len(fingerprints) == 2 * len(SPLITS)

@@ -1,7 +1,9 @@
 """`mlxkv serve --distributed tensor` on two ranks started with MLX_HOSTFILE and MLX_RANK: rank 0
 answers the OpenAI, Anthropic and Responses APIs as one process does and shows every rank's
-numbers; SIGTERM to rank 0 stops both; the next pair on the same SSD tier starts with the prefix;
-killing its rank 1 mid-stream ends the open stream with an error event and both processes soon after.
+numbers; SIGTERM to rank 0 stops both; a second pair of the same shape starts with the prefix, its
+rank 0 from the first pair's SSD tier and its rank 1, on an empty SSD tier, from the shared Redis
+tier; killing its rank 1 mid-stream ends the open stream with an error event and both processes
+soon after.
 
 Two launched pairs serve the whole module, one after the other (each start costs seconds)."""
 
@@ -20,8 +22,10 @@ from pathlib import Path
 import anthropic
 import openai
 import pytest
+from real_parts import require
 
 from mlxkv.config import CacheConfig
+from mlxkv.connectors.remote.local_server import LocalRedisServer, server_binary
 from mlxkv.distributed.loopback import free_ports, loopback_hostfile
 from mlxkv.server.server import Server, ServerOptions
 
@@ -43,14 +47,14 @@ def _healthy(url: str) -> bool:
 class RankPair:
     """Two `mlxkv serve --distributed` processes; a hang dumps their stacks (SIGABRT) when stopped."""
 
-    def __init__(self, model: str, tmp_path: Path, disk: Path):
+    def __init__(self, model: str, tmp_path: Path, disks: list[Path], redis: str):
         hostfile = loopback_hostfile(tmp_path / "hosts.json", 2)
         (self.port,) = free_ports(1)
         self.url = f"http://127.0.0.1:{self.port}"
         command = [MLXKV, "serve", "--model", model, "--distributed", "tensor", "--distributed-backend", "ring",
                    "--distributed-check", "--port", str(self.port), "--block-size", "8", "--num-blocks", "512",
-                   "--memory-tier-mb", "0", "--disk-tier", str(disk), "--log-level", "warning"]
-        self.procs = [subprocess.Popen(command, env=dict(os.environ, MLX_HOSTFILE=str(hostfile), MLX_RANK=str(rank),
+                   "--memory-tier-mb", "0", "--remote-tier", redis, "--log-level", "warning"]
+        self.procs = [subprocess.Popen(command + ["--disk-tier", str(disks[rank])], env=dict(os.environ, MLX_HOSTFILE=str(hostfile), MLX_RANK=str(rank),
                                                          PYTHONFAULTHANDLER="1"),
                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                       for rank in range(2)]
@@ -80,13 +84,22 @@ class RankPair:
 
 
 @pytest.fixture(scope="module")
-def disk(tmp_path_factory):
-    return tmp_path_factory.mktemp("serve-disk")
+def disks(tmp_path_factory):
+    """Rank 0's SSD tier (both pairs'), the first pair's rank 1's, the second pair's rank 1's."""
+    return [tmp_path_factory.mktemp(f"serve-disk{i}") for i in range(3)]
 
 
 @pytest.fixture(scope="module")
-def pair(model_dirs, tmp_path_factory, disk):
-    ranks = RankPair(model_dirs["llama"], tmp_path_factory.mktemp("serve-ranks"), disk)
+def redis(tmp_path_factory):
+    require("redis-server", server_binary())
+    server = LocalRedisServer(tmp_path_factory.mktemp("serve-redis")).start()
+    yield server.url
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def pair(model_dirs, tmp_path_factory, disks, redis):
+    ranks = RankPair(model_dirs["llama"], tmp_path_factory.mktemp("serve-ranks"), disks[:2], redis)
     try:
         ranks.wait_ready()
         yield ranks
@@ -95,10 +108,11 @@ def pair(model_dirs, tmp_path_factory, disk):
 
 
 @pytest.fixture(scope="module")
-def next_pair(pair, model_dirs, tmp_path_factory, disk):
-    """The set started again on the first one's SSD tier, once the first one has stopped."""
+def next_pair(pair, model_dirs, tmp_path_factory, disks, redis):
+    """A second set, once the first has stopped: rank 0 on the first set's SSD tier, rank 1 on
+    an empty one, both on the first set's Redis."""
     assert all(p.poll() is not None for p in pair.procs), "the first pair still runs"
-    ranks = RankPair(model_dirs["llama"], tmp_path_factory.mktemp("serve-ranks-again"), disk)
+    ranks = RankPair(model_dirs["llama"], tmp_path_factory.mktemp("serve-ranks-again"), [disks[0], disks[2]], redis)
     try:
         ranks.wait_ready()
         yield ranks
@@ -135,15 +149,22 @@ def _get(url: str) -> str:
         return r.read().decode()
 
 
+def _caught_up(url: str) -> dict:
+    """Rank 0's `distributed` stats once every rank's report is as recent as its last step
+    (the reports ride on a plan once a second, idle or not)."""
+    deadline = time.monotonic() + 10
+    while len((ranks := json.loads(_get(url + "/v1/cache/stats"))["distributed"])["per_rank"]) < 2 \
+            or min(r["steps"] for r in ranks["per_rank"]) < ranks["steps"]:
+        assert time.monotonic() < deadline, ranks
+        time.sleep(0.3)
+    return ranks
+
+
 def test_rank_zero_answers_every_api_as_one_process_does_and_shows_every_rank(pair, one_process):
     got, oracle = _answers(pair.url), _answers(one_process.url)
     assert got == oracle
     assert all(cached > 0 for _, cached in got[3:])  # the second round hit the first's prefix
-    deadline = time.monotonic() + 10  # the ranks' reports ride on a plan once a second, idle or not
-    while len((ranks := json.loads(_get(pair.url + "/v1/cache/stats"))["distributed"])["per_rank"]) < 2 \
-            or min(r["steps"] for r in ranks["per_rank"]) < ranks["steps"]:
-        assert time.monotonic() < deadline, ranks
-        time.sleep(0.3)
+    ranks = _caught_up(pair.url)
     assert (ranks["rank"], ranks["ranks"], ranks["shard"], ranks["lost"]) == (0, 2, "tp2r0", None)
     assert ranks["plan_exchanges"] >= ranks["steps"] > 0
     assert 0 <= ranks["plan_wait_s"] <= ranks["plan_s"]
@@ -168,7 +189,7 @@ def test_sigterm_to_rank_zero_stops_both_ranks_cleanly(pair):
     assert [p.returncode for p in pair.procs] == [0, 0], pair.output()
 
 
-def test_the_next_start_on_the_same_ssd_tier_has_the_prefix(next_pair, one_process):
+def test_a_second_set_has_the_prefix_from_the_ssd_tier_and_from_redis(next_pair, one_process):
     def ask(url: str) -> tuple:
         chat = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
         r = chat.chat.completions.create(model="m", messages=MESSAGES, max_tokens=8, temperature=0)
@@ -176,7 +197,11 @@ def test_the_next_start_on_the_same_ssd_tier_has_the_prefix(next_pair, one_proce
 
     # The one process has served this prompt before: every full block of it cached.
     assert ask(next_pair.url) == ask(one_process.url)
-    assert json.loads(_get(next_pair.url + "/v1/cache/stats"))["connector"]["disk"]["hit_blocks"] > 0
+    # Rank 0 read its shard back from the SSD tier the SIGTERM left; rank 1, whose SSD tier is
+    # new, read its own from what the first set's rank 1 wrote to Redis.
+    tiers = [r["tiers"] for r in _caught_up(next_pair.url)["per_rank"]]
+    assert tiers[0]["disk"]["hydrations"] > 0 and tiers[1]["remote"]["hydrations"] > 0
+    assert tiers[1]["disk"]["hydrations"] == 0
 
 
 def _drained(stream, timeout: float) -> str:
