@@ -68,7 +68,8 @@ def _counters(engine) -> dict:
     stats = engine.stats().get("distributed")
     if stats is None:
         return {}
-    return {k: stats[k] for k in ("steps", "step_s", "plan_s", "plan_collectives", "plan_bytes")}
+    return {k: stats[k] for k in ("steps", "step_s", "plan_s", "plan_wait_s", "plan_exchanges", "plan_collectives",
+                                  "plan_bytes")}
 
 
 if __name__ == "__main__":

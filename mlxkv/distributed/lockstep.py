@@ -23,6 +23,8 @@ import logging
 import secrets
 import time
 
+import mlx.core as mx
+
 from mlxkv.distributed.channel import PlanChannel, PlanMismatch, RankLost
 from mlxkv.distributed.identity import cluster_fingerprint
 from mlxkv.distributed.rank_report import REPORT_INTERVAL_S, rank_report, read_reports
@@ -31,6 +33,7 @@ from mlxkv.distributed.step_plan import CLOSE, IDLE, STEP, NewRequest, StepPlan
 from mlxkv.engine.records import GenerationChunk, RequestFailed
 from mlxkv.engine.request import Request, RequestState
 from mlxkv.engine.sampling import MAX_SEED, Sampler
+from mlxkv.errors import first_line
 
 log = logging.getLogger(__name__)
 
@@ -138,7 +141,7 @@ class LockstepCore:
     def follow(self) -> None:
         """Serve rank 0's plans until it closes; RankLost when rank 0 (or another) is gone."""
         while True:
-            plan = StepPlan.decode(self.channel.exchange(None))
+            plan = self._exchange(None)
             if plan.op == CLOSE:
                 self.core.close()
                 return
@@ -150,9 +153,22 @@ class LockstepCore:
 
     # -- both -------------------------------------------------------------------
 
-    def _exchange(self, plan: StepPlan) -> StepPlan:
-        """Rank 0's plan as every rank decodes it (rank 0 too: all apply the same bytes)."""
-        return StepPlan.decode(self.channel.exchange(plan.encode()))
+    def _exchange(self, plan: StepPlan | None) -> StepPlan:
+        """Rank 0's plan (None on the others) as every rank decodes it (rank 0 too: all apply
+        the same bytes)."""
+        self._drain()
+        return StepPlan.decode(self.channel.exchange(None if plan is None else plan.encode()))
+
+    def _drain(self) -> None:
+        """Wait for the step still in flight (engine/loop.py pipelines them) before the plan's
+        collective, which would queue behind it on the same stream anyway: the wait is the
+        step's time, and the plan's is then the collective and the wait for a slower rank."""
+        began = time.perf_counter()
+        try:
+            mx.synchronize()
+        except RuntimeError as e:  # one of the model's collectives lost its peer
+            raise RankLost(f"{self.channel.cluster.describe()}: a peer was lost ({first_line(e)})") from None
+        self.step_seconds += time.perf_counter() - began
 
     def _idle(self, plan: StepPlan) -> None:
         self.core.idle(plan.idle_s)
