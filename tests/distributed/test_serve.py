@@ -97,14 +97,18 @@ def redis(tmp_path_factory):
     server.stop()
 
 
-@pytest.fixture(scope="module")
-def pair(model_dirs, tmp_path_factory, disks, redis):
-    ranks = RankPair(model_dirs["llama"], tmp_path_factory.mktemp("serve-ranks"), disks[:2], redis)
+def _served(ranks: RankPair):
+    """A fixture's body: the pair once it answers, stopped after the module."""
     try:
         ranks.wait_ready()
         yield ranks
     finally:
         ranks.stop()
+
+
+@pytest.fixture(scope="module")
+def pair(model_dirs, tmp_path_factory, disks, redis):
+    yield from _served(RankPair(model_dirs["llama"], tmp_path_factory.mktemp("serve-ranks"), disks[:2], redis))
 
 
 @pytest.fixture(scope="module")
@@ -112,12 +116,8 @@ def next_pair(pair, model_dirs, tmp_path_factory, disks, redis):
     """A second set, once the first has stopped: rank 0 on the first set's SSD tier, rank 1 on
     an empty one, both on the first set's Redis."""
     assert all(p.poll() is not None for p in pair.procs), "the first pair still runs"
-    ranks = RankPair(model_dirs["llama"], tmp_path_factory.mktemp("serve-ranks-again"), [disks[0], disks[2]], redis)
-    try:
-        ranks.wait_ready()
-        yield ranks
-    finally:
-        ranks.stop()
+    yield from _served(RankPair(model_dirs["llama"], tmp_path_factory.mktemp("serve-ranks-again"),
+                                [disks[0], disks[2]], redis))
 
 
 @pytest.fixture(scope="module")
