@@ -61,7 +61,7 @@ def measure(model: str, kind: str | None) -> dict | None:
                      f"{config['num_attention_heads']} heads",
             "tokens": result.tokens, "decode_tps": result.stats.decode_tokens_per_s, "seconds": seconds,
             "layers": config["num_hidden_layers"], "hidden": config["hidden_size"], "dtype_bytes": dtype_bytes,
-            "allreduce_bytes_per_token": (summed - delta.get("plan_bytes", 0)) / tokens, **delta}
+            "allreduce_bytes_per_token": summed / tokens, **delta}  # the plan channel gathers, never sums
 
 
 def _counters(engine) -> dict:
