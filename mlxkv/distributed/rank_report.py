@@ -3,7 +3,8 @@
 Rank 0 asks for them in a plan at most once per REPORT_INTERVAL_S (its clock
 decides, and the plan tells every rank); each rank then attaches its report to
 the next plan exchange (channel.py), so they cost no collective of their own:
-about a kilobyte per rank, once a second while the set steps or idles.
+about a kilobyte per rank, four times a second while the set steps, and at
+each idle tick (once a second) while it idles.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import json
 
 from mlxkv.distributed.channel import REPORT_BYTES
 
-REPORT_INTERVAL_S = 1.0
+REPORT_INTERVAL_S = 0.25  # as often as the engine thread publishes stats (host/engine_thread.py)
 POOL_KEYS = ("size_blocks", "budget_blocks", "in_use", "cached_free", "free", "evictions")
 TIER_KEYS = ("state", "bytes_held", "hit_blocks", "hydrations", "stores", "write_errors")
 
