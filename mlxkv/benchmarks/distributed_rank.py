@@ -61,14 +61,15 @@ def measure(model: str, kind: str | None) -> dict | None:
                      f"{config['num_attention_heads']} heads",
             "tokens": result.tokens, "decode_tps": result.stats.decode_tokens_per_s, "seconds": seconds,
             "layers": config["num_hidden_layers"], "hidden": config["hidden_size"], "dtype_bytes": dtype_bytes,
-            "allreduce_bytes_per_token": (summed - delta.get("plan_bytes", 0)) / tokens, **delta}
+            "allreduce_bytes_per_token": summed / tokens, **delta}  # the plan channel gathers, never sums
 
 
 def _counters(engine) -> dict:
     stats = engine.stats().get("distributed")
     if stats is None:
         return {}
-    return {k: stats[k] for k in ("steps", "step_s", "plan_s", "plan_collectives", "plan_bytes")}
+    return {k: stats[k] for k in ("steps", "step_s", "plan_s", "plan_wait_s", "plan_exchanges", "plan_collectives",
+                                  "plan_bytes")}
 
 
 if __name__ == "__main__":

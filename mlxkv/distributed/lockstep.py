@@ -23,13 +23,17 @@ import logging
 import secrets
 import time
 
+import mlx.core as mx
+
 from mlxkv.distributed.channel import PlanChannel, PlanMismatch, RankLost
 from mlxkv.distributed.identity import cluster_fingerprint
+from mlxkv.distributed.rank_report import REPORT_INTERVAL_S, rank_report, read_reports
 from mlxkv.distributed.sharding import ShardSpec
 from mlxkv.distributed.step_plan import CLOSE, IDLE, STEP, NewRequest, StepPlan
 from mlxkv.engine.records import GenerationChunk, RequestFailed
 from mlxkv.engine.request import Request, RequestState
 from mlxkv.engine.sampling import MAX_SEED, Sampler
+from mlxkv.errors import first_line
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +68,7 @@ class LockstepCore:
         self._cancelled: set[int] = set()  # ids every rank treats as cancelled
         self._aborts: list[int] = []  # rank 0's, not sent yet
         self._tokens: list[tuple[int, int]] = []  # (request id, token) handed out this step
+        self._next_report = 0.0  # rank 0's clock: when its next plan asks every rank for a report
 
     def __getattr__(self, name):  # the rest of EngineCore's surface: state, stats, hashes
         return getattr(self.core, name)
@@ -88,7 +93,7 @@ class LockstepCore:
 
     def step(self) -> list[Request]:
         plan = StepPlan(STEP, new=[_describe(r) for r in self._new], cancel=self._poll_cancels(),
-                        abort=self._aborts, decisions=self.core.decisions())
+                        abort=self._aborts, decisions=self.core.decisions(), report=self._report_due())
         added, self._new, self._aborts = self._new, [], []
         if self.lost is not None:
             return self._end_all(self.lost, added)
@@ -117,11 +122,11 @@ class LockstepCore:
         if self.lost is not None:
             return
         try:
-            self._exchange(StepPlan(IDLE, idle_s=seconds))
+            plan = self._exchange(StepPlan(IDLE, idle_s=seconds, report=self._report_due()))
         except RankLost as e:
             self._end_all(str(e), [])
             return
-        self.core.idle(seconds)
+        self._idle(plan)
 
     def close(self) -> None:
         if self.lost is None and self.channel.cluster.leader:
@@ -136,21 +141,54 @@ class LockstepCore:
     def follow(self) -> None:
         """Serve rank 0's plans until it closes; RankLost when rank 0 (or another) is gone."""
         while True:
-            plan = StepPlan.decode(self.channel.exchange(None))
+            plan = self._exchange(None)
             if plan.op == CLOSE:
                 self.core.close()
                 return
             if plan.op == IDLE:
-                self.core.idle(plan.idle_s)
+                self._idle(plan)
                 continue
             self._apply(plan, [self._build(r) for r in plan.new])
             self._run(plan)
 
     # -- both -------------------------------------------------------------------
 
-    def _exchange(self, plan: StepPlan) -> StepPlan:
-        """Rank 0's plan as every rank decodes it (rank 0 too: all apply the same bytes)."""
-        return StepPlan.decode(self.channel.exchange(plan.encode()))
+    def _exchange(self, plan: StepPlan | None) -> StepPlan:
+        """Rank 0's plan (None on the others) as every rank decodes it (rank 0 too: all apply
+        the same bytes)."""
+        self._drain()
+        return StepPlan.decode(self.channel.exchange(None if plan is None else plan.encode()))
+
+    def _drain(self) -> None:
+        """Wait for the step still in flight (engine/loop.py pipelines them) before the plan's
+        collective, which would queue behind it on the same stream anyway: the wait is the
+        step's time, and the plan's is then the collective and the wait for a slower rank."""
+        began = time.perf_counter()
+        try:
+            mx.synchronize()
+        except RuntimeError as e:  # one of the model's collectives lost its peer
+            raise RankLost(f"{self.channel.cluster.describe()}: a peer was lost ({first_line(e)})") from None
+        self.step_seconds += time.perf_counter() - began
+
+    def _idle(self, plan: StepPlan) -> None:
+        self.core.idle(plan.idle_s)
+        self._report_if_asked(plan)
+
+    def _report_due(self) -> bool:
+        """Rank 0: whether this plan asks every rank for its report (at most once an interval)."""
+        now = time.monotonic()
+        if now < self._next_report:
+            return False
+        self._next_report = now + REPORT_INTERVAL_S
+        return True
+
+    def _report_if_asked(self, plan: StepPlan) -> None:
+        """Every rank, after the plan's step or pause: its report rides on the next exchange."""
+        if plan.report:
+            ch = self.channel
+            self.channel.attach(rank_report(ch.cluster.rank, self.core, {
+                "steps": self.steps, "step_s": round(self.step_seconds, 6), "plan_s": round(ch.seconds, 6),
+                "plan_wait_s": round(ch.wait_seconds, 6)}))
 
     def _apply(self, plan: StepPlan, added: list[Request]) -> None:
         self._cancelled.update(plan.cancel)
@@ -164,12 +202,15 @@ class LockstepCore:
         self.core.follow(plan.decisions)
 
     def stats(self) -> dict:
-        """The core's, and the set's: this rank, its split, and the plan channel's cost."""
+        """The core's, and the set's: this rank, its split, the plan channel's cost (`plan_s`, of
+        which `plan_wait_s` waiting for a slower rank) and every rank's last report (`per_rank`)."""
         ch = self.channel
         return {**self.core.stats(), "distributed": {
             "rank": ch.cluster.rank, "ranks": ch.cluster.size, "split": self.spec.kind, "shard": self.spec.tag,
             "steps": self.steps, "step_s": round(self.step_seconds, 6), "plan_collectives": ch.collectives,
-            "plan_bytes": ch.bytes_moved, "plan_s": round(ch.seconds, 6), "check": self.check, "lost": self.lost}}
+            "plan_exchanges": ch.exchanges, "plan_bytes": ch.bytes_moved, "plan_s": round(ch.seconds, 6),
+            "plan_wait_s": round(ch.wait_seconds, 6), "check": self.check, "lost": self.lost,
+            "per_rank": read_reports(ch.reports)}}
 
     def _run(self, plan: StepPlan) -> list[Request]:
         self._tokens = []
@@ -186,13 +227,16 @@ class LockstepCore:
             # the ranks out of step, and a ring that lost a peer can hang the next collective
             # rather than fail it: the set stops here, with no collective more.
             raise RankLost(f"{self.channel.cluster.describe()}: a step failed ({self.core.step_failure})")
+        self._report_if_asked(plan)
         if self.check:
             self._agree(plan)
         return finished
 
     def _agree(self, plan: StepPlan) -> None:
         """Stop the set (PlanMismatch) unless every rank holds the same plan, tables and tokens."""
-        tables = [(sorted(cached.items()), [b.block_id if b is not None else None for b in table])
+        # Cached tokens in all, not by tier: one rank may read from its SSD tier what another
+        # reads from Redis (its SSD tier lost or new), with the same tables after.
+        tables = [(sum(cached.values()), [b.block_id if b is not None else None for b in table])
                   for cached, table in self.core.running_tables()]
         state = repr((plan.encode(), tables, self._tokens, self.core.block_pool.num_free))
         self.channel.agree(f"step {self.steps}", state.encode())

@@ -107,12 +107,12 @@ class EngineCore:
         """What the next step decides by this process's clock (the step-cost guard's choice
         per batch size), as plain data: rank 0's go to every rank of a distributed set."""
         speculation = self.loop.speculation
-        return {"speculate": speculation.cost.choices() if speculation is not None else {}}
+        return {"speculate": speculation.cost.choices()} if speculation is not None else {}
 
     def follow(self, decisions: dict) -> None:
         """Decide the next step as `decisions` (another core's, rank 0's) say, not by this clock."""
         if self.loop.speculation is not None:
-            self.loop.speculation.cost.follow({int(k): v for k, v in decisions["speculate"].items()})
+            self.loop.speculation.cost.follow({int(k): v for k, v in decisions.get("speculate", {}).items()})
 
     @property
     def has_work(self) -> bool:

@@ -243,7 +243,7 @@ async def metrics(request: Request) -> Response:
     open_requests = sum(s.backend.thread.open_requests for s in loaded)
     text = request.app.state.metrics.render(open_requests, stats.get("pool"), stats.get("speculative"),
                                             tiers=stats.get("connector"), structured=stats.get("structured"),
-                                            encoder=stats.get("encoder_cache"))
+                                            encoder=stats.get("encoder_cache"), distributed=stats.get("distributed"))
     rows = {name: model_stats(registry, slot) for name, slot in registry.slots.items()}
     return PlainTextResponse(text + "\n".join(model_lines(rows)) + "\n", media_type="text/plain; version=0.0.4")
 

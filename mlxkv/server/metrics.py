@@ -72,10 +72,11 @@ class ServerMetrics:
 
     def render(self, open_requests: int, pool: dict | None, speculative: dict | None = None,
                tiers: dict | None = None, structured: dict | None = None,
-               encoder: dict | None = None) -> str:
+               encoder: dict | None = None, distributed: dict | None = None) -> str:
         """The text exposition; `pool`: BlockPool.usage(), or None before the model is ready;
         `speculative`: Engine.stats()'s speculative decoding counters; `tiers`: the connector's
-        stats per tier; `structured`: the grammar compiler's stats (structured/compiler.py)."""
+        stats per tier; `structured`: the grammar compiler's stats (structured/compiler.py);
+        `distributed`: a distributed set's (LockstepCore.stats()), with every rank's report."""
         with self._lock:
             lines = _metric("mlxkv_requests_total", "counter", "HTTP requests by endpoint and status",
                             [f'{{endpoint="{e}",status="{s}"}} {n}' for (e, s), n in sorted(self.requests.items())])
@@ -105,6 +106,8 @@ class ServerMetrics:
             lines += _structured_lines(structured)
         if encoder:  # a vision model's encoder-output cache (vision/encoder_cache.py)
             lines += _encoder_lines(encoder)
+        if distributed:
+            lines += distributed_lines(distributed)
         return "\n".join(lines) + "\n"
 
 
@@ -172,6 +175,32 @@ def tier_lines(tiers: dict) -> list[str]:
     for key, help_text in TIER_COUNTERS.items():
         lines += _metric(f"mlxkv_tier_{key}_total", "counter", help_text,
                          [f'{{tier="{t}"}} {tiers[t].get(key, 0)}' for t in names])
+    return lines
+
+
+# Per rank, from its last report (distributed/rank_report.py): seconds spent, by what in.
+RANK_SECONDS = {
+    "step_s": ("mlxkv_rank_step_seconds_total", "time in the engine's steps (the model's collectives included)"),
+    "plan_s": ("mlxkv_rank_plan_seconds_total", "time in the step plan's collectives, waiting included"),
+    "plan_wait_s": ("mlxkv_rank_plan_wait_seconds_total", "of which waiting for a slower rank to reach them"),
+}
+
+
+def distributed_lines(stats: dict) -> list[str]:
+    """The set's size and state, and each rank's steps, collective time, pool blocks and tier bytes."""
+    ranks = stats.get("per_rank", [])
+    lines = _metric("mlxkv_distributed_ranks", "gauge", "ranks in the set", [f" {stats['ranks']}"])
+    lines += _metric("mlxkv_distributed_lost", "gauge", "1 once the set lost a rank and stopped",
+                     [f" {int(stats.get('lost') is not None)}"])
+    lines += _metric("mlxkv_rank_steps_total", "counter", "steps each rank ran",
+                     [f'{{rank="{r["rank"]}"}} {r.get("steps", 0)}' for r in ranks])
+    for key, (name, help_text) in RANK_SECONDS.items():
+        lines += _metric(name, "counter", help_text, [f'{{rank="{r["rank"]}"}} {_number(r.get(key, 0))}' for r in ranks])
+    lines += _metric("mlxkv_rank_pool_blocks", "gauge", "each rank's KV pool blocks by state",
+                     [f'{{rank="{r["rank"]}",state="{k}"}} {n}' for r in ranks for k, n in r.get("pool", {}).items()])
+    lines += _metric("mlxkv_rank_tier_bytes", "gauge", "bytes each rank's tiers hold",
+                     [f'{{rank="{r["rank"]}",tier="{t}"}} {s.get("bytes_held", 0)}'
+                      for r in ranks for t, s in r.get("tiers", {}).items()])
     return lines
 
 
