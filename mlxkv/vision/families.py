@@ -17,6 +17,7 @@ SERVED = (
     "glm4v", "glm4v_moe", "idefics2", "internvl_chat", "aya_vision", "llava_onevision",
     "kimi_vl", "internvl", "kimi_k25", "glm_ocr", "mage_vl", "cohere_compass", "muse_glimmer", "nemotron_h_nano_omni",
     "mimo_v2",
+    "llava",
 )
 
 TEXT_MODEL = "a text model (no vision tower in mlx-vlm's module): mlx-lm's class of that name serves it"
@@ -31,8 +32,6 @@ PER_LAYER_INPUTS = ("its layers take per-layer inputs computed from the prompt's
 CROSS_ATTENTION = "its language model cross-attends to the image's states, which the pool's blocks do not hold"
 ENCODER_DECODER = "an encoder-decoder: its decoder's cross-attention cache (SimpleKVCache) is not a prefix cache"
 DIFFUSION = "a diffusion decoder: it denoises tokens in parallel, not one after another over a KV cache"
-PROCESSOR = ("mlx-vlm 0.7.10's LlavaProcessor hands text options (padding) to the image processor, which the "
-             "installed transformers rejects: mlx-vlm cannot preprocess its images")
 INSERTS = ("mlx-vlm's get_input_embeddings inserts each image's features beside its placeholder tokens instead of "
            "over them, so the embedded prompt is longer than its ids; mlxkv's blocks, hashes and positions are "
            "its ids'")
@@ -117,9 +116,6 @@ _REASONS = (
 )),
     (DIFFUSION, (
     "diffusion_gemma", "nemotron_labs_diffusion", "llada2_moe", "d1",
-)),
-    (PROCESSOR, (
-    "llava",
 )),
     (CHUNK_MASK, (
     "llama4",

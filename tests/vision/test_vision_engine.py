@@ -19,7 +19,7 @@ N = 8  # tokens per reply
 # path of vision/prompt.py, plain positions: InternVL-Chat's; image by image with deepstack and M-RoPE:
 # Qwen3-VL's): the suite's time goes to the other paths.
 PREEMPTED_ON_ANOTHER_FAMILY = {"internvl", "aya_vision", "llava_onevision", "kimi_vl", "kimi_k25", "mage_vl",
-                               "cohere_compass", "muse_glimmer"}
+                               "cohere_compass", "muse_glimmer", "llava"}
 
 
 @pytest.fixture(scope="module", params=list(SERVED))
@@ -43,8 +43,13 @@ def _mlx_vlm(engine, messages, images):
     template = [{**m, "content": [{"type": "image"} if p.get("type") == "image" else p for p in m["content"]]
                  if isinstance(m["content"], list) else m["content"]} for m in messages]
     prompt = compat.render_chat(processor, template)
+    inputs = {}
+    if compat.passes_text_options_to_images(processor):  # mlx-vlm's own preprocessing fails (LLaVA 1.5)
+        given = compat.prepare_inputs(processor, prompt, images)
+        inputs = {"input_ids": given["input_ids"], "pixel_values": given["pixel_values"],
+                  "mask": given["attention_mask"]}
     return [r.token for r in stream_generate(model, processor, prompt, image=images, max_tokens=N,
-                                             temperature=0.0)][:N]
+                                             temperature=0.0, **inputs)][:N]
 
 
 def test_one_image_equals_mlx_vlm(engine):

@@ -63,7 +63,7 @@ def test_a_family_whose_merge_inserts_features_is_refused_at_load_with_that_reas
     assert str(e.value) == f"m: mlx-vlm family {family!r} cannot run over mlxkv's pool: {families.INSERTS}"
 
 
-@pytest.mark.parametrize("family", ["qwen3_5", "llava", "llama4"])  # llava: mlx-lm's loader remaps it to mistral3
+@pytest.mark.parametrize("family", ["qwen3_5", "llama4"])
 def test_a_family_whose_images_are_not_served_loads_its_text_half_with_one_line(family, tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="mlxkv.vision.loading"):
         assert load_vision_model(_checkpoint(tmp_path, family), "m", object) is None
