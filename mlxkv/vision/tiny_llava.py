@@ -44,13 +44,35 @@ CLIP_PREPROCESSOR = {
     "image_mean": _CLIP_MEAN, "image_std": _CLIP_STD, "resample": 3,
 }
 
+LLAVA_PINPOINTS = [[LLAVA_SIDE, 2 * LLAVA_SIDE], [2 * LLAVA_SIDE, LLAVA_SIDE], [2 * LLAVA_SIDE, 2 * LLAVA_SIDE]]
+
+
+def llava_next_config(vocab_size: int, ids: dict[str, int], hidden: int = 64, layers: int = 2, seed: int = 0,
+                      **_) -> dict:
+    """LLaVA-NeXT (1.6): LLaVA 1.5's CLIP tower and Llama over AnyRes tiles (the base view, then the best
+    pinpoint's tiles), and an image_newline vector; its merge inserts an image's features (expansion.py)."""
+    config = llava_config(vocab_size, ids, hidden, layers, seed)
+    config.update(model_type="llava_next", architectures=["LlavaNextForConditionalGeneration"],
+                  image_grid_pinpoints=LLAVA_PINPOINTS)
+    config["mlxkv_tiny_model"]["family"] = "llava_next"
+    return config
+
+
+LLAVA_NEXT_PREPROCESSOR = {
+    **CLIP_PREPROCESSOR, "image_processor_type": "LlavaNextImageProcessor", "processor_class": "LlavaNextProcessor",
+    "image_grid_pinpoints": LLAVA_PINPOINTS, "do_pad": True,
+}
+
 # family -> (vision tokens, config, template, preprocessor, processor class, tokenizer extras)
 LLAVA_FAMILIES = {
     "llava": (LLAVA_TOKENS, llava_config, LLAVA_TEMPLATE, {**CLIP_PREPROCESSOR, "processor_class": "LlavaProcessor"},
               "LlavaProcessor", {}),
+    "llava_next": (LLAVA_TOKENS, llava_next_config, LLAVA_TEMPLATE, LLAVA_NEXT_PREPROCESSOR, "LlavaNextProcessor", {}),
 }
 LLAVA_PROCESSOR_CONFIGS = {
     # LLaVA 1.5's own: one more token the tower makes (its CLS), dropped by the "default" strategy
     "llava": {"patch_size": 14, "vision_feature_select_strategy": "default", "num_additional_image_tokens": 1,
               "image_token": "<image>", "processor_class": "LlavaProcessor"},
+    "llava_next": {"patch_size": 14, "vision_feature_select_strategy": "default", "num_additional_image_tokens": 1,
+                   "image_token": "<image>", "processor_class": "LlavaNextProcessor"},
 }
