@@ -21,7 +21,7 @@ from __future__ import annotations
 from mlxkv.errors import MlxkvError
 
 # Families whose merge inserts features and whose count is known here from the processor's outputs.
-EXPANDED = ("llava_next",)
+EXPANDED = ("llava_next", "granite_vision")
 
 
 def expands(config) -> bool:
@@ -34,10 +34,10 @@ def expanded_tokens(config, tokens: list[int], image_token: int, inputs: dict, i
 
 
 def _llava_next(config, tokens: list[int], image_token: int, inputs: dict, images: int) -> list[int]:
-    """mlx-vlm 0.7.10's LLaVA-NeXT runs its tower over the first image's tiles only ([T, P, D]: the base
+    """mlx-vlm 0.7.10's LLaVA-NeXT (and Granite Vision, its merge copied) runs its tower over the first image's tiles only ([T, P, D]: the base
     view and the best pinpoint's crops), appends T blocks of P copies of its image_newline, and puts block
     i in place of placeholder i: min(N, 2T) blocks for a run of N placeholders, P features each (P: the
-    tower's patches a tile, its CLS dropped by the "default" strategy). A second image's placeholders
+    tower's patches a tile: CLIP's CLS too, unless the "default" strategy drops it). A second image's placeholders
     would take the first image's blocks, or vanish with the text before them: one image a request."""
     if images > 1:
         raise MlxkvError(f"messages: {config.model_type} takes one image a request (mlx-vlm 0.7.10 embeds the "

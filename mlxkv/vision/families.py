@@ -17,7 +17,7 @@ SERVED = (
     "glm4v", "glm4v_moe", "idefics2", "internvl_chat", "aya_vision", "llava_onevision",
     "kimi_vl", "internvl", "kimi_k25", "glm_ocr", "mage_vl", "cohere_compass", "muse_glimmer", "nemotron_h_nano_omni",
     "mimo_v2",
-    "llava", "llava_next",
+    "llava", "llava_next", "granite_vision",
 )
 
 TEXT_MODEL = "a text model (no vision tower in mlx-vlm's module): mlx-lm's class of that name serves it"
@@ -133,7 +133,7 @@ _REASONS = (
     "ernie4_5_moe_vl", "zaya1_vl",
 )),
     (INSERTS, (
-    "llava_bunny", "granite_vision", "multi_modality", "fastvlm",
+    "llava_bunny", "multi_modality", "fastvlm",
     # Phi-4-MM: one placeholder (id -200) an image, its features spliced in its place
     "phi4mm",
 )),

@@ -63,11 +63,28 @@ LLAVA_NEXT_PREPROCESSOR = {
     "image_grid_pinpoints": LLAVA_PINPOINTS, "do_pad": True,
 }
 
+def granite_vision_config(vocab_size: int, ids: dict[str, int], hidden: int = 64, layers: int = 2, seed: int = 0,
+                          **_) -> dict:
+    """Granite Vision: LLaVA-NeXT's tiles, newline and merge over a SigLIP tower (two of its layers'
+    output side by side, no CLS: the "full" strategy) and a Granite language model."""
+    config = llava_next_config(vocab_size, ids, hidden, layers, seed)
+    config["text_config"].update(model_type="granite", embedding_multiplier=12.0, attention_multiplier=0.25,
+                                 residual_multiplier=0.22, logits_scaling=8.0, tie_word_embeddings=True)
+    config["vision_config"].update(model_type="siglip_vision_model", layer_norm_eps=1e-6)
+    config.update(model_type="granite_vision", architectures=["LlavaNextForConditionalGeneration"],
+                  vision_feature_select_strategy="full", vision_feature_layer=[-2, -1])
+    config["mlxkv_tiny_model"]["family"] = "granite_vision"
+    return config
+
+
 # family -> (vision tokens, config, template, preprocessor, processor class, tokenizer extras)
 LLAVA_FAMILIES = {
     "llava": (LLAVA_TOKENS, llava_config, LLAVA_TEMPLATE, {**CLIP_PREPROCESSOR, "processor_class": "LlavaProcessor"},
               "LlavaProcessor", {}),
     "llava_next": (LLAVA_TOKENS, llava_next_config, LLAVA_TEMPLATE, LLAVA_NEXT_PREPROCESSOR, "LlavaNextProcessor", {}),
+    "granite_vision": (LLAVA_TOKENS, granite_vision_config, LLAVA_TEMPLATE,
+                       {**LLAVA_NEXT_PREPROCESSOR, "image_mean": [0.5] * 3, "image_std": [0.5] * 3,
+                        "processor_class": "GraniteVisionProcessor"}, "GraniteVisionProcessor", {}),
 }
 LLAVA_PROCESSOR_CONFIGS = {
     # LLaVA 1.5's own: one more token the tower makes (its CLS), dropped by the "default" strategy
@@ -75,4 +92,6 @@ LLAVA_PROCESSOR_CONFIGS = {
               "image_token": "<image>", "processor_class": "LlavaProcessor"},
     "llava_next": {"patch_size": 14, "vision_feature_select_strategy": "default", "num_additional_image_tokens": 1,
                    "image_token": "<image>", "processor_class": "LlavaNextProcessor"},
+    "granite_vision": {"patch_size": 14, "vision_feature_select_strategy": "full", "image_token": "<image>",
+                       "processor_class": "GraniteVisionProcessor"},
 }

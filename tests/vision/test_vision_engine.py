@@ -19,9 +19,10 @@ N = 8  # tokens per reply
 # path of vision/prompt.py, plain positions: InternVL-Chat's; image by image with deepstack and M-RoPE:
 # Qwen3-VL's): the suite's time goes to the other paths.
 PREEMPTED_ON_ANOTHER_FAMILY = {"internvl", "aya_vision", "llava_onevision", "kimi_vl", "kimi_k25", "mage_vl",
-                               "cohere_compass", "muse_glimmer", "llava", "llava_next"}
+                               "cohere_compass", "muse_glimmer", "llava", "llava_next",
+                               "granite_vision"}
 # Families mlx-vlm embeds one image a request for (vision/expansion.py): a second image is a clear 400.
-ONE_IMAGE_A_REQUEST = {"llava_next"}
+ONE_IMAGE_A_REQUEST = {"llava_next", "granite_vision"}
 
 
 def _refused_for_a_second_image(engine, messages) -> bool:
