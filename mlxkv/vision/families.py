@@ -45,7 +45,9 @@ INSERTS_FOUND = {
                     "-200 itself), so a test model's prompts are 750 tokens an image and the ids are not a tokenizer's"),
     "multi_modality": ("mlx-vlm's Janus inserts num_image_tokens more placeholders at an image's first one, then keeps "
                        "text only before the first placeholder and after the last: one image embeds to the processor's "
-                       "length, but a second image's features land after the first's and the text between is dropped"),
+                       "length, but a second image's features land after the first's and the text between is dropped; "
+                       "and its image processor sizes images at 384 px (576 features an image) unless the SAM hybrid "
+                       "tower is configured, so a test model's prompts are 600 tokens an image"),
     "phi4mm": ("each image is one -200 placeholder (two after a BOS) that takes the whole of its HD crops' features, a "
                "count known only from the tower's output; and its placeholder ids are not tokens the step can embed"),
 }
