@@ -48,8 +48,10 @@ INSERTS_FOUND = {
                        "length, but a second image's features land after the first's and the text between is dropped; "
                        "and its image processor sizes images at 384 px (576 features an image) unless the SAM hybrid "
                        "tower is configured, so a test model's prompts are 600 tokens an image"),
-    "phi4mm": ("each image is one -200 placeholder (two after a BOS) that takes the whole of its HD crops' features, a "
-               "count known only from the tower's output; and its placeholder ids are not tokens the step can embed"),
+    "phi4mm": ("mlx-vlm merges its vision or speech LoRA into the language model's weights by a request's modality "
+               "(set_modality, on the model object), so in a batch of text and image rows one set of weights serves "
+               "all; and each image is one -200 placeholder (its h x w features, from spatial_shapes, in its "
+               "place), not a token the engine's step can embed"),
 }
 CHUNK_MASK = ("mlx-vlm's Llama 4 gives its global layers the mask its first layer's cache makes, a chunked "
               "layer's; over mlxkv's pool that mask covers the chunk, not the context the global layer attends to")
