@@ -108,7 +108,7 @@ def test_images_in_two_turns_and_the_next_turn_hits_the_first(engine):
         second = first + [{"role": "assistant", "content": reply.text}, _user("And what else?")]
         b = None
     again = engine.chat(second, max_tokens=N)
-    assert again.tokens == _mlx_vlm(engine, second, [a, b] if b else [a])
+    assert again.tokens == _mlx_vlm(engine, second, [a] if b is None else [a, b])
     assert again.stats.cached_tokens["pool"] >= len(reply.prompt_tokens) // BS * BS
 
 
