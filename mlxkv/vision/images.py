@@ -60,7 +60,7 @@ def load_image(part: dict, where: str, max_pixels: int = MAX_IMAGE_PIXELS):
         elif isinstance(source, str) and source.split(":", 1)[0] in ("http", "https"):
             raise MlxkvError(f"{where}: image URLs are not fetched (send a data: URL or base64)")
         elif isinstance(source, (str, Path)):
-            image = Image.open(Path(source))
+            image = _open_path(Path(source), where)
         else:
             raise MlxkvError(f"{where}: an image part needs a path, bytes, a PIL image or a data: URL")
         if image.width * image.height > max_pixels:
@@ -70,6 +70,16 @@ def load_image(part: dict, where: str, max_pixels: int = MAX_IMAGE_PIXELS):
         return image.convert("RGB")
     except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as e:
         raise MlxkvError(f"{where}: not an image we can read ({type(e).__name__})") from None
+
+
+def _open_path(path: Path, where: str):
+    """A path (Engine.chat's, never a client's): a missing or unreadable file is named, as a user typed it."""
+    from PIL import Image
+
+    try:
+        return Image.open(path)
+    except (FileNotFoundError, IsADirectoryError, PermissionError) as e:
+        raise MlxkvError(f"{where}: cannot open {str(path)!r}: {(e.strerror or type(e).__name__).lower()}") from None
 
 
 def _data_url_bytes(url: str, where: str) -> bytes:

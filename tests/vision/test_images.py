@@ -34,6 +34,7 @@ def test_a_path_bytes_a_pil_image_and_a_data_url_give_the_same_pixels(tmp_path):
     ({"type": "image_url", "image_url": {"url": "data:image/png;base64,@@@"}}, "not valid base64"),
     ({"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}, "not fetched"),
     ({"type": "image", "image": 42}, "needs a path, bytes"),
+    ({"type": "image", "image": "/no/such/cat.png"}, "cannot open '/no/such/cat.png': no such file"),
 ])
 def test_a_bad_image_part_is_one_line_naming_it(part, says):
     with pytest.raises(MlxkvError, match=f"messages.0.content.1: .*{says}"):
