@@ -41,6 +41,14 @@ def test_a_bad_image_part_is_one_line_naming_it(part, says):
         load_image(part, "messages.0.content.1")
 
 
+def test_a_sliver_image_is_refused_naming_it():
+    """Qwen2-VL's processor raised on it, a 500 (tried: 2000x1 through the server); 1x200 still loads."""
+    assert load_image({"type": "image", "image": make_image(1, 200)}, "m").size == (1, 200)
+    for w, h in [(1, 201), (402, 2)]:
+        with pytest.raises(MlxkvError, match=f"m: the image is {w}x{h} pixels, one side more than 200"):
+            load_image({"type": "image", "image": make_image(w, h)}, "m")
+
+
 def test_an_image_over_the_pixel_limit_is_refused():
     with pytest.raises(MlxkvError, match="112x84 pixels, more than the limit of 1000"):
         load_image({"type": "image", "image": make_image()}, "m", max_pixels=1000)
