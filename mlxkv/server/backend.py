@@ -229,6 +229,10 @@ class ServingBackend:
             return vision_prompt(self.info.vision, messages, *self.image_limits)
         except MlxkvError as e:
             raise ApiError(400, str(e)) from None
+        except ValueError as e:  # the model's processor refused decoded images (mlx-vlm raises ValueError)
+            log.warning("image processor failed: %s", e)
+            where = ", ".join(w for w, _ in image_parts(messages))
+            raise ApiError(400, f"{where}: the model's image processor refused these images: {e}") from None
 
     def _warn_if_tools_unrendered(self, tools: list) -> None:
         """Once per server: a template that ignores `tools` drops them silently

@@ -13,6 +13,7 @@ from vision_cases import make_image
 from mlxkv.config import CacheConfig
 from mlxkv.engine.engine import Engine
 from mlxkv.server.server import Server, ServerOptions
+from mlxkv.vision import compat
 
 pytestmark = pytest.mark.slow  # a server on a vision model
 CACHE = dict(block_size=8, num_blocks=512, memory_tier_bytes=0)
@@ -111,6 +112,17 @@ def test_the_image_limits_are_400s_naming_the_part(client):
     three = _openai_messages(1)[0]["content"][:1] * 3
     with pytest.raises(openai.BadRequestError, match=r"messages\.0\.content\.2: more than 2 images"):
         client.chat.completions.create(model="m", messages=[{"role": "user", "content": three}], max_tokens=N)
+
+
+def test_an_image_processor_refusal_is_a_400_naming_the_parts(client, monkeypatch):
+    """A limit of one family's processor that load_image does not know of (Qwen's aspect ratio was one)."""
+    def refuse(*args, **kwargs):
+        raise ValueError("Failed to process inputs with error: a limit")
+
+    monkeypatch.setattr(compat, "prepare_inputs", refuse)
+    with pytest.raises(openai.BadRequestError, match=r"messages\.0\.content\.0: the model's image processor "
+                                                     r"refused these images: .*a limit"):
+        client.chat.completions.create(model="m", messages=_openai_messages(1), max_tokens=N)
 
 
 def test_the_encoder_cache_is_in_cache_stats_and_metrics(server, client):
