@@ -28,7 +28,8 @@ def _png(seed: int, size: tuple = (112, 84)) -> str:
 
 @pytest.fixture(scope="module")
 def server(qwen2_vl_dir):
-    options = ServerOptions(port=0, max_image_pixels=200 * 200, max_images=2)
+    # URLs on here (test_image_urls_are_fetched...); the SmolVLM server's default options keep them off
+    options = ServerOptions(port=0, max_image_pixels=200 * 200, max_images=2, allow_image_urls=True)
     server = Server.load(str(qwen2_vl_dir), CacheConfig(**CACHE), options).start()
     try:
         yield server
@@ -81,9 +82,6 @@ def test_openai_broken_image_is_a_400_naming_the_part(client):
                                         {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]
     with pytest.raises(openai.BadRequestError, match=r"messages\.0\.content\.1: not an image we can read"):
         client.chat.completions.create(model="m", messages=bad, max_tokens=N)
-    url = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]}]
-    with pytest.raises(openai.BadRequestError, match=r"messages\.0\.content\.0: image URLs are off on this server"):
-        client.chat.completions.create(model="m", messages=url, max_tokens=N)
 
 
 def test_anthropic_image_blocks(server, oracle):
@@ -139,7 +137,8 @@ def test_the_encoder_cache_is_in_cache_stats_and_metrics(server, client):
     assert "mlxkv_encoder_cache_hits_total " in text and "mlxkv_encoder_cache_bytes " in text
 
 
-def test_image_urls_are_fetched_only_behind_allow_image_urls(qwen2_vl_dir, oracle, tmp_path):
+def test_image_urls_are_fetched_behind_allow_image_urls(client, oracle, tmp_path):
+    """The module's server has --allow-image-urls; the SmolVLM test's server, without it, refuses URLs."""
     import functools
     import http.server
     import threading
@@ -147,12 +146,9 @@ def test_image_urls_are_fetched_only_behind_allow_image_urls(qwen2_vl_dir, oracl
     make_image(seed=5).save(tmp_path / "a.png")
     handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path))
     images = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    threading.Thread(target=images.serve_forever, daemon=True).start()
+    threading.Thread(target=images.serve_forever, args=(0.02,), daemon=True).start()  # shutdown() waits a poll
     url = f"http://127.0.0.1:{images.server_address[1]}/a.png"
-    options = ServerOptions(port=0, allow_image_urls=True)
-    server = Server.load(str(qwen2_vl_dir), CacheConfig(**CACHE), options).start()
     try:
-        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
         messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
                                                  {"type": "text", "text": "What is it?"}]}]
         reply = client.chat.completions.create(model="m", messages=messages, max_tokens=N, temperature=0)
@@ -161,7 +157,6 @@ def test_image_urls_are_fetched_only_behind_allow_image_urls(qwen2_vl_dir, oracl
         with pytest.raises(openai.BadRequestError, match=r"messages\.0\.content\.0: could not fetch the image"):
             client.chat.completions.create(model="m", messages=messages, max_tokens=N)
     finally:
-        server.close()
         images.shutdown()
 
 
@@ -184,6 +179,9 @@ def test_a_tiled_family_served_counts_image_tokens_in_every_api_and_the_cache_st
         first, again = (client.chat.completions.create(model="m", messages=_openai_messages(7), max_tokens=N,
                                                        temperature=0) for _ in range(2))
         assert first.choices[0].message.content == again.choices[0].message.content == expected.text
+        url = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]}]
+        with pytest.raises(openai.BadRequestError, match=r"messages\.0\.content\.0: image URLs are off on this server"):
+            client.chat.completions.create(model="m", messages=url, max_tokens=N)  # ServerOptions' default
         details = [r.usage.prompt_tokens_details.model_dump() for r in (first, again)]
         assert [(d["image_tokens"], d["cached_image_tokens"]) for d in details] == [(images, 0), (images, images)]
         block = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": _png(7)}}
