@@ -90,6 +90,12 @@ def test_anthropic_image_blocks(server, oracle):
     reply = client.messages.create(model="m", max_tokens=N, messages=[  # the server samples greedily by default
         {"role": "user", "content": [block, {"type": "text", "text": "What is it?"}]}])
     assert reply.content[0].text == _expected(oracle, 2)
+    shot = [{"role": "user", "content": "Look."}, {"role": "assistant", "content": [  # an agent's screenshot
+        {"type": "tool_use", "id": "t", "name": "shot", "input": {}}]}, {"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "t", "content": [block]}]}]
+    reply = client.messages.create(model="m", max_tokens=1, messages=shot, tools=[
+        {"name": "shot", "description": "a screenshot", "input_schema": {"type": "object"}}])
+    assert reply.usage.model_dump()["image_tokens"] > 0
     broken = {**block, "source": {**block["source"], "data": "AAAA"}}
     with pytest.raises(anthropic.BadRequestError, match=r"messages\.0\.content\.0: not an image we can read"):
         client.messages.create(model="m", max_tokens=N, messages=[{"role": "user", "content": [broken]}])
