@@ -102,7 +102,7 @@ def template_messages(body: CountRequest) -> list[dict]:
                               "function": {"name": block.name, "arguments": block.input or {}}})
             elif block.type == "tool_result" and m.role == "user":
                 out.append({"role": "tool", "tool_call_id": block.tool_use_id,
-                            "content": _text(block.content or "", where)})
+                            "content": _tool_result(block.content or "", where)})
             elif block.type in ("thinking", "redacted_thinking"):
                 continue  # the model never sees earlier thinking again
             else:
@@ -115,6 +115,15 @@ def template_messages(body: CountRequest) -> list[dict]:
                 msg["tool_calls"] = calls
             out.append(msg)
     return out
+
+
+def _tool_result(content, where: str) -> str | list[dict]:
+    """A tool_result's content; with image blocks (an agent's screenshot, an image file it read), text
+    and images in order, as OpenAI's tool messages carry image_url parts."""
+    if isinstance(content, str) or not any(b.type == "image" for b in content):
+        return _text(content, where)
+    return [image_from_source(b.source, f"{where}.content.{k}") if b.type == "image"
+            else {"type": "text", "text": _text([b], f"{where}.content.{k}")} for k, b in enumerate(content)]
 
 
 def _text(content, where: str) -> str:

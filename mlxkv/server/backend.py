@@ -31,7 +31,7 @@ from mlxkv.server.image_parts import fetch_image_urls
 from mlxkv.server.metrics import ServerMetrics
 from mlxkv.server.prompt_heads import strip_heads
 from mlxkv.server.reply_ids import DEFAULT_KEPT, ReplyIds
-from mlxkv.vision.images import MAX_IMAGE_PIXELS, has_images
+from mlxkv.vision.images import MAX_IMAGE_PIXELS, has_images, image_parts
 from mlxkv.vision.model import VisionModel
 from mlxkv.vision.prompt import MAX_IMAGES, vision_prompt
 from mlxkv.host.request_handle import RequestHandle
@@ -222,12 +222,17 @@ class ServingBackend:
 
     def _vision_prompt(self, messages: list[dict]):
         if self.info.vision is None:
-            raise ApiError(400, f"messages: {self.info.name} takes text only (it has no vision tower loaded)")
+            where = image_parts(messages)[0][0]  # the part as the client sent it, in its API's terms
+            raise ApiError(400, f"{where}: {self.info.name} takes text only (it has no vision tower loaded)")
         fetch_image_urls(messages, self.allow_image_urls, IMAGE_URL_MAX_BYTES)
         try:
             return vision_prompt(self.info.vision, messages, *self.image_limits)
         except MlxkvError as e:
             raise ApiError(400, str(e)) from None
+        except ValueError as e:  # the model's processor refused decoded images (mlx-vlm raises ValueError)
+            log.warning("image processor failed: %s", e)
+            where = ", ".join(w for w, _ in image_parts(messages))
+            raise ApiError(400, f"{where}: the model's image processor refused these images: {e}") from None
 
     def _warn_if_tools_unrendered(self, tools: list) -> None:
         """Once per server: a template that ignores `tools` drops them silently

@@ -93,13 +93,14 @@ def template_messages(messages: list[ChatMessage]) -> list[dict]:
 def _text(content, index: int) -> str | list[dict]:
     if content is None or isinstance(content, str):
         return content or ""
+    where = f"messages.{index}.content"
+    for j, part in enumerate(content):  # every part checked first: none is dropped beside an image
+        if part.type not in ("text", "image_url") or (part.type == "text" and part.text is None):
+            raise ApiError(400, f"{where}.{j}: {part.type!r} parts are not supported (text and image_url are)",
+                           param=where)
     if any(part.type == "image_url" for part in content):  # text and images, in order
-        return [image_from_url(p.image_url, f"messages.{index}.content.{j}", f"messages.{index}.content")
-                if p.type == "image_url" else {"type": "text", "text": p.text or ""} for j, p in enumerate(content)]
-    for part in content:
-        if part.type != "text" or part.text is None:
-            raise ApiError(400, f"messages.{index}.content: only text parts are supported, got {part.type!r}",
-                           param=f"messages.{index}.content")
+        return [image_from_url(p.image_url, f"{where}.{j}", where)
+                if p.type == "image_url" else {"type": "text", "text": p.text} for j, p in enumerate(content)]
     return "".join(part.text for part in content)
 
 

@@ -69,15 +69,16 @@ def _text(content: Any, where: str) -> str | list[dict]:
         return content or ""
     if not isinstance(content, list):
         raise ApiError(400, f"{where}: expected text or a list of text parts", param="input")
-    if any(isinstance(p, dict) and p.get("type") == "input_image" for p in content):  # text and images, in order
-        return [image_from_url(p.get("image_url"), f"{where}.{j}", "input") if p.get("type") == "input_image"
-                else {"type": "text", "text": _text([p], where)} for j, p in enumerate(content)]
-    texts = []
-    for j, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in TEXT_PARTS:
-            raise ApiError(400, f"{where}.{j}: only text parts are supported, got {kind!r}", param="input")
-        texts.append(part.get("text") or part.get("refusal") or "")
+    kinds = [p.get("type") if isinstance(p, dict) else None for p in content]
+    for j, kind in enumerate(kinds):  # every part checked first: none is dropped beside an image
+        if kind not in TEXT_PARTS and kind != "input_image":
+            raise ApiError(400, f"{where}.{j}: {kind!r} parts are not supported (text and input_image are)",
+                           param="input")
+    texts = [p.get("text") or p.get("refusal") or "" if kind != "input_image" else None
+             for p, kind in zip(content, kinds)]
+    if "input_image" in kinds:  # text and images, in order
+        return [image_from_url(p.get("image_url"), f"{where}.{j}", "input") if text is None
+                else {"type": "text", "text": text} for j, (p, text) in enumerate(zip(content, texts))]
     return "".join(texts)
 
 

@@ -126,7 +126,29 @@ def prepare_inputs(processor, prompt: str, images: list, **kwargs) -> dict:
     """mlx-vlm's preprocessing: ids with the placeholders expanded, pixel_values, grids, as mx arrays."""
     from mlx_vlm.utils import prepare_inputs as mlx_vlm_prepare_inputs
 
+    if images and passes_text_options_to_images(processor):
+        return _without_text_options(processor, prompt, images, kwargs.get("return_tensors", "mlx"))
     return mlx_vlm_prepare_inputs(processor, images=images, prompts=prompt, **kwargs)
+
+
+def passes_text_options_to_images(processor) -> bool:
+    """mlx-vlm 0.7.10's LlavaProcessor hands every option it is called with, the text ones too
+    (`padding`, which mlx-vlm's prepare_inputs always sends), to its image processor; the installed
+    transformers validates an image processor's options and rejects them."""
+    cls = type(processor)
+    return cls.__name__ == "LlavaProcessor" and cls.__module__.startswith("mlx_vlm.")
+
+
+def _without_text_options(processor, prompt: str, images: list, return_tensors: str) -> dict:
+    """What prepare_inputs returns for a processor that passes_text_options_to_images: the processor
+    called with no options, as its checkpoint means (one prompt needs no padding). Its __call__ still
+    does its own work: the image processor, then `<image>` expanded to the patch count and tokenized."""
+    import numpy as np
+
+    out = processor(text=[prompt], images=images)
+    arrays = {k: np.asarray(v) for k, v in out.items()}
+    arrays.setdefault("attention_mask", np.ones_like(arrays["input_ids"]))
+    return arrays if return_tensors == "np" else {k: mx.array(v) for k, v in arrays.items()}
 
 
 # The image processor's settings that change pixel_values: part of an image's hash.

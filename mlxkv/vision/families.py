@@ -17,6 +17,7 @@ SERVED = (
     "glm4v", "glm4v_moe", "idefics2", "internvl_chat", "aya_vision", "llava_onevision",
     "kimi_vl", "internvl", "kimi_k25", "glm_ocr", "mage_vl", "cohere_compass", "muse_glimmer", "nemotron_h_nano_omni",
     "mimo_v2",
+    "llava", "llava_next", "granite_vision",
 )
 
 TEXT_MODEL = "a text model (no vision tower in mlx-vlm's module): mlx-lm's class of that name serves it"
@@ -31,11 +32,27 @@ PER_LAYER_INPUTS = ("its layers take per-layer inputs computed from the prompt's
 CROSS_ATTENTION = "its language model cross-attends to the image's states, which the pool's blocks do not hold"
 ENCODER_DECODER = "an encoder-decoder: its decoder's cross-attention cache (SimpleKVCache) is not a prefix cache"
 DIFFUSION = "a diffusion decoder: it denoises tokens in parallel, not one after another over a KV cache"
-PROCESSOR = ("mlx-vlm 0.7.10's LlavaProcessor hands text options (padding) to the image processor, which the "
-             "installed transformers rejects: mlx-vlm cannot preprocess its images")
-INSERTS = ("mlx-vlm's get_input_embeddings inserts each image's features beside its placeholder tokens instead of "
-           "over them, so the embedded prompt is longer than its ids; mlxkv's blocks, hashes and positions are "
-           "its ids'")
+INSERTS = ("mlx-vlm's get_input_embeddings puts each image's features in place of its placeholder, more features "
+           "than placeholders; mlxkv serves such a merge by expanding the placeholders to its count before they key "
+           "blocks (vision/expansion.py: LLaVA-NeXT, Granite Vision), and this family's count is not known there yet")
+# family -> what reading (and trying) its merge found beyond INSERTS: what serving it needs
+INSERTS_FOUND = {
+    "fastvlm": ("its placeholder is the id -200, not a token the engine's step can embed before an image's features "
+                "replace it, and mlx-vlm builds its FastViTHD tower at full size whatever the config says (its stage "
+                "widths and depths are class constants), so its test model cannot be tiny"),
+    "llava_bunny": ("mlx-vlm asserts 729 features an image (SigLIP at 384 px) and puts only the first image's, in place "
+                    "of the first -200 placeholder; it has no processor class for Bunny (its prepare_inputs writes the "
+                    "-200 itself), so a test model's prompts are 750 tokens an image and the ids are not a tokenizer's"),
+    "multi_modality": ("mlx-vlm's Janus inserts num_image_tokens more placeholders at an image's first one, then keeps "
+                       "text only before the first placeholder and after the last: one image embeds to the processor's "
+                       "length, but a second image's features land after the first's and the text between is dropped; "
+                       "and its image processor sizes images at 384 px (576 features an image) unless the SAM hybrid "
+                       "tower is configured, so a test model's prompts are 600 tokens an image"),
+    "phi4mm": ("mlx-vlm merges its vision or speech LoRA into the language model's weights by a request's modality "
+               "(set_modality, on the model object), so in a batch of text and image rows one set of weights serves "
+               "all; and each image is one -200 placeholder (its h x w features, from spatial_shapes, in its "
+               "place), not a token the engine's step can embed"),
+}
 CHUNK_MASK = ("mlx-vlm's Llama 4 gives its global layers the mask its first layer's cache makes, a chunked "
               "layer's; over mlxkv's pool that mask covers the chunk, not the context the global layer attends to")
 TOKENIZER_ONLY = ("transformers has no processor for its model type, so mlx-vlm 0.7.10 loads only its tokenizer "
@@ -118,9 +135,6 @@ _REASONS = (
     (DIFFUSION, (
     "diffusion_gemma", "nemotron_labs_diffusion", "llada2_moe", "d1",
 )),
-    (PROCESSOR, (
-    "llava",
-)),
     (CHUNK_MASK, (
     "llama4",
 )),
@@ -136,11 +150,6 @@ _REASONS = (
     (IMAGE_TOKEN_WEIGHTS, (
     "ernie4_5_moe_vl", "zaya1_vl",
 )),
-    (INSERTS, (
-    "llava_next", "llava_bunny", "granite_vision", "multi_modality", "fastvlm",
-    # Phi-4-MM: one placeholder (id -200) an image, its features spliced in its place
-    "phi4mm",
-)),
     (UNTESTED, (
     "deepseekocr",
     "got", "granite4_vision", "jina_vlm", "kimi_k3",
@@ -150,6 +159,7 @@ _REASONS = (
     "unlimited_ocr", "youtu_vl",
 )),
     *((f"{UNTESTED}; tried: {found}", (family,)) for family, found in NOT_YET_RUN.items()),
+    *((f"{INSERTS}: {found}", (family,)) for family, found in INSERTS_FOUND.items()),
 )
 # family -> why mlxkv does not serve its images
 NOT_SERVED = {family: reason for reason, families in _REASONS for family in families}

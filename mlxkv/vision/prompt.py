@@ -16,7 +16,7 @@ import numpy as np
 
 from mlxkv.chat.context_window import fit_messages
 from mlxkv.errors import MlxkvError
-from mlxkv.vision import compat
+from mlxkv.vision import compat, expansion
 from mlxkv.vision.image_keys import ImageSpan, image_hash, image_token_counts
 from mlxkv.vision.images import MAX_IMAGE_PIXELS, image_parts, is_image_part, load_image
 from mlxkv.vision.model import RowInputs, VisionModel
@@ -43,6 +43,9 @@ class VisionPrompt:
     # What else the processor returned, for the families whose images are embedded over the whole prompt
     # (_whole_prompt_inputs): LLaVA-OneVision's image_sizes, Kimi-VL's image_grid_hws, InternVL's image_token_index.
     extras: dict | None = None
+    # The processor's ids, which get_input_embeddings takes, when `tokens` has each image's placeholders
+    # expanded to the features its merge inserts (expansion.py; None: `tokens` are the processor's).
+    processor_tokens: list[int] | None = None
 
     @property
     def image_tokens(self) -> int:
@@ -118,8 +121,9 @@ class VisionPrompt:
         features = [model.encoder_cache.get(span.digest) for span in self.spans]
         if any(f is None for f in features):
             extras = {k: mx.array(v) if isinstance(v, np.ndarray) else v for k, v in (self.extras or {}).items()}
-            embeds, positions, deltas = compat.input_embeddings(model.vlm, ids, _mx_pixels(self.pixel_values), **extras)
-            if embeds.shape[1] != len(self.tokens):  # families.INSERTS: refused at load, so never here
+            given = mx.array([self.processor_tokens or self.tokens])
+            embeds, positions, deltas = compat.input_embeddings(model.vlm, given, _mx_pixels(self.pixel_values), **extras)
+            if embeds.shape[1] != len(self.tokens):  # an inserting merge expansion.py does not count as mlx-vlm does
                 raise MlxkvError(f"messages: {len(self.tokens)} prompt tokens became {embeds.shape[1]} embeddings")
             at = np.array(self.tokens) == model.image_token_id
             for span in self.spans:
@@ -193,7 +197,9 @@ def vision_prompt(model, messages: list[dict], max_pixels: int = MAX_IMAGE_PIXEL
     pixels = _pixels(inputs["pixel_values"])
     grid = inputs.get("image_grid_thw")
     grid = None if grid is None else np.asarray(grid)
-    tokens = np.asarray(inputs["input_ids"])[0].tolist()
+    tokens = processor_tokens = np.asarray(inputs["input_ids"])[0].tolist()
+    if expansion.expands(model.vlm.config):
+        tokens = expansion.expanded_tokens(model.vlm.config, tokens, model.image_token_id, inputs, len(images))
     mask = inputs.get("pixel_attention_mask")
     mask = None if mask is None else np.asarray(mask)
     sizes = inputs.get("image_sizes")  # Pixtral's: its images padded in [N, C, H, W] (LLaVA-OneVision's are 5-D)
@@ -208,7 +214,8 @@ def vision_prompt(model, messages: list[dict], max_pixels: int = MAX_IMAGE_PIXEL
     spans = _spans(groups, pixels, rows, grid, mask, compat.processor_settings(processor), sizes,
                    compat.per_image_inputs(inputs, len(groups)))
     extras = {k: v for k, v in inputs.items() if k not in ("input_ids", "pixel_values", "attention_mask")}
-    return VisionPrompt(tokens, spans, pixels, grid, mask, None if grid is not None else rows, sizes, extras)
+    return VisionPrompt(tokens, spans, pixels, grid, mask, None if grid is not None else rows, sizes, extras,
+                        processor_tokens if tokens is not processor_tokens else None)
 
 
 def _pixels(values) -> np.ndarray | list[np.ndarray]:

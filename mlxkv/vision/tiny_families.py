@@ -352,3 +352,9 @@ PROCESSOR_CONFIGS = {
     "llava_onevision": {"num_image_tokens": (LLAVA_TILE // 14) ** 2, "vision_feature_select_strategy": "full",
                         "image_token": "<image>", "processor_class": "LlavaOnevisionProcessor"},
 }
+
+# LLaVA 1.5 and the families whose merge inserts an image's features (vision4b): tiny_llava.py
+from mlxkv.vision.tiny_llava import LLAVA_FAMILIES, LLAVA_PROCESSOR_CONFIGS  # noqa: E402
+
+FAMILIES.update(LLAVA_FAMILIES)
+PROCESSOR_CONFIGS.update(LLAVA_PROCESSOR_CONFIGS)

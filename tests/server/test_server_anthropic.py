@@ -92,6 +92,13 @@ def test_bad_requests_get_anthropic_errors(server):
                         ({"max_tokens": 5, "messages": [{"role": "tool", "content": "x"}]}, "messages.0.role"),
                         ({"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "image"}]}]},
                          "messages.0.content.0.source: an image block needs a source"),
+                        # an image in a tool_result (an agent's screenshot) is read and named, not refused
+                        ({"max_tokens": 5, "messages": [*ok, {"role": "assistant", "content": [
+                            {"type": "tool_use", "id": "t", "name": "shot", "input": {}}]}, {"role": "user", "content": [
+                            {"type": "tool_result", "tool_use_id": "t", "content": [{"type": "text", "text": "a"}, {
+                                "type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                                            "data": "AA=="}}]}]}]},
+                         "messages.2.content.0.content.1: llama takes text only"),
                         ({"max_tokens": 5, "messages": ok, "temperature": 3}, "temperature")]:
         status, error, _ = raw(server, "POST", "/v1/messages", body)
         assert status == 400 and error["type"] == "error", body

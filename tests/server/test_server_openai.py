@@ -200,8 +200,13 @@ def test_bad_requests_get_openai_errors(server):
                          ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
                           "messages.0.content.0: an image part needs a url"),
                          ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": PNG}]}]},
-                          "takes text only"),
-                         ({"messages": [{"role": "user", "content": [{"type": "audio"}]}]}, "only text")]:
+                          "messages.0.content.0: llama takes text only"),
+                         ({"messages": [{"role": "user", "content": [{"type": "audio"}]}]},
+                          "messages.0.content.0: 'audio' parts are not supported"),
+                         # a video beside an image is named, not dropped as empty text
+                         ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": PNG},
+                                                                     {"type": "video_url", "video_url": PNG}]}]},
+                          "messages.0.content.1: 'video_url' parts are not supported")]:
         status, error, _ = raw(server, "POST", "/v1/chat/completions", {"messages": user, **extra})
         assert status == 400 and words in error["error"]["message"], (extra, error)
     status, error, _ = raw(server, "POST", "/v1/completions", {"prompt": [1, 2, 10 ** 6]})

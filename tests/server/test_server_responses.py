@@ -111,6 +111,10 @@ def test_bad_responses_requests_get_openai_errors(server):
     cases = [({}, "input"), ({"input": [{"role": "wizard", "content": "x"}]}, "input.0.role"),
              ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
               "input.0.content.0: an image URL must be a base64 data: URL"),
+             ({"input": [{"role": "user", "content": [{"type": "input_text", "text": "x"},
+                                                      {"type": "input_image", "image_url": "data:image/png;base64,"},
+                                                      {"type": "input_audio"}]}]},
+              "input.0.content.2: 'input_audio' parts are not supported"),
              ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens"),
              ({"input": "word " * 5000}, "the prompt is too long")]
     for body, words in cases:

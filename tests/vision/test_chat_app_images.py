@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from textual.command import CommandPalette
+from textual.command import CommandInput, CommandPalette
 from textual.widgets import Input, OptionList
 from vision_cases import make_image
 
@@ -40,7 +40,10 @@ async def _attach(pilot, path: str) -> None:
     """The palette's "Attach image", then the path typed into its prompt."""
     await pilot.press("ctrl+p")
     await wait_until(pilot, lambda: isinstance(pilot.app.screen, CommandPalette), what="the palette")
-    await pilot.press(*"attach")
+    pilot.app.screen.query_one(CommandInput).value = "attach"  # as typed (a key a pause): its change starts the search
+    await pilot.pause()
+    await pilot.app.workers.wait_for_complete()  # the palette's search worker
+    await pilot.pause()
     results = pilot.app.screen.query_one(OptionList)
     await wait_until(pilot, lambda: results.option_count and results.highlighted is not None)
     assert "Attach image" in str(results.get_option_at_index(results.highlighted).prompt)

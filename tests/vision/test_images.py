@@ -34,10 +34,19 @@ def test_a_path_bytes_a_pil_image_and_a_data_url_give_the_same_pixels(tmp_path):
     ({"type": "image_url", "image_url": {"url": "data:image/png;base64,@@@"}}, "not valid base64"),
     ({"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}, "not fetched"),
     ({"type": "image", "image": 42}, "needs a path, bytes"),
+    ({"type": "image", "image": "/no/such/cat.png"}, "cannot open '/no/such/cat.png': no such file"),
 ])
 def test_a_bad_image_part_is_one_line_naming_it(part, says):
     with pytest.raises(MlxkvError, match=f"messages.0.content.1: .*{says}"):
         load_image(part, "messages.0.content.1")
+
+
+def test_a_sliver_image_is_refused_naming_it():
+    """Qwen2-VL's processor raised on it, a 500 (tried: 2000x1 through the server); 1x200 still loads."""
+    assert load_image({"type": "image", "image": make_image(1, 200)}, "m").size == (1, 200)
+    for w, h in [(1, 201), (402, 2)]:
+        with pytest.raises(MlxkvError, match=f"m: the image is {w}x{h} pixels, one side more than 200"):
+            load_image({"type": "image", "image": make_image(w, h)}, "m")
 
 
 def test_an_image_over_the_pixel_limit_is_refused():

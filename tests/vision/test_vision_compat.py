@@ -141,3 +141,24 @@ def test_mistral3_per_image_features_from_cropped_pixels_merge_to_what_get_input
                                                     pixels[k : k + 1, :, :h, :w], image_sizes=mx.array([[h, w]])))
     merged, *_ = compat.input_embeddings_from_features(model, ids, pixels, mx.concatenate(features), image_sizes=sizes)
     assert mx.allclose(merged, whole, atol=1e-4).item()
+
+
+def test_llava_is_preprocessed_as_its_processor_means_where_mlx_vlm_s_own_preprocessing_fails(llava_dir):
+    """mlx-vlm 0.7.10's LlavaProcessor hands `padding` to its image processor, which transformers rejects;
+    compat.prepare_inputs calls it without text options. When mlx-vlm's own call works again, this fails:
+    drop compat._without_text_options then. Its pixels are the image processor's, and each `<image>`
+    becomes one placeholder a patch (CLS dropped: the "default" strategy)."""
+    import numpy as np
+    from mlx_vlm.utils import prepare_inputs as mlx_vlm_prepare_inputs
+
+    _, processor = compat.load(str(llava_dir))
+    prompt = compat.render_chat(processor, [{"role": "user", "content": [{"type": "image"}, *PARTS]}])
+    images = [make_image(seed=1), make_image(56, 56, seed=2)]
+    with pytest.raises(ValueError, match="padding"):
+        mlx_vlm_prepare_inputs(processor, images=images, prompts=prompt)
+    assert compat.passes_text_options_to_images(processor)
+    inputs = compat.prepare_inputs(processor, prompt, images, return_tensors="np")
+    expected = processor.image_processor(images, return_tensors="np")["pixel_values"]
+    assert np.array_equal(inputs["pixel_values"], expected)
+    patches = (expected.shape[-1] // 14) ** 2
+    assert inputs["input_ids"].tolist()[0].count(processor.image_token_id) == 2 * patches

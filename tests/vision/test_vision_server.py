@@ -13,6 +13,7 @@ from vision_cases import make_image
 from mlxkv.config import CacheConfig
 from mlxkv.engine.engine import Engine
 from mlxkv.server.server import Server, ServerOptions
+from mlxkv.vision import compat
 
 pytestmark = pytest.mark.slow  # a server on a vision model
 CACHE = dict(block_size=8, num_blocks=512, memory_tier_bytes=0)
@@ -27,7 +28,8 @@ def _png(seed: int, size: tuple = (112, 84)) -> str:
 
 @pytest.fixture(scope="module")
 def server(qwen2_vl_dir):
-    options = ServerOptions(port=0, max_image_pixels=200 * 200, max_images=2)
+    # URLs on here (test_image_urls_are_fetched...); the SmolVLM server's default options keep them off
+    options = ServerOptions(port=0, max_image_pixels=200 * 200, max_images=2, allow_image_urls=True)
     server = Server.load(str(qwen2_vl_dir), CacheConfig(**CACHE), options).start()
     try:
         yield server
@@ -80,9 +82,6 @@ def test_openai_broken_image_is_a_400_naming_the_part(client):
                                         {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]
     with pytest.raises(openai.BadRequestError, match=r"messages\.0\.content\.1: not an image we can read"):
         client.chat.completions.create(model="m", messages=bad, max_tokens=N)
-    url = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]}]
-    with pytest.raises(openai.BadRequestError, match=r"messages\.0\.content\.0: image URLs are off on this server"):
-        client.chat.completions.create(model="m", messages=url, max_tokens=N)
 
 
 def test_anthropic_image_blocks(server, oracle):
@@ -91,6 +90,12 @@ def test_anthropic_image_blocks(server, oracle):
     reply = client.messages.create(model="m", max_tokens=N, messages=[  # the server samples greedily by default
         {"role": "user", "content": [block, {"type": "text", "text": "What is it?"}]}])
     assert reply.content[0].text == _expected(oracle, 2)
+    shot = [{"role": "user", "content": "Look."}, {"role": "assistant", "content": [  # an agent's screenshot
+        {"type": "tool_use", "id": "t", "name": "shot", "input": {}}]}, {"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "t", "content": [block]}]}]
+    reply = client.messages.create(model="m", max_tokens=1, messages=shot, tools=[
+        {"name": "shot", "description": "a screenshot", "input_schema": {"type": "object"}}])
+    assert reply.usage.model_dump()["image_tokens"] > 0
     broken = {**block, "source": {**block["source"], "data": "AAAA"}}
     with pytest.raises(anthropic.BadRequestError, match=r"messages\.0\.content\.0: not an image we can read"):
         client.messages.create(model="m", max_tokens=N, messages=[{"role": "user", "content": [broken]}])
@@ -113,6 +118,17 @@ def test_the_image_limits_are_400s_naming_the_part(client):
         client.chat.completions.create(model="m", messages=[{"role": "user", "content": three}], max_tokens=N)
 
 
+def test_an_image_processor_refusal_is_a_400_naming_the_parts(client, monkeypatch):
+    """A limit of one family's processor that load_image does not know of (Qwen's aspect ratio was one)."""
+    def refuse(*args, **kwargs):
+        raise ValueError("Failed to process inputs with error: a limit")
+
+    monkeypatch.setattr(compat, "prepare_inputs", refuse)
+    with pytest.raises(openai.BadRequestError, match=r"messages\.0\.content\.0: the model's image processor "
+                                                     r"refused these images: .*a limit"):
+        client.chat.completions.create(model="m", messages=_openai_messages(1), max_tokens=N)
+
+
 def test_the_encoder_cache_is_in_cache_stats_and_metrics(server, client):
     import json
     import urllib.request
@@ -127,7 +143,8 @@ def test_the_encoder_cache_is_in_cache_stats_and_metrics(server, client):
     assert "mlxkv_encoder_cache_hits_total " in text and "mlxkv_encoder_cache_bytes " in text
 
 
-def test_image_urls_are_fetched_only_behind_allow_image_urls(qwen2_vl_dir, oracle, tmp_path):
+def test_image_urls_are_fetched_behind_allow_image_urls(client, oracle, tmp_path):
+    """The module's server has --allow-image-urls; the SmolVLM test's server, without it, refuses URLs."""
     import functools
     import http.server
     import threading
@@ -135,12 +152,9 @@ def test_image_urls_are_fetched_only_behind_allow_image_urls(qwen2_vl_dir, oracl
     make_image(seed=5).save(tmp_path / "a.png")
     handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path))
     images = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    threading.Thread(target=images.serve_forever, daemon=True).start()
+    threading.Thread(target=images.serve_forever, args=(0.02,), daemon=True).start()  # shutdown() waits a poll
     url = f"http://127.0.0.1:{images.server_address[1]}/a.png"
-    options = ServerOptions(port=0, allow_image_urls=True)
-    server = Server.load(str(qwen2_vl_dir), CacheConfig(**CACHE), options).start()
     try:
-        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
         messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
                                                  {"type": "text", "text": "What is it?"}]}]
         reply = client.chat.completions.create(model="m", messages=messages, max_tokens=N, temperature=0)
@@ -149,7 +163,6 @@ def test_image_urls_are_fetched_only_behind_allow_image_urls(qwen2_vl_dir, oracl
         with pytest.raises(openai.BadRequestError, match=r"messages\.0\.content\.0: could not fetch the image"):
             client.chat.completions.create(model="m", messages=messages, max_tokens=N)
     finally:
-        server.close()
         images.shutdown()
 
 
@@ -172,6 +185,9 @@ def test_a_tiled_family_served_counts_image_tokens_in_every_api_and_the_cache_st
         first, again = (client.chat.completions.create(model="m", messages=_openai_messages(7), max_tokens=N,
                                                        temperature=0) for _ in range(2))
         assert first.choices[0].message.content == again.choices[0].message.content == expected.text
+        url = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]}]
+        with pytest.raises(openai.BadRequestError, match=r"messages\.0\.content\.0: image URLs are off on this server"):
+            client.chat.completions.create(model="m", messages=url, max_tokens=N)  # ServerOptions' default
         details = [r.usage.prompt_tokens_details.model_dump() for r in (first, again)]
         assert [(d["image_tokens"], d["cached_image_tokens"]) for d in details] == [(images, 0), (images, images)]
         block = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": _png(7)}}
