@@ -16,7 +16,7 @@ import numpy as np
 
 from mlxkv.chat.context_window import fit_messages
 from mlxkv.errors import MlxkvError
-from mlxkv.vision import compat
+from mlxkv.vision import compat, rendering
 from mlxkv.vision.image_keys import ImageSpan, image_hash, image_token_counts
 from mlxkv.vision.images import MAX_IMAGE_PIXELS, image_parts, is_image_part, load_image
 from mlxkv.vision.model import RowInputs, VisionModel
@@ -188,7 +188,7 @@ def vision_prompt(model, messages: list[dict], max_pixels: int = MAX_IMAGE_PIXEL
         raise MlxkvError(f"{parts[max_images][0]}: more than {max_images} images in one request")
     images = [load_image(part, where, max_pixels) for where, part in parts]
     processor = model.processor
-    text = compat.render_chat(processor, _template_messages(messages))
+    text = rendering.render(processor, model.vlm.config.model_type, messages)
     inputs = compat.prepare_inputs(processor, text, images, return_tensors="np")
     pixels = _pixels(inputs["pixel_values"])
     grid = inputs.get("image_grid_thw")
@@ -262,17 +262,6 @@ def fitted_vision_prompt(model, messages: list[dict], limit: int) -> tuple[Visio
         counts[id(m)] = sum(next(images) if is_image_part(p) else len(encode(p.get("text") or "")) for p in parts)
     kept, left_out = fit_messages(messages, limit, measure, count=lambda m: counts[id(m)])
     return built[id(kept)], left_out
-
-
-def _template_messages(messages: list[dict]) -> list[dict]:
-    """Image parts as the processor's template expects them: {"type": "image"}."""
-    out = []
-    for m in messages:
-        content = m.get("content")
-        if isinstance(content, list):
-            content = [{"type": "image"} if is_image_part(p) else p for p in content]
-        out.append({**m, "content": content})
-    return out
 
 
 def _runs(tokens: list[int], image_token: int) -> list[tuple[int, int]]:
