@@ -17,6 +17,8 @@ SERVED = (
     "glm4v", "glm4v_moe", "idefics2", "internvl_chat", "aya_vision", "llava_onevision",
     "kimi_vl", "internvl", "kimi_k25", "glm_ocr", "mage_vl", "cohere_compass", "muse_glimmer", "nemotron_h_nano_omni",
     "mimo_v2",
+    # their processors take the image token in string content (vision/rendering.py)
+    "llmjpvl",
 )
 
 TEXT_MODEL = "a text model (no vision tower in mlx-vlm's module): mlx-lm's class of that name serves it"
@@ -144,7 +146,7 @@ _REASONS = (
     (UNTESTED, (
     "deepseekocr",
     "got", "granite4_vision", "jina_vlm", "kimi_k3",
-    "llmjpvl", "minicpmo", "minimax_m3_vl",
+    "minicpmo", "minimax_m3_vl",
     "molmo", "molmo2",
     "plamo2vl", "qwen3_omni_moe", "step3p7",
     "unlimited_ocr", "youtu_vl",

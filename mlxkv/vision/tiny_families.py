@@ -352,3 +352,8 @@ PROCESSOR_CONFIGS = {
     "llava_onevision": {"num_image_tokens": (LLAVA_TILE // 14) ** 2, "vision_feature_select_strategy": "full",
                         "image_token": "<image>", "processor_class": "LlavaOnevisionProcessor"},
 }
+# Families whose processors take the image token in string content (vision4a's block).
+from mlxkv.vision import tiny_token_families  # noqa: E402
+
+FAMILIES.update(tiny_token_families.FAMILIES)
+PROCESSOR_CONFIGS.update(tiny_token_families.PROCESSOR_CONFIGS)

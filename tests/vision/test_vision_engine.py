@@ -8,7 +8,7 @@ from vision_cases import make_image
 from mlxkv.config import CacheConfig
 from mlxkv.engine.engine import Engine
 from mlxkv.models.loader import load_model
-from mlxkv.vision import compat
+from mlxkv.vision import compat, rendering
 from mlxkv.vision.families import SERVED
 from mlxkv.vision.prompt import vision_prompt
 
@@ -19,7 +19,7 @@ N = 8  # tokens per reply
 # path of vision/prompt.py, plain positions: InternVL-Chat's; image by image with deepstack and M-RoPE:
 # Qwen3-VL's): the suite's time goes to the other paths.
 PREEMPTED_ON_ANOTHER_FAMILY = {"internvl", "aya_vision", "llava_onevision", "kimi_vl", "kimi_k25", "mage_vl",
-                               "cohere_compass", "muse_glimmer"}
+                               "cohere_compass", "muse_glimmer", "llmjpvl"}
 
 
 @pytest.fixture(scope="module", params=list(SERVED))
@@ -40,9 +40,8 @@ def _mlx_vlm(engine, messages, images):
     from mlx_vlm.generate.dispatch import stream_generate
 
     model, processor = engine.model.vlm, engine.model.processor
-    template = [{**m, "content": [{"type": "image"} if p.get("type") == "image" else p for p in m["content"]]
-                 if isinstance(m["content"], list) else m["content"]} for m in messages]
-    prompt = compat.render_chat(processor, template)
+    # The messages as mlx-vlm's prompt_utils renders them (tests/vision/test_rendering.py: equal to it)
+    prompt = compat.render_chat(processor, rendering.template_messages(model.config.model_type, messages))
     return [r.token for r in stream_generate(model, processor, prompt, image=images, max_tokens=N,
                                              temperature=0.0)][:N]
 
