@@ -62,6 +62,7 @@ def input_embeddings(model, input_ids, pixel_values, **image_inputs):
 
     if "mask" in inspect.signature(model.get_input_embeddings).parameters:  # Gemma 3 merges with a padding mask
         image_inputs = {"mask": mx.ones(input_ids.shape, mx.int32), **image_inputs}
+    pixel_values, image_inputs = _batched(model, pixel_values, image_inputs)
     features = model.get_input_embeddings(input_ids, pixel_values, **image_inputs)
     positions, deltas = getattr(features, "position_ids", None), getattr(features, "rope_deltas", None)
     if positions is None and image_inputs.get("image_grid_thw") is not None:
@@ -74,9 +75,14 @@ def rope_index(model, input_ids, grid):
     """(position_ids, rope_deltas) of a prompt from its ids and image grids alone (Qwen's M-RoPE;
     (None, None) for families with plain positions): no vision tower needed."""
     language = model.language_model
-    if not hasattr(language, "get_rope_index"):
+    if not hasattr(language, "get_rope_index") or getattr(model.config, "model_type", None) in _PLAIN_POSITIONS:
         return None, None
     return language.get_rope_index(input_ids, grid)
+
+
+# Families whose language model is an M-RoPE one given plain positions, the same on its three axes:
+# MiniCPM-o's (Qwen3-VL's language model; its get_input_embeddings sets arange positions, no image grid).
+_PLAIN_POSITIONS = ("minicpmo",)
 
 
 def _embedding(model):
@@ -103,9 +109,17 @@ def attention_module(model):
     return type(model.language_model).__module__
 
 
-def vision_token_id(model) -> int | None:
+# Families whose config names no placeholder token: the token their processor writes for an image's
+# features (MiniCPM-o's resampled queries sit over `<unk>`s between `<image>` and `</image>`).
+_PLACEHOLDER_TOKENS = {"minicpmo": "<unk>"}
+
+
+def vision_token_id(model, processor=None) -> int | None:
     """The placeholder id an image's tokens take (Gemma 3 calls it image_token_index)."""
     config = model.config
+    token = _PLACEHOLDER_TOKENS.get(getattr(config, "model_type", None))
+    if token is not None and processor is not None:
+        return processor.tokenizer.convert_tokens_to_ids(token)
     return getattr(config, "image_token_id", None) or getattr(config, "image_token_index", None)
 
 
@@ -127,6 +141,31 @@ def prepare_inputs(processor, prompt: str, images: list, **kwargs) -> dict:
     from mlx_vlm.utils import prepare_inputs as mlx_vlm_prepare_inputs
 
     return mlx_vlm_prepare_inputs(processor, images=images, prompts=prompt, **kwargs)
+
+
+# Families whose processor returns a list a prompt where others return a batch's arrays (MiniCPM-o: each
+# image its own size), and the inputs of media mlxkv does not send (kept out of get_input_embeddings, which
+# would run its absent audio tower on an empty batch).
+_PROMPT_LISTS = {"minicpmo": ("pixel_values", "tgt_sizes", "image_bound", "image_sizes")}
+_UNSENT_MEDIA = {"minicpmo": ("audio_features", "audio_feature_lens", "audio_bounds", "spk_bounds")}
+
+
+def prompt_inputs(model, inputs: dict) -> dict:
+    """prepare_inputs' output of one prompt with its per-prompt lists unwrapped: a list (or array) an image."""
+    family = getattr(model.config, "model_type", None)
+    out = {k: v for k, v in inputs.items() if k not in _UNSENT_MEDIA.get(family, ())}
+    for name in _PROMPT_LISTS.get(family, ()):
+        if out.get(name) is not None:
+            out[name] = out[name][0]
+    return out
+
+
+def _batched(model, pixel_values, image_inputs: dict):
+    """The inverse of prompt_inputs for get_input_embeddings: a batch of one prompt's lists."""
+    names = _PROMPT_LISTS.get(getattr(model.config, "model_type", None), ())
+    if "pixel_values" in names:
+        pixel_values = [pixel_values]
+    return pixel_values, {k: [v] if k in names else v for k, v in image_inputs.items()}
 
 
 # The image processor's settings that change pixel_values: part of an image's hash.
@@ -230,14 +269,15 @@ def per_image_features(model) -> bool:
     return getattr(model.config, "model_type", None) in _PER_IMAGE
 
 
-def merged_embeddings(model, input_ids, features):
+def merged_embeddings(model, input_ids, features, image_token: int | None = None):
     """[1, L, D]: the prompt's token embeddings with `features` [n, D] at its n placeholders, in order:
     what get_input_embeddings computes for a family that writes an image's features over its
     placeholders (LLaVA-style merges), with no vision tower run."""
     import numpy as np
 
     embeds = embed_tokens(model, input_ids)
-    at = mx.array(np.flatnonzero(np.array(input_ids[0]) == vision_token_id(model)))
+    image_token = vision_token_id(model) if image_token is None else image_token
+    at = mx.array(np.flatnonzero(np.array(input_ids[0]) == image_token))
     embeds[:, at] = features.astype(embeds.dtype)
     return embeds
 

@@ -18,7 +18,7 @@ SERVED = (
     "kimi_vl", "internvl", "kimi_k25", "glm_ocr", "mage_vl", "cohere_compass", "muse_glimmer", "nemotron_h_nano_omni",
     "mimo_v2",
     # their processors take the image token in string content (vision/rendering.py)
-    "llmjpvl",
+    "llmjpvl", "minicpmo",
 )
 
 TEXT_MODEL = "a text model (no vision tower in mlx-vlm's module): mlx-lm's class of that name serves it"
@@ -146,7 +146,7 @@ _REASONS = (
     (UNTESTED, (
     "deepseekocr",
     "got", "granite4_vision", "jina_vlm", "kimi_k3",
-    "minicpmo", "minimax_m3_vl",
+    "minimax_m3_vl",
     "molmo", "molmo2",
     "plamo2vl", "qwen3_omni_moe", "step3p7",
     "unlimited_ocr", "youtu_vl",

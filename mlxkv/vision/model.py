@@ -110,7 +110,7 @@ class VisionModel(nn.Module):
 
     @property
     def image_token_id(self) -> int | None:
-        return compat.vision_token_id(self.vlm)
+        return compat.vision_token_id(self.vlm, self.processor)
 
     def __call__(self, tokens: mx.array, cache=None, inputs_embeds=None, position_ids=None, **deepstack):
         if inputs_embeds is None:  # a text forward (the loader's probe): plain positions from the cache's offset

@@ -128,7 +128,7 @@ class VisionPrompt:
                 mx.eval(kept)
                 model.encoder_cache.put(span.digest, kept)
         else:
-            embeds = compat.merged_embeddings(model.vlm, ids, mx.concatenate(features))
+            embeds = compat.merged_embeddings(model.vlm, ids, mx.concatenate(features), model.image_token_id)
             positions, deltas = compat.rope_index(model.vlm, ids, None if self.grid is None else mx.array(self.grid))
         n = len(self.tokens)
         positions = mx.broadcast_to(mx.arange(n)[None], (3, n)) if positions is None else positions[:, 0]
@@ -189,7 +189,7 @@ def vision_prompt(model, messages: list[dict], max_pixels: int = MAX_IMAGE_PIXEL
     images = [load_image(part, where, max_pixels) for where, part in parts]
     processor = model.processor
     text = rendering.render(processor, model.vlm.config.model_type, messages)
-    inputs = compat.prepare_inputs(processor, text, images, return_tensors="np")
+    inputs = compat.prompt_inputs(model.vlm, compat.prepare_inputs(processor, text, images, return_tensors="np"))
     pixels = _pixels(inputs["pixel_values"])
     grid = inputs.get("image_grid_thw")
     grid = None if grid is None else np.asarray(grid)

@@ -40,7 +40,36 @@ LLMJPVL_PREPROCESSOR = {
     "do_normalize": True, "do_convert_rgb": True, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
     "do_pan_and_scan": False,
 }
+MINICPMO_VISION_TOKENS = ["<image>", "</image>", "<unk>", "<slice>", "</slice>", "<|listen|>"]
+MINICPMO_QUERIES = 4  # the resampler's queries: `<unk>` x this an image (64 in real checkpoints)
+
+
+def minicpmo_config(vocab_size: int, ids: dict[str, int], hidden: int = 64, layers: int = 2, seed: int = 0,
+                    **_) -> dict:
+    """MiniCPM-o: a SigLIP tower over 14 px patches, its output resampled to a fixed count of queries written
+    over `<unk>` x count between `<image>` and `</image>`; Qwen3-VL's language model (M-RoPE over plain
+    positions). No audio tower, no speech decoder."""
+    head_dim = hidden // 4
+    half = head_dim // 2
+    text = {"model_type": "qwen3", "hidden_size": hidden, "num_hidden_layers": layers,
+            "intermediate_size": 2 * hidden, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "head_dim": head_dim, "rms_norm_eps": 1e-6, "vocab_size": vocab_size, "rope_theta": 10000.0,
+            "max_position_embeddings": 4096,
+            "rope_scaling": {"type": "default", "mrope_section": [half - 2 * (half // 3), half // 3, half // 3]}}
+    return {
+        "model_type": "minicpmo", "architectures": ["MiniCPMO"], "text_config": text,
+        "vision_config": {"model_type": "siglip_vision_model", "num_hidden_layers": 1, "hidden_size": 32,
+                          "intermediate_size": 64, "num_attention_heads": 2, "patch_size": 14, "image_size": 56},
+        "query_num": MINICPMO_QUERIES, "image_size": 56, "patch_size": 14, "init_audio": False, "init_tts": False,
+        "slice_mode": False, "vocab_size": vocab_size, "eos_token_id": [SPECIAL_TOKENS.index("<|im_end|>")],
+        "mlxkv_tiny_model": {"family": "minicpmo", "hidden_size": hidden, "num_layers": layers, "seed": seed},
+    }
+
+
 FAMILIES = {
+    "minicpmo": (MINICPMO_VISION_TOKENS, minicpmo_config, STRING_TEMPLATE,
+                 {"patch_size": 14, "scale_resolution": 56, "image_feature_size": MINICPMO_QUERIES},
+                 "MiniCPMOProcessor", {"unk_token": "<unk>"}),
     "llmjpvl": (LLMJPVL_VISION_TOKENS, llmjpvl_config, STRING_TEMPLATE, LLMJPVL_PREPROCESSOR, "Gemma3Processor",
                 {"extra_special_tokens": {"boi_token": "<image>", "image_token": "<IMG_CONTEXT>",
                                           "eoi_token": "</img>"}}),
