@@ -114,9 +114,19 @@ def attention_module(model):
 _PLACEHOLDER_TOKENS = {"minicpmo": "<unk>"}
 
 
+def _config(model):
+    """The config that holds the vision fields: Qwen3-Omni's thinker's (its talker's beside it)."""
+    return getattr(model.config, "thinker_config", None) or model.config
+
+
+def _vision_tower(model):
+    thinker = getattr(model, "thinker", None)
+    return model.vision_tower if thinker is None else thinker.vision_tower
+
+
 def vision_token_id(model, processor=None) -> int | None:
     """The placeholder id an image's tokens take (Gemma 3 calls it image_token_index)."""
-    config = model.config
+    config = _config(model)
     token = _PLACEHOLDER_TOKENS.get(getattr(config, "model_type", None))
     if token is not None and processor is not None:
         return processor.tokenizer.convert_tokens_to_ids(token)
@@ -198,14 +208,16 @@ def deepstack_layers(model) -> int:
     """How many of the language model's first layers take deepstack features (Qwen3-VL: the vision
     tower's middle layers' output, added to those layers' hidden states at image tokens); 0 for
     families without."""
-    vision_config = getattr(model.config, "vision_config", None)
+    vision_config = getattr(_config(model), "vision_config", None)
     return len(getattr(vision_config, "deepstack_visual_indexes", None) or ())
 
 
-def deepstack_inputs(embeds: mx.array) -> dict:
+def deepstack_inputs(model, embeds: mx.array) -> dict:
     """The language model's deepstack arguments of a forward, `embeds` [k, B, L, D] dense (zeros at
     text positions, so adding them everywhere leaves text hidden states as they are)."""
     k, b, n, d = embeds.shape
+    if getattr(model.config, "thinker_config", None) is not None:  # Qwen3-Omni's: one [B, L, k, D] residual
+        return {"visual_pos_masks": mx.ones((b, n), mx.bool_), "deepstack_visual_embeds": embeds.transpose(1, 2, 0, 3)}
     return {"visual_pos_masks": mx.ones((b, n), mx.bool_),
             "deepstack_visual_embeds": [embeds[i].reshape(b * n, d) for i in range(k)]}
 
@@ -219,8 +231,8 @@ def vision_features(model, pixel_values, grid):
         hidden, _, _ = model.vision_tower(pixel_values.transpose(0, 2, 3, 1).astype(_embed_dtype(model)),
                                           output_hidden_states=True)
         return model.multi_modal_projector(hidden)
-    dtype = model.vision_tower.patch_embed.proj.weight.dtype
-    out = model.vision_tower(pixel_values.astype(dtype), grid, output_hidden_states=False)
+    tower = _vision_tower(model)
+    out = tower(pixel_values.astype(tower.patch_embed.proj.weight.dtype), grid, output_hidden_states=False)
     if not isinstance(out, tuple):
         return out
     features, deepstack = out  # Qwen3-VL's towers (Qwen3.5's too, its deepstack list empty)
@@ -262,7 +274,7 @@ def placeholder_features(model, input_ids, pixel_values, **image_inputs):
 # is embedded whole by its get_input_embeddings with all its processor's inputs, or by merged_embeddings
 # when every image is in the encoder cache (vision/prompt.py).
 _PER_IMAGE = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "glm4v_moe", "gemma3", "smolvlm",
-              "idefics3", "idefics2", "mistral3", "pixtral", "cohere_compass")
+              "idefics3", "idefics2", "mistral3", "pixtral", "cohere_compass", "qwen3_omni_moe")
 
 
 def per_image_features(model) -> bool:

@@ -18,7 +18,7 @@ SERVED = (
     "kimi_vl", "internvl", "kimi_k25", "glm_ocr", "mage_vl", "cohere_compass", "muse_glimmer", "nemotron_h_nano_omni",
     "mimo_v2",
     # their processors take the image token in string content (vision/rendering.py)
-    "llmjpvl", "minicpmo",
+    "llmjpvl", "minicpmo", "qwen3_omni_moe",
 )
 
 TEXT_MODEL = "a text model (no vision tower in mlx-vlm's module): mlx-lm's class of that name serves it"
@@ -148,7 +148,7 @@ _REASONS = (
     "got", "granite4_vision", "jina_vlm", "kimi_k3",
     "minimax_m3_vl",
     "molmo", "molmo2",
-    "plamo2vl", "qwen3_omni_moe", "step3p7",
+    "plamo2vl", "step3p7",
     "unlimited_ocr", "youtu_vl",
 )),
     *((f"{UNTESTED}; tried: {found}", (family,)) for family, found in NOT_YET_RUN.items()),

@@ -5,7 +5,7 @@ tiny_families.py's table."""
 from __future__ import annotations
 
 from mlxkv.models.tiny import SPECIAL_TOKENS
-from mlxkv.vision.tiny_configs import QWEN_VL_TEMPLATE
+from mlxkv.vision.tiny_configs import QWEN3_VL_PREPROCESSOR, QWEN_VL_TEMPLATE
 
 # The template of a family whose content arrives as a string (image tokens already in it).
 STRING_TEMPLATE = QWEN_VL_TEMPLATE
@@ -66,7 +66,53 @@ def minicpmo_config(vocab_size: int, ids: dict[str, int], hidden: int = 64, laye
     }
 
 
+OMNI_VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>", "<|audio_start|>",
+                      "<|audio_end|>", "<|audio_pad|>"]
+
+
+def qwen3_omni_moe_config(vocab_size: int, ids: dict[str, int], hidden: int = 64, layers: int = 2, seed: int = 0,
+                          **_) -> dict:
+    """Qwen3-Omni's thinker: Qwen3-VL's tower, placeholders, M-RoPE and deepstack before a mixture-of-experts
+    language model, an audio tower beside (no audio sent); no talker (enable_audio_output off)."""
+    half = hidden // 4 // 2
+    text = {"num_hidden_layers": layers, "hidden_size": hidden, "intermediate_size": 2 * hidden,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": hidden // 4, "num_experts": 4,
+            "num_experts_per_tok": 2, "decoder_sparse_step": 1, "mlp_only_layers": [],
+            "moe_intermediate_size": hidden, "rms_norm_eps": 1e-6, "vocab_size": vocab_size, "rope_theta": 10000.0,
+            "max_position_embeddings": 4096,
+            "rope_scaling": {"type": "default", "mrope_section": [half - 2 * (half // 3), half // 3, half // 3],
+                             "interleaved": True}}
+    thinker = {
+        "text_config": text,
+        "vision_config": {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "out_hidden_size": hidden,
+                          "num_heads": 2, "patch_size": 16, "spatial_patch_size": 16, "spatial_merge_size": 2,
+                          "temporal_patch_size": 2, "num_position_embeddings": 64, "deepstack_visual_indexes": [0]},
+        "audio_config": {"d_model": 32, "encoder_layers": 1, "encoder_attention_heads": 2, "encoder_ffn_dim": 64,
+                         "num_hidden_layers": 1, "output_dim": hidden, "downsample_hidden_size": 16},
+        "image_token_id": ids["<|image_pad|>"], "video_token_id": ids["<|video_pad|>"],
+        "audio_token_id": ids["<|audio_pad|>"], "audio_start_token_id": ids["<|audio_start|>"],
+        "audio_end_token_id": ids["<|audio_end|>"], "vision_start_token_id": ids["<|vision_start|>"],
+        "vision_end_token_id": ids["<|vision_end|>"],
+    }
+    return {
+        "model_type": "qwen3_omni_moe", "architectures": ["Qwen3OmniMoeForConditionalGeneration"],
+        "thinker_config": thinker, "enable_audio_output": False,
+        "talker_config": {"text_config": {**text, "model_type": "qwen3_omni_moe_talker_text"}},
+        "vision_config": thinker["vision_config"], "eos_token_id": SPECIAL_TOKENS.index("<|im_end|>"),
+        "mlxkv_tiny_model": {"family": "qwen3_omni_moe", "hidden_size": hidden, "num_layers": layers, "seed": seed},
+    }
+
+
 FAMILIES = {
+    "qwen3_omni_moe": (OMNI_VISION_TOKENS, qwen3_omni_moe_config, QWEN_VL_TEMPLATE,
+                       {**QWEN3_VL_PREPROCESSOR, "feature_extractor_type": "WhisperFeatureExtractor",
+                        "feature_size": 128, "processor_class": "Qwen3OmniMoeProcessor"},
+                       "Qwen3OmniMoeProcessor",
+                       {"extra_special_tokens": {"image_token": "<|image_pad|>", "audio_token": "<|audio_pad|>",
+                                                 "video_token": "<|video_pad|>", "vision_bos_token": "<|vision_start|>",
+                                                 "vision_eos_token": "<|vision_end|>",
+                                                 "audio_bos_token": "<|audio_start|>",
+                                                 "audio_eos_token": "<|audio_end|>"}}),
     "minicpmo": (MINICPMO_VISION_TOKENS, minicpmo_config, STRING_TEMPLATE,
                  {"patch_size": 14, "scale_resolution": 56, "image_feature_size": MINICPMO_QUERIES},
                  "MiniCPMOProcessor", {"unk_token": "<unk>"}),

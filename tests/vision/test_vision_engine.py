@@ -19,7 +19,7 @@ N = 8  # tokens per reply
 # path of vision/prompt.py, plain positions: InternVL-Chat's; image by image with deepstack and M-RoPE:
 # Qwen3-VL's): the suite's time goes to the other paths.
 PREEMPTED_ON_ANOTHER_FAMILY = {"internvl", "aya_vision", "llava_onevision", "kimi_vl", "kimi_k25", "mage_vl",
-                               "cohere_compass", "muse_glimmer", "llmjpvl", "minicpmo"}
+                               "cohere_compass", "muse_glimmer", "llmjpvl", "minicpmo", "qwen3_omni_moe"}
 
 
 @pytest.fixture(scope="module", params=list(SERVED))
