@@ -161,9 +161,15 @@ _UNSENT_MEDIA = {"minicpmo": ("audio_features", "audio_feature_lens", "audio_bou
 
 
 def prompt_inputs(model, inputs: dict) -> dict:
-    """prepare_inputs' output of one prompt with its per-prompt lists unwrapped: a list (or array) an image."""
+    """prepare_inputs' output of one prompt with its per-prompt lists unwrapped: a list (or array) an image.
+    MLX arrays become numpy here, evaluated on the thread that built them, not later on the engine's stream
+    (DeepSeek-VL2's processor returns lazy ones: mlx-vlm's own generate, which reads them on its stream, gave
+    other replies from call to call)."""
+    import numpy as np
+
     family = getattr(model.config, "model_type", None)
-    out = {k: v for k, v in inputs.items() if k not in _UNSENT_MEDIA.get(family, ())}
+    out = {k: np.asarray(v) if isinstance(v, mx.array) else v for k, v in inputs.items()
+           if k not in _UNSENT_MEDIA.get(family, ())}
     for name in _PROMPT_LISTS.get(family, ()):
         if out.get(name) is not None:
             out[name] = out[name][0]

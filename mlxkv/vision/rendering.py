@@ -4,8 +4,7 @@ Most families' chat templates take image parts (`{"type": "image"}`) and write t
 placeholder themselves. Some families' processors take string content with the image token
 already in the text, and expand that token by the image's size; mlx-vlm's prompt_utils writes
 it for them, and so must mlxkv, or the processor finds no placeholder to expand. Molmo's
-template takes text alone (its processor adds the image's tokens before it), and PLaMo 2-VL
-takes a bare prompt with no template. Chosen per family (mlx-vlm's model type), as mlx-vlm's
+template takes text alone (its processor adds the image's tokens before it). Chosen per family (mlx-vlm's model type), as mlx-vlm's
 prompt_utils chooses them (mlx-vlm 0.7.10).
 """
 
@@ -20,13 +19,10 @@ IMAGE_TOKENS = {"minicpmo": "<image>", "llmjpvl": "<image>", "jina_vlm": "<|imag
 FIRST_IMAGE_ONLY = {"unlimited-ocr": "<image>"}  # (its config's model type) a message's first image is marked, later not
 NUMBERED = ("phi3_v",)  # image k of a message (from 1) is `<|image_k|>`
 TEXT_ONLY = ("molmo",)
-BARE_PROMPT = ("plamo2vl",)
 
 
 def render(processor, family: str, messages: list[dict]) -> str:
     """The prompt text of chat `messages` for `family`'s processor."""
-    if family in BARE_PROMPT:
-        return _bare_prompt(messages)
     return compat.render_chat(processor, template_messages(family, messages))
 
 
@@ -65,9 +61,3 @@ def _text(content: list) -> str:
     """A message's text parts, spaced (its images are written by no one: text-only roles and families)."""
     return " ".join(p["text"] for p in content if isinstance(p, dict) and p.get("text")).strip()
 
-
-def _bare_prompt(messages: list[dict]) -> str:
-    """The text of the last user message: the whole prompt of a family that takes no template."""
-    users = [m for m in messages if m.get("role") == "user"]
-    content = users[-1].get("content") if users else ""
-    return content if isinstance(content, str) else _text(content)

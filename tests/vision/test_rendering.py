@@ -25,7 +25,6 @@ def test_a_family_s_messages_are_rendered_as_mlx_vlm_renders_them(family):
     assert rendering.template_messages(family, MESSAGES) == theirs
 
 
-def test_other_families_keep_image_parts_for_their_template_and_plamo2vl_takes_a_bare_prompt():
+def test_other_families_keep_image_parts_for_their_template():
     assert rendering.template_messages("qwen2_vl", MESSAGES)[3]["content"] == [
         {"type": "text", "text": "And"}, {"type": "image"}]
-    assert rendering.render(None, "plamo2vl", MESSAGES) == "And"

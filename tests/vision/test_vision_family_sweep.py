@@ -89,7 +89,8 @@ def test_docs_family_table_says_served_exactly_for_the_served_families():
     assert all(f in families.NOT_SERVED for f, status in rows.items() if status != "**served**")
 
 
-@pytest.mark.parametrize("family", ["moondream2", "hunyuan_vl", "mistral_large3", "ernie4_5_moe_vl", "dots_ocr"])
+@pytest.mark.parametrize("family", ["moondream2", "hunyuan_vl", "mistral_large3", "ernie4_5_moe_vl", "dots_ocr",
+                                    "paddleocr_vl", "granite4_vision"])
 def test_a_family_a_try_ruled_out_says_what_it_found_at_load(family, tmp_path, caplog):
     """A refusal names its cause (Moondream's bidirectional prefix, HunYuan-VL's positions kept on the
     model, Mistral Large 3's tokenizer-only processor, ERNIE-4.5-VL's image-token experts); a family
@@ -103,5 +104,7 @@ def test_a_family_a_try_ruled_out_says_what_it_found_at_load(family, tmp_path, c
             said = str(e)
     assert families.NOT_SERVED[family] in said and "\n" not in said
     expected = {"moondream2": families.BIDIRECTIONAL, "hunyuan_vl": families.POSITIONS_ON_MODEL,
-                "mistral_large3": families.TOKENIZER_ONLY, "ernie4_5_moe_vl": families.IMAGE_TOKEN_WEIGHTS}.get(family, families.NOT_YET_RUN.get(family))
+                "mistral_large3": families.TOKENIZER_ONLY, "ernie4_5_moe_vl": families.IMAGE_TOKEN_WEIGHTS,
+                "paddleocr_vl": families.ONE_PLACE, "granite4_vision": families.LAYER_MAP,
+                }.get(family, families.NOT_YET_RUN.get(family))
     assert expected and expected in said
