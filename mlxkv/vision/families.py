@@ -64,32 +64,33 @@ UNTESTED = ("not yet run over the pool with images: it needs its tiny model and 
 # family -> what a try found standing between it and its tiny model's tests (it stays not yet run: a
 # checkpoint of it may well work; mlxkv has not shown it does)
 NOT_YET_RUN = {
-    "phi3_v": ("read and sized: mlx-vlm builds its tower as CLIP ViT-L/14-336 (24 layers, 1024 wide, 300M parameters) whatever the "
-               "config says, and an image is at least 313 placeholders: its test model would be 1.2 GB and slower "
-               "than DeepSeek-OCR's SAM encoder (its negative placeholder ids could be mapped to one token)"),
-    "deepseekocr": ("tried: mlx-vlm builds its SAM encoder as SAM ViT-B (12 layers, 768 wide, 96M parameters) over 640- "
-                    "or 1024-pixel views whatever the config says: one 640-pixel view took 78 s on the test "
-                    "machine's CPU (load 41)"),
+    "phi3_v": ("read and sized: mlx-vlm builds its tower as CLIP ViT-L/14-336 (24 layers, 1024 wide, 300M "
+               "parameters) whatever the config says, and an image is at least 313 placeholders: its test model "
+               "would be 1.2 GB and slower than DeepSeek-OCR's SAM encoder (its negative placeholder ids could be "
+               "mapped to one token)"),
+    "deepseekocr": ("tried: mlx-vlm builds its SAM encoder as SAM ViT-B (12 layers, 768 wide, 96M parameters) "
+                    "over 640- or 1024-pixel views whatever the config says: one 640-pixel view took 78 s on the "
+                    "test machine's CPU (load 41)"),
     "unlimited_ocr": "read: its model is DeepSeek-OCR's, with DeepSeek-OCR's SAM encoder (see deepseekocr)",
-    "deepseek_vl_v2": ("tried: its tiny model's replies equal mlx-vlm's generate on one and two images, but a prompt with a "
-                       "system message prefilled in chunks of 8 gives another reply than in one chunk (cause not "
-                       "found), and mlx-vlm's generate changes its own reply from call to call unless its "
-                       "processor's lazy MLX outputs are evaluated first"),
-    "muse_spark": ("read: mlx-vlm runs its attention through a Metal kernel (qk_norm_rope), so its test model cannot run "
-                   "on the Linux machine the tests run on"),
-    "dots_ocr": ("read: mlx-vlm's processor hard-codes Qwen2's image token id 151665: its test model needs a 151k-token "
-                 "vocabulary and tokenizer"),
-    "jina_vlm": ("read: mlx-vlm's processor makes its image processor with its defaults (Qwen2's ids 151665-151668 for "
-                 "its patch tokens, its crop sizes) whatever the checkpoint says: its test model needs a 151k-token "
-                 "vocabulary; its features are added to the patch tokens' embeddings, which the whole-prompt path "
-                 "keeps"),
+    "deepseek_vl_v2": ("tried: its tiny model's replies equal mlx-vlm's generate on one and two images, but a "
+                       "prompt with a system message prefilled in chunks of 8 gives another reply than in one "
+                       "chunk (cause not found), and mlx-vlm's generate changes its own reply from call to call "
+                       "unless its processor's lazy MLX outputs are evaluated first"),
+    "muse_spark": ("read: mlx-vlm runs its attention through a Metal kernel (qk_norm_rope), so its test model "
+                   "cannot run on the Linux machine the tests run on"),
+    "dots_ocr": ("read: mlx-vlm's processor hard-codes Qwen2's image token id 151665: its test model needs a "
+                 "151k-token vocabulary and tokenizer"),
+    "jina_vlm": ("read: mlx-vlm's processor makes its image processor with its defaults (Qwen2's ids "
+                 "151665-151668 for its patch tokens, its crop sizes) whatever the checkpoint says: its test model "
+                 "needs a 151k-token vocabulary; its features are added to the patch tokens' embeddings, which the "
+                 "whole-prompt path keeps"),
     "youtu_vl": ("mlx-vlm has no processor for it (its checkpoint's is remote code) and no installed one makes its "
                  "SigLIP 2 spatial_shapes and placeholder counts; read only: a DeepSeek-style latent-attention "
                  "language model with features written over its image tokens"),
     "kimi_k3": ("read only: Kimi-VL's placeholders and merge over a hybrid language model (gated-delta layers on "
                 "mlx-lm ArraysCache states, latent attention, experts, Metal kernels with CPU fallbacks)"),
-    "minimax_m3_vl": ("read only: Qwen-style M-RoPE positions (it takes position_ids, else keeps them on the model) "
-                      "over experts with a Metal kernel that has a CPU fallback"),
+    "minimax_m3_vl": ("read only: Qwen-style M-RoPE positions (it takes position_ids, else keeps them on the "
+                      "model) over experts with a Metal kernel that has a CPU fallback"),
     "molmo2": ("read only: its features are added to `image_patch_id` tokens (its config names no image token), "
                "with per-image pooling inputs, over the whole prompt"),
 }

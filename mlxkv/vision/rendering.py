@@ -4,8 +4,8 @@ Most families' chat templates take image parts (`{"type": "image"}`) and write t
 placeholder themselves. Some families' processors take string content with the image token
 already in the text, and expand that token by the image's size; mlx-vlm's prompt_utils writes
 it for them, and so must mlxkv, or the processor finds no placeholder to expand. Molmo's
-template takes text alone (its processor adds the image's tokens before it). Chosen per family (mlx-vlm's model type), as mlx-vlm's
-prompt_utils chooses them (mlx-vlm 0.7.10).
+template takes text alone (its processor adds the image's tokens before it). Chosen per family
+(mlx-vlm's model type), as mlx-vlm's prompt_utils chooses them (mlx-vlm 0.7.10).
 """
 
 from __future__ import annotations
@@ -14,9 +14,10 @@ from mlxkv.vision import compat
 from mlxkv.vision.images import is_image_part
 
 # family -> the text an image part becomes in its user message
-IMAGE_TOKENS = {"minicpmo": "<image>", "llmjpvl": "<image>", "jina_vlm": "<|image|>", "step3p7": "<im_patch>",
-                "deepseek_vl_v2": "<image>\n", "deepseekocr": "<image>\n"}
-FIRST_IMAGE_ONLY = {"unlimited-ocr": "<image>"}  # (its config's model type) a message's first image is marked, later not
+IMAGE_TOKENS = {"minicpmo": "<image>", "llmjpvl": "<image>", "jina_vlm": "<|image|>",
+                "step3p7": "<im_patch>", "deepseek_vl_v2": "<image>\n", "deepseekocr": "<image>\n"}
+# (keyed by its config's model type) a message's first image is marked, later ones not
+FIRST_IMAGE_ONLY = {"unlimited-ocr": "<image>"}
 NUMBERED = ("phi3_v",)  # image k of a message (from 1) is `<|image_k|>`
 TEXT_ONLY = ("molmo",)
 

@@ -8,7 +8,8 @@ from mlxkv.vision import rendering
 IMAGE = {"type": "image", "image": "unused"}
 MESSAGES = [
     {"role": "system", "content": "Be brief."},
-    {"role": "user", "content": [IMAGE, {"type": "text", "text": "What is it?"}, IMAGE, {"type": "text", "text": "and"}]},
+    {"role": "user", "content": [IMAGE, {"type": "text", "text": "What is it?"}, IMAGE,
+                                 {"type": "text", "text": "and"}]},
     {"role": "assistant", "content": "A cat."},
     {"role": "user", "content": [{"type": "text", "text": "And"}, IMAGE]},
 ]
