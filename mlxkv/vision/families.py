@@ -91,8 +91,10 @@ NOT_YET_RUN = {
                 "mlx-lm ArraysCache states, latent attention, experts, Metal kernels with CPU fallbacks)"),
     "minimax_m3_vl": ("read only: Qwen-style M-RoPE positions (it takes position_ids, else keeps them on the "
                       "model) over experts with a Metal kernel that has a CPU fallback"),
-    "molmo2": ("read only: its features are added to `image_patch_id` tokens (its config names no image token), "
-               "with per-image pooling inputs, over the whole prompt"),
+    "molmo2": ("tried: mlx-vlm's load replaces its image processor with one of default settings (378-pixel "
+               "crops, up to 8) whatever the checkpoint says, so a test image is hundreds of placeholders (870 for "
+               "two small images); its features are added to `image_patch_id` tokens, a row of them closed by "
+               "`<im_col>`, each image two views: its spans need their own grouping"),
 }
 
 _REASONS = (
