@@ -73,8 +73,9 @@ NOT_YET_RUN = {
                     "test machine's CPU (load 41)"),
     "unlimited_ocr": "read: its model is DeepSeek-OCR's, with DeepSeek-OCR's SAM encoder (see deepseekocr)",
     "deepseek_vl_v2": ("tried: its tiny model's replies equal mlx-vlm's generate on one and two images, but a "
-                       "prompt with a system message prefilled in chunks of 8 gives another reply than in one "
-                       "chunk (cause not found), and mlx-vlm's generate changes its own reply from call to call "
+                       "prompt with a system message prefilled over the pool in chunks of 8 gives another reply "
+                       "than in one chunk, where mlx-vlm's own cache in chunks of 8 does not (text prompts do not "
+                       "differ; cause not found), and mlx-vlm's generate changes its own reply from call to call "
                        "unless its processor's lazy MLX outputs are evaluated first"),
     "muse_spark": ("read: mlx-vlm runs its attention through a Metal kernel (qk_norm_rope), so its test model "
                    "cannot run on the Linux machine the tests run on"),
