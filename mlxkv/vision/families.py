@@ -72,11 +72,10 @@ NOT_YET_RUN = {
                     "over 640- or 1024-pixel views whatever the config says: one 640-pixel view took 78 s on the "
                     "test machine's CPU (load 41)"),
     "unlimited_ocr": "read: its model is DeepSeek-OCR's, with DeepSeek-OCR's SAM encoder (see deepseekocr)",
-    "deepseek_vl_v2": ("tried: its tiny model's replies equal mlx-vlm's generate on one and two images, but a "
-                       "prompt with a system message prefilled over the pool in chunks of 8 gives another reply "
-                       "than in one chunk, where mlx-vlm's own cache in chunks of 8 does not (text prompts do not "
-                       "differ; cause not found), and mlx-vlm's generate changes its own reply from call to call "
-                       "unless its processor's lazy MLX outputs are evaluated first"),
+    "deepseek_vl_v2": ("tried: its processor computes pixel values with MLX (lazy arrays) on whichever thread "
+                       "builds the prompt, beside the engine's thread: its tiny model's replies, and mlx-vlm's own, "
+                       "change from run to run on the same image (most runs equal mlx-vlm's); its tiles an image "
+                       "need images_spatial_crop to key them"),
     "muse_spark": ("read: mlx-vlm runs its attention through a Metal kernel (qk_norm_rope), so its test model "
                    "cannot run on the Linux machine the tests run on"),
     "dots_ocr": ("read: mlx-vlm's processor hard-codes Qwen2's image token id 151665: its test model needs a "
