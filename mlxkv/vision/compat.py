@@ -39,6 +39,16 @@ def build_model(config: dict):
     return arch.Model(model_config)
 
 
+def model_type(config: dict) -> str | None:
+    """The family mlx-vlm's loader picks for `config`: its model_type lowercased and remapped
+    (`unlimited-ocr` is unlimited_ocr, `nemotron_h_omni` nemotron_h_nano_omni).
+
+    Imports mlx-vlm (seconds): call it only for a checkpoint mlx-vlm will load anyway."""
+    from mlx_vlm.utils import get_model_type
+
+    return get_model_type(config)
+
+
 def load(path: str):
     """(model, processor) through mlx-vlm's own loader: its sanitize, its processor classes."""
     from mlx_vlm.utils import load as mlx_vlm_load
