@@ -39,6 +39,16 @@ def build_model(config: dict):
     return arch.Model(model_config)
 
 
+def model_type(config: dict) -> str | None:
+    """The family mlx-vlm's loader picks for `config`: its model_type lowercased and remapped
+    (`unlimited-ocr` is unlimited_ocr, `nemotron_h_omni` nemotron_h_nano_omni).
+
+    Imports mlx-vlm (seconds): call it only for a checkpoint mlx-vlm will load anyway."""
+    from mlx_vlm.utils import get_model_type
+
+    return get_model_type(config)
+
+
 def load(path: str):
     """(model, processor) through mlx-vlm's own loader: its sanitize, its processor classes."""
     from mlx_vlm.utils import load as mlx_vlm_load
@@ -62,6 +72,7 @@ def input_embeddings(model, input_ids, pixel_values, **image_inputs):
 
     if "mask" in inspect.signature(model.get_input_embeddings).parameters:  # Gemma 3 merges with a padding mask
         image_inputs = {"mask": mx.ones(input_ids.shape, mx.int32), **image_inputs}
+    pixel_values, image_inputs = _batched(model, pixel_values, image_inputs)
     features = model.get_input_embeddings(input_ids, pixel_values, **image_inputs)
     positions, deltas = getattr(features, "position_ids", None), getattr(features, "rope_deltas", None)
     if positions is None and image_inputs.get("image_grid_thw") is not None:
@@ -74,9 +85,14 @@ def rope_index(model, input_ids, grid):
     """(position_ids, rope_deltas) of a prompt from its ids and image grids alone (Qwen's M-RoPE;
     (None, None) for families with plain positions): no vision tower needed."""
     language = model.language_model
-    if not hasattr(language, "get_rope_index"):
+    if not hasattr(language, "get_rope_index") or getattr(model.config, "model_type", None) in _PLAIN_POSITIONS:
         return None, None
     return language.get_rope_index(input_ids, grid)
+
+
+# Families whose language model is an M-RoPE one given plain positions, the same on its three axes:
+# MiniCPM-o's (Qwen3-VL's language model; its get_input_embeddings sets arange positions, no image grid).
+_PLAIN_POSITIONS = ("minicpmo",)
 
 
 def _embedding(model):
@@ -103,9 +119,27 @@ def attention_module(model):
     return type(model.language_model).__module__
 
 
-def vision_token_id(model) -> int | None:
+# Families whose config names no placeholder token: the token their processor writes for an image's
+# features (MiniCPM-o's resampled queries sit over `<unk>`s between `<image>` and `</image>`).
+_PLACEHOLDER_TOKENS = {"minicpmo": "<unk>"}
+
+
+def _config(model):
+    """The config that holds the vision fields: Qwen3-Omni's thinker's (its talker's beside it)."""
+    return getattr(model.config, "thinker_config", None) or model.config
+
+
+def _vision_tower(model):
+    thinker = getattr(model, "thinker", None)
+    return model.vision_tower if thinker is None else thinker.vision_tower
+
+
+def vision_token_id(model, processor=None) -> int | None:
     """The placeholder id an image's tokens take (Gemma 3 calls it image_token_index)."""
-    config = model.config
+    config = _config(model)
+    token = _PLACEHOLDER_TOKENS.get(getattr(config, "model_type", None))
+    if token is not None and processor is not None:
+        return processor.tokenizer.convert_tokens_to_ids(token)
     return getattr(config, "image_token_id", None) or getattr(config, "image_token_index", None)
 
 
@@ -151,6 +185,37 @@ def _without_text_options(processor, prompt: str, images: list, return_tensors: 
     return arrays if return_tensors == "np" else {k: mx.array(v) for k, v in arrays.items()}
 
 
+# Families whose processor returns a list a prompt where others return a batch's arrays (MiniCPM-o: each
+# image its own size), and the inputs of media mlxkv does not send (kept out of get_input_embeddings, which
+# would run its absent audio tower on an empty batch).
+_PROMPT_LISTS = {"minicpmo": ("pixel_values", "tgt_sizes", "image_bound", "image_sizes")}
+_UNSENT_MEDIA = {"minicpmo": ("audio_features", "audio_feature_lens", "audio_bounds", "spk_bounds")}
+
+
+def prompt_inputs(model, inputs: dict) -> dict:
+    """prepare_inputs' output of one prompt with its per-prompt lists unwrapped: a list (or array) an image.
+    MLX arrays become numpy here, evaluated on the thread that built them, not later on the engine's stream
+    (DeepSeek-VL2's processor returns lazy ones: mlx-vlm's own generate, which reads them on its stream, gave
+    other replies from call to call)."""
+    import numpy as np
+
+    family = getattr(model.config, "model_type", None)
+    out = {k: np.asarray(v) if isinstance(v, mx.array) else v for k, v in inputs.items()
+           if k not in _UNSENT_MEDIA.get(family, ())}
+    for name in _PROMPT_LISTS.get(family, ()):
+        if out.get(name) is not None:
+            out[name] = out[name][0]
+    return out
+
+
+def _batched(model, pixel_values, image_inputs: dict):
+    """The inverse of prompt_inputs for get_input_embeddings: a batch of one prompt's lists."""
+    names = _PROMPT_LISTS.get(getattr(model.config, "model_type", None), ())
+    if "pixel_values" in names:
+        pixel_values = [pixel_values]
+    return pixel_values, {k: [v] if k in names else v for k, v in image_inputs.items()}
+
+
 # The image processor's settings that change pixel_values: part of an image's hash.
 _PROCESSOR_SETTINGS = ("min_pixels", "max_pixels", "size", "patch_size", "merge_size", "temporal_patch_size",
                        "image_mean", "image_std", "rescale_factor", "do_resize", "do_rescale", "do_normalize",
@@ -181,14 +246,16 @@ def deepstack_layers(model) -> int:
     """How many of the language model's first layers take deepstack features (Qwen3-VL: the vision
     tower's middle layers' output, added to those layers' hidden states at image tokens); 0 for
     families without."""
-    vision_config = getattr(model.config, "vision_config", None)
+    vision_config = getattr(_config(model), "vision_config", None)
     return len(getattr(vision_config, "deepstack_visual_indexes", None) or ())
 
 
-def deepstack_inputs(embeds: mx.array) -> dict:
+def deepstack_inputs(model, embeds: mx.array) -> dict:
     """The language model's deepstack arguments of a forward, `embeds` [k, B, L, D] dense (zeros at
     text positions, so adding them everywhere leaves text hidden states as they are)."""
     k, b, n, d = embeds.shape
+    if getattr(model.config, "thinker_config", None) is not None:  # Qwen3-Omni's: one [B, L, k, D] residual
+        return {"visual_pos_masks": mx.ones((b, n), mx.bool_), "deepstack_visual_embeds": embeds.transpose(1, 2, 0, 3)}
     return {"visual_pos_masks": mx.ones((b, n), mx.bool_),
             "deepstack_visual_embeds": [embeds[i].reshape(b * n, d) for i in range(k)]}
 
@@ -202,8 +269,8 @@ def vision_features(model, pixel_values, grid):
         hidden, _, _ = model.vision_tower(pixel_values.transpose(0, 2, 3, 1).astype(_embed_dtype(model)),
                                           output_hidden_states=True)
         return model.multi_modal_projector(hidden)
-    dtype = model.vision_tower.patch_embed.proj.weight.dtype
-    out = model.vision_tower(pixel_values.astype(dtype), grid, output_hidden_states=False)
+    tower = _vision_tower(model)
+    out = tower(pixel_values.astype(tower.patch_embed.proj.weight.dtype), grid, output_hidden_states=False)
     if not isinstance(out, tuple):
         return out
     features, deepstack = out  # Qwen3-VL's towers (Qwen3.5's too, its deepstack list empty)
@@ -245,21 +312,22 @@ def placeholder_features(model, input_ids, pixel_values, **image_inputs):
 # is embedded whole by its get_input_embeddings with all its processor's inputs, or by merged_embeddings
 # when every image is in the encoder cache (vision/prompt.py).
 _PER_IMAGE = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v", "glm4v_moe", "gemma3", "smolvlm",
-              "idefics3", "idefics2", "mistral3", "pixtral", "cohere_compass")
+              "idefics3", "idefics2", "mistral3", "pixtral", "cohere_compass", "qwen3_omni_moe")
 
 
 def per_image_features(model) -> bool:
     return getattr(model.config, "model_type", None) in _PER_IMAGE
 
 
-def merged_embeddings(model, input_ids, features):
+def merged_embeddings(model, input_ids, features, image_token: int | None = None):
     """[1, L, D]: the prompt's token embeddings with `features` [n, D] at its n placeholders, in order:
     what get_input_embeddings computes for a family that writes an image's features over its
     placeholders (LLaVA-style merges), with no vision tower run."""
     import numpy as np
 
     embeds = embed_tokens(model, input_ids)
-    at = mx.array(np.flatnonzero(np.array(input_ids[0]) == vision_token_id(model)))
+    image_token = vision_token_id(model) if image_token is None else image_token
+    at = mx.array(np.flatnonzero(np.array(input_ids[0]) == image_token))
     embeds[:, at] = features.astype(embeds.dtype)
     return embeds
 

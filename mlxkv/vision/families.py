@@ -18,6 +18,9 @@ SERVED = (
     "kimi_vl", "internvl", "kimi_k25", "glm_ocr", "mage_vl", "cohere_compass", "muse_glimmer", "nemotron_h_nano_omni",
     "mimo_v2",
     "llava", "llava_next", "granite_vision",
+    # their processors take the image token in string content (vision/rendering.py)
+    "llmjpvl", "minicpmo",
+    "qwen3_omni_moe",
 )
 
 TEXT_MODEL = "a text model (no vision tower in mlx-vlm's module): mlx-lm's class of that name serves it"
@@ -66,20 +69,50 @@ IMAGE_TOKEN_WEIGHTS = ("its language model sends image tokens through their own 
 OWN_BATCH_MASK = ("mlx-vlm's Inkling builds its own relative-position mask from the key count (offset = keys - "
                   "queries), one for the whole batch, not the cache's mask: in a batch of rows of different lengths "
                   "a row gets another's positions (tried: one row equals mlx-vlm; a batch and preempted rows do not)")
+ONE_PLACE = ("mlx-vlm's processor puts a prompt's images in one place, not in the turns that sent them (Molmo: "
+             "before the whole prompt, a second image a second prompt of the batch; GOT-OCR: before a bare "
+             "instruction, its merge one image a sequence; Step3p7: all at its one <im_patch>, a second an error; "
+             "PaddleOCR-VL: a prompt's images stacked as the frames of one, tried: two are an error; PLaMo 2-VL: "
+             "before the text of a fixed one-turn template): a conversation's images cannot sit where they were sent")
+LAYER_MAP = ("mlx-vlm's Granite 4 Vision embeds only a prompt's first image (pixel_values[0]) and hands its "
+             "features to chosen language-model layers (deepstack_layer_map, kept on the model object), not "
+             "the first layers mlxkv's rows carry deepstack features to")
 UNTESTED = ("not yet run over the pool with images: it needs its tiny model and the equality tests "
             "(docs/vision.md)")
 # family -> what a try found standing between it and its tiny model's tests (it stays not yet run: a
 # checkpoint of it may well work; mlxkv has not shown it does)
 NOT_YET_RUN = {
-    "phi3_v": ("its placeholders are negative ids (-k for image k), not a token mlxkv can key, and mlx-vlm builds "
-               "its tower as CLIP ViT-L/14-336 whatever the config says, so its test model cannot be tiny"),
-    "deepseek_vl_v2": ("its processor's template takes plain-string content (mlx-vlm writes the <image> tokens "
-                       "into the text); mlxkv renders image parts through the template"),
-    "paddleocr_vl": "mlx-vlm's projector is 1024 wide whatever the config says, so its test model cannot be tiny",
-    "muse_spark": ("mlx-vlm runs its attention through a Metal kernel (qk_norm_rope), so its test model cannot run "
-                   "on the Linux machine the tests run on"),
-    "dots_ocr": ("mlx-vlm's processor hard-codes Qwen2's image token id 151665, beyond a tiny test tokenizer's "
-                 "vocabulary"),
+    "phi3_v": ("read and sized: mlx-vlm builds its tower as CLIP ViT-L/14-336 (24 layers, 1024 wide, 300M "
+               "parameters) whatever the config says, and an image is at least 313 placeholders: its test model "
+               "would be 1.2 GB and slower than DeepSeek-OCR's SAM encoder (its negative placeholder ids could be "
+               "mapped to one token)"),
+    "deepseekocr": ("tried: mlx-vlm builds its SAM encoder as SAM ViT-B (12 layers, 768 wide, 96M parameters) "
+                    "over 640- or 1024-pixel views whatever the config says: one 640-pixel view took 78 s on the "
+                    "test machine's CPU (load 41)"),
+    "unlimited_ocr": "read: its model is DeepSeek-OCR's, with DeepSeek-OCR's SAM encoder (see deepseekocr)",
+    "deepseek_vl_v2": ("tried: its processor computes pixel values with MLX (lazy arrays) on whichever thread "
+                       "builds the prompt, beside the engine's thread: its tiny model's replies, and mlx-vlm's own, "
+                       "change from run to run on the same image (most runs equal mlx-vlm's); its tiles an image "
+                       "need images_spatial_crop to key them"),
+    "muse_spark": ("read: mlx-vlm runs its attention through a Metal kernel (qk_norm_rope), so its test model "
+                   "cannot run on the Linux machine the tests run on"),
+    "dots_ocr": ("read: mlx-vlm's processor hard-codes Qwen2's image token id 151665: its test model needs a "
+                 "151k-token vocabulary and tokenizer"),
+    "jina_vlm": ("read: mlx-vlm's processor makes its image processor with its defaults (Qwen2's ids "
+                 "151665-151668 for its patch tokens, its crop sizes) whatever the checkpoint says: its test model "
+                 "needs a 151k-token vocabulary; its features are added to the patch tokens' embeddings, which the "
+                 "whole-prompt path keeps"),
+    "youtu_vl": ("mlx-vlm has no processor for it (its checkpoint's is remote code) and no installed one makes its "
+                 "SigLIP 2 spatial_shapes and placeholder counts; read only: a DeepSeek-style latent-attention "
+                 "language model with features written over its image tokens"),
+    "kimi_k3": ("read only: Kimi-VL's placeholders and merge over a hybrid language model (gated-delta layers on "
+                "mlx-lm ArraysCache states, latent attention, experts, Metal kernels with CPU fallbacks)"),
+    "minimax_m3_vl": ("read only: Qwen-style M-RoPE positions (it takes position_ids, else keeps them on the "
+                      "model) over experts with a Metal kernel that has a CPU fallback"),
+    "molmo2": ("tried: mlx-vlm's load replaces its image processor with one of default settings (378-pixel "
+               "crops, up to 8) whatever the checkpoint says, so a test image is hundreds of placeholders (870 for "
+               "two small images); its features are added to `image_patch_id` tokens, a row of them closed by "
+               "`<im_col>`, each image two views: its spans need their own grouping"),
 }
 
 _REASONS = (
@@ -150,15 +183,13 @@ _REASONS = (
     (IMAGE_TOKEN_WEIGHTS, (
     "ernie4_5_moe_vl", "zaya1_vl",
 )),
-    (UNTESTED, (
-    "deepseekocr",
-    "got", "granite4_vision", "jina_vlm", "kimi_k3",
-    "llmjpvl", "minicpmo", "minimax_m3_vl",
-    "molmo", "molmo2",
-    "plamo2vl", "qwen3_omni_moe", "step3p7",
-    "unlimited_ocr", "youtu_vl",
+    (ONE_PLACE, (
+    "molmo", "got", "step3p7", "paddleocr_vl", "plamo2vl",
 )),
-    *((f"{UNTESTED}; tried: {found}", (family,)) for family, found in NOT_YET_RUN.items()),
+    (LAYER_MAP, (
+    "granite4_vision",
+)),
+    *((f"{UNTESTED}; {found}", (family,)) for family, found in NOT_YET_RUN.items()),
     *((f"{INSERTS}: {found}", (family,)) for family, found in INSERTS_FOUND.items()),
 )
 # family -> why mlxkv does not serve its images

@@ -37,12 +37,12 @@ def load_vision_model(path, name: str, loaded_model_class):
     config = checkpoint_config(path)
     if config is None:
         return None
-    family = config.get("model_type")
     if not compat.available():
         log.info("%s has a vision tower; loading its text half only (pip install 'mlxkv[vision]' for images)", name)
         return None
+    family = compat.model_type(config)  # after available(): the import is paid only with the extra
     if family not in VISION_FAMILIES:
-        _text_half_or_refuse(name, family)
+        _text_half_or_refuse(name, family, config.get("model_type"))
         return None
     from mlxkv.models import compat as lm_compat
     from mlxkv.vision.model import VisionModel
@@ -56,12 +56,14 @@ def load_vision_model(path, name: str, loaded_model_class):
     return loaded_model_class(VisionModel(vlm, processor), tokenizer, config, name)
 
 
-def _text_half_or_refuse(name: str, family) -> None:
-    """Log why `family`'s images are not served and let its text half load; raise if it has none."""
+def _text_half_or_refuse(name: str, family, model_type) -> None:
+    """Log why `family`'s images are not served and let its text half load; raise if it has none.
+
+    `model_type` is the config's own: mlx-lm, which loads the text half, remaps it its own way."""
     reason = NOT_SERVED.get(family)
     if reason is None:
         log.info("%s: mlx-vlm has no class for family %r; loading it as text", name, family)
-    elif _has_text_class(family):
+    elif _has_text_class(model_type):
         log.info("%s: images with %r are not served (%s); loading its text half only", name, family, reason)
     else:
         raise MlxkvError(f"{name}: mlx-vlm family {family!r} cannot run over mlxkv's pool: {reason}")

@@ -110,7 +110,7 @@ class VisionModel(nn.Module):
 
     @property
     def image_token_id(self) -> int | None:
-        return compat.vision_token_id(self.vlm)
+        return compat.vision_token_id(self.vlm, self.processor)
 
     def __call__(self, tokens: mx.array, cache=None, inputs_embeds=None, position_ids=None, **deepstack):
         if inputs_embeds is None:  # a text forward (the loader's probe): plain positions from the cache's offset
@@ -141,7 +141,7 @@ class VisionModel(nn.Module):
             deepstack = None if row.deepstack is None or known == 0 else row.deepstack[:, start : start + known]
             rows_deepstack.append(None if deepstack is None else mx.pad(deepstack, [(0, 0), (0, n - known), (0, 0)]))
         inputs = {"inputs_embeds": mx.stack(rows_embeds), "position_ids": mx.stack(rows_positions, axis=1)}
-        return {**inputs, **_deepstack(rows_deepstack, n, embeds.shape[-1])}
+        return {**inputs, **_deepstack(self.vlm, rows_deepstack, n, embeds.shape[-1])}
 
 
 class _Extras:
@@ -154,13 +154,13 @@ class _Extras:
         self.rope_deltas = rope_deltas
 
 
-def _deepstack(rows: list, n: int, width: int) -> dict:
+def _deepstack(vlm, rows: list, n: int, width: int) -> dict:
     """The deepstack arguments of a step: none when no row has image tokens in it (text rows, decode)."""
     present = [r for r in rows if r is not None]
     if not present:
         return {}
     zeros = mx.zeros((present[0].shape[0], n, width), present[0].dtype)
-    return compat.deepstack_inputs(mx.stack([zeros if r is None else r for r in rows], axis=1))
+    return compat.deepstack_inputs(vlm, mx.stack([zeros if r is None else r for r in rows], axis=1))
 
 
 def _text_positions(offsets: list[int], n: int) -> mx.array:

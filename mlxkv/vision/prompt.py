@@ -16,7 +16,7 @@ import numpy as np
 
 from mlxkv.chat.context_window import fit_messages
 from mlxkv.errors import MlxkvError
-from mlxkv.vision import compat, expansion
+from mlxkv.vision import compat, expansion, rendering
 from mlxkv.vision.image_keys import ImageSpan, image_hash, image_token_counts
 from mlxkv.vision.images import MAX_IMAGE_PIXELS, image_parts, is_image_part, load_image
 from mlxkv.vision.model import RowInputs, VisionModel
@@ -132,7 +132,7 @@ class VisionPrompt:
                 mx.eval(kept)
                 model.encoder_cache.put(span.digest, kept)
         else:
-            embeds = compat.merged_embeddings(model.vlm, ids, mx.concatenate(features))
+            embeds = compat.merged_embeddings(model.vlm, ids, mx.concatenate(features), model.image_token_id)
             positions, deltas = compat.rope_index(model.vlm, ids, None if self.grid is None else mx.array(self.grid))
         n = len(self.tokens)
         positions = mx.broadcast_to(mx.arange(n)[None], (3, n)) if positions is None else positions[:, 0]
@@ -192,8 +192,8 @@ def vision_prompt(model, messages: list[dict], max_pixels: int = MAX_IMAGE_PIXEL
         raise MlxkvError(f"{parts[max_images][0]}: more than {max_images} images in one request")
     images = [load_image(part, where, max_pixels) for where, part in parts]
     processor = model.processor
-    text = compat.render_chat(processor, _template_messages(messages))
-    inputs = compat.prepare_inputs(processor, text, images, return_tensors="np")
+    text = rendering.render(processor, model.vlm.config.model_type, messages)
+    inputs = compat.prompt_inputs(model.vlm, compat.prepare_inputs(processor, text, images, return_tensors="np"))
     pixels = _pixels(inputs["pixel_values"])
     grid = inputs.get("image_grid_thw")
     grid = None if grid is None else np.asarray(grid)
@@ -269,17 +269,6 @@ def fitted_vision_prompt(model, messages: list[dict], limit: int) -> tuple[Visio
         counts[id(m)] = sum(next(images) if is_image_part(p) else len(encode(p.get("text") or "")) for p in parts)
     kept, left_out = fit_messages(messages, limit, measure, count=lambda m: counts[id(m)])
     return built[id(kept)], left_out
-
-
-def _template_messages(messages: list[dict]) -> list[dict]:
-    """Image parts as the processor's template expects them: {"type": "image"}."""
-    out = []
-    for m in messages:
-        content = m.get("content")
-        if isinstance(content, list):
-            content = [{"type": "image"} if is_image_part(p) else p for p in content]
-        out.append({**m, "content": content})
-    return out
 
 
 def _runs(tokens: list[int], image_token: int) -> list[tuple[int, int]]:

@@ -353,8 +353,14 @@ PROCESSOR_CONFIGS = {
                         "image_token": "<image>", "processor_class": "LlavaOnevisionProcessor"},
 }
 
-# LLaVA 1.5 and the families whose merge inserts an image's features (vision4b): tiny_llava.py
+# LLaVA 1.5 and the families whose merge inserts an image's features: tiny_llava.py
 from mlxkv.vision.tiny_llava import LLAVA_FAMILIES, LLAVA_PROCESSOR_CONFIGS  # noqa: E402
 
 FAMILIES.update(LLAVA_FAMILIES)
 PROCESSOR_CONFIGS.update(LLAVA_PROCESSOR_CONFIGS)
+
+# Families whose processors take the image token in string content: tiny_token_families.py
+from mlxkv.vision import tiny_token_families  # noqa: E402
+
+FAMILIES.update(tiny_token_families.FAMILIES)
+PROCESSOR_CONFIGS.update(tiny_token_families.PROCESSOR_CONFIGS)

@@ -21,6 +21,7 @@ from mlxkv.vision import compat
 from mlxkv.vision.families import SERVED as VISION_FAMILIES  # a tiny model of each
 from mlxkv.vision.tiny_configs import GEMMA3_IMAGE_TOKENS, IDEFICS2_IMAGE_TOKENS, SMOLVLM_TILE_TOKENS
 from mlxkv.vision.tiny_families import FAMILIES, PROCESSOR_CONFIGS
+from mlxkv.vision.tiny_token_families import EXTRA_FILES
 
 
 def write_tiny_vlm(path: str | Path, family: str = "qwen2_vl", seed: int = 0, vocab_size: int = 512,
@@ -64,6 +65,7 @@ def write_tiny_vlm(path: str | Path, family: str = "qwen2_vl", seed: int = 0, vo
                                           "processor_class": processor_class}
     if family in PROCESSOR_CONFIGS:
         files["processor_config.json"] = PROCESSOR_CONFIGS[family]
+    files.update(EXTRA_FILES.get(family, {}))
     for name, content in files.items():
         (path / name).write_text(json.dumps(content, indent=2, sort_keys=True) + "\n")
     return path

@@ -117,7 +117,7 @@ def test_qwen3_vl_deepstack_features_per_image_equal_what_get_input_embeddings_c
     assert ours.shape[0] == 2 and mx.allclose(ours[1], features.deepstack_visual_embeds[0], atol=1e-5).item()
     merged, *_ = compat.input_embeddings_from_features(model, ids, pixels, ours[0], image_grid_thw=grid)
     assert mx.allclose(merged, features.inputs_embeds, atol=1e-5).item()
-    dense = compat.deepstack_inputs(mx.zeros((1, 1, ids.shape[1], ours.shape[-1])))
+    dense = compat.deepstack_inputs(model, mx.zeros((1, 1, ids.shape[1], ours.shape[-1])))
     assert dense["visual_pos_masks"].shape == ids.shape and dense["deepstack_visual_embeds"][0].shape[0] == ids.shape[1]
 
 

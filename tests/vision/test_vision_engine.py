@@ -8,7 +8,7 @@ from vision_cases import make_image
 from mlxkv.config import CacheConfig
 from mlxkv.engine.engine import Engine
 from mlxkv.models.loader import load_model
-from mlxkv.vision import compat
+from mlxkv.vision import compat, rendering
 from mlxkv.vision.families import SERVED
 from mlxkv.vision.prompt import vision_prompt
 
@@ -17,10 +17,13 @@ BS = 4
 N = 8  # tokens per reply
 # Families whose rows take a path another family here already runs through preemption (the whole-prompt
 # path of vision/prompt.py, plain positions: InternVL-Chat's; image by image with deepstack and M-RoPE:
-# Qwen3-VL's): the suite's time goes to the other paths.
+# Qwen3-VL's; a twin's classes with another tower or feed-forward: Qwen2-VL's for Qwen2.5-VL, GLM-4V's for
+# GLM-4.5V and GLM-OCR, Qwen3-VL's for its MoE, SmolVLM's for Idefics3, Mistral 3's for Pixtral): the suite's
+# time goes to the other paths.
 PREEMPTED_ON_ANOTHER_FAMILY = {"internvl", "aya_vision", "llava_onevision", "kimi_vl", "kimi_k25", "mage_vl",
-                               "cohere_compass", "muse_glimmer", "llava", "llava_next",
-                               "granite_vision"}
+                               "cohere_compass", "muse_glimmer", "llmjpvl", "minicpmo", "qwen3_omni_moe",
+                               "qwen2_5_vl", "glm4v_moe", "glm_ocr", "qwen3_vl_moe", "idefics3", "pixtral",
+                               "llava", "llava_next", "granite_vision"}
 # Families whose rows take another family's path for what a test checks beyond the brief's four (equal to
 # mlx-vlm, the next turn hits, another image is no hit past the text before it, a batch equals solo runs):
 # test -> {family: the family it is checked on}. LLaVA 1.5 embeds as LLaVA-OneVision (the whole-prompt path,
@@ -73,9 +76,8 @@ def _mlx_vlm(engine, messages, images):
     from mlx_vlm.generate.dispatch import stream_generate
 
     model, processor = engine.model.vlm, engine.model.processor
-    template = [{**m, "content": [{"type": "image"} if p.get("type") == "image" else p for p in m["content"]]
-                 if isinstance(m["content"], list) else m["content"]} for m in messages]
-    prompt = compat.render_chat(processor, template)
+    # The messages as mlx-vlm's prompt_utils renders them (tests/vision/test_rendering.py: equal to it)
+    prompt = compat.render_chat(processor, rendering.template_messages(model.config.model_type, messages))
     inputs = {}
     if compat.passes_text_options_to_images(processor):  # mlx-vlm's own preprocessing fails (LLaVA 1.5)
         given = compat.prepare_inputs(processor, prompt, images)
@@ -136,7 +138,7 @@ def test_a_different_image_at_the_same_place_hits_only_the_text_before_it(engine
     other = [_user(b, "What is it?")]
     result = engine.chat(other, max_tokens=N)
     assert result.tokens == _mlx_vlm(engine, other, [b])
-    start = result.prompt_tokens.index(compat.vision_token_id(engine.model.vlm))
+    start = result.prompt_tokens.index(engine.model.image_token_id)
     assert result.stats.cached_tokens["pool"] == start // BS * BS  # the blocks before the image's
 
 

@@ -79,6 +79,28 @@ def test_a_family_mlx_vlm_has_no_class_for_loads_as_text_with_one_line(tmp_path,
         "x: mlx-vlm has no class for family 'no_such_vlm'; loading it as text"]
 
 
+@pytest.mark.parametrize(("model_type", "family"), [("unlimited-ocr", "unlimited_ocr"),
+                                                    ("granite4-vision", "granite4_vision")])
+def test_a_variant_model_type_gets_its_family_decision_as_mlx_vlm_remaps_it(model_type, family, tmp_path, caplog):
+    """A checkpoint's config may spell its family as mlx-vlm's loader remaps it (`unlimited-ocr`):
+    the decision is the family's, not "mlx-vlm has no class"."""
+    with caplog.at_level(logging.INFO, logger="mlxkv.vision.loading"):
+        try:
+            assert load_vision_model(_checkpoint(tmp_path, model_type), "m", object) is None
+            said = caplog.records[-1].message
+        except MlxkvError as e:
+            said = str(e)
+    assert f"family {family!r} cannot run" in said or f"images with {family!r} are not served" in said
+
+
+def test_a_variant_model_type_of_a_served_family_loads_as_a_vision_model(tmp_path):
+    """`nemotron_h_omni` is mlx-vlm's nemotron_h_nano_omni, a served family: mlx-vlm's loader is asked
+    for it (and fails here on a checkpoint with no weights), rather than the text half being loaded."""
+    assert "nemotron_h_nano_omni" in families.SERVED
+    with pytest.raises(MlxkvError, match="^could not load vision model 'm': "):
+        load_vision_model(_checkpoint(tmp_path, "nemotron_h_omni"), "m", object)
+
+
 def test_docs_family_table_says_served_exactly_for_the_served_families():
     """docs/vision.md's table of vision families marks a row served iff families.SERVED has it."""
     import re
@@ -90,7 +112,8 @@ def test_docs_family_table_says_served_exactly_for_the_served_families():
     assert all(f in families.NOT_SERVED for f, status in rows.items() if status != "**served**")
 
 
-@pytest.mark.parametrize("family", ["moondream2", "hunyuan_vl", "mistral_large3", "ernie4_5_moe_vl", "dots_ocr"])
+@pytest.mark.parametrize("family", ["moondream2", "hunyuan_vl", "mistral_large3", "ernie4_5_moe_vl", "dots_ocr",
+                                    "paddleocr_vl", "granite4_vision"])
 def test_a_family_a_try_ruled_out_says_what_it_found_at_load(family, tmp_path, caplog):
     """A refusal names its cause (Moondream's bidirectional prefix, HunYuan-VL's positions kept on the
     model, Mistral Large 3's tokenizer-only processor, ERNIE-4.5-VL's image-token experts); a family
@@ -104,5 +127,7 @@ def test_a_family_a_try_ruled_out_says_what_it_found_at_load(family, tmp_path, c
             said = str(e)
     assert families.NOT_SERVED[family] in said and "\n" not in said
     expected = {"moondream2": families.BIDIRECTIONAL, "hunyuan_vl": families.POSITIONS_ON_MODEL,
-                "mistral_large3": families.TOKENIZER_ONLY, "ernie4_5_moe_vl": families.IMAGE_TOKEN_WEIGHTS}.get(family, families.NOT_YET_RUN.get(family))
+                "mistral_large3": families.TOKENIZER_ONLY, "ernie4_5_moe_vl": families.IMAGE_TOKEN_WEIGHTS,
+                "paddleocr_vl": families.ONE_PLACE, "granite4_vision": families.LAYER_MAP,
+                }.get(family, families.NOT_YET_RUN.get(family))
     assert expected and expected in said
