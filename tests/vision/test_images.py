@@ -49,6 +49,20 @@ def test_a_sliver_image_is_refused_naming_it():
             load_image({"type": "image", "image": make_image(w, h)}, "m")
 
 
+def test_a_png_whose_header_claims_a_huge_size_is_refused_as_too_large():
+    """PIL will not open it (DecompressionBombError); it was 'not an image we can read'."""
+    import struct
+    import zlib
+
+    def chunk(kind, data):
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    header = chunk(b"IHDR", struct.pack(">IIBBBBB", 100_000, 100_000, 8, 2, 0, 0, 0))
+    png = b"\x89PNG\r\n\x1a\n" + header + chunk(b"IDAT", zlib.compress(b"")) + chunk(b"IEND", b"")
+    with pytest.raises(MlxkvError, match=r"m: the image has more than \d+ pixels, more than the limit of 1000"):
+        load_image({"type": "image", "image": png}, "m", max_pixels=1000)
+
+
 def test_an_image_over_the_pixel_limit_is_refused():
     with pytest.raises(MlxkvError, match="112x84 pixels, more than the limit of 1000"):
         load_image({"type": "image", "image": make_image()}, "m", max_pixels=1000)
