@@ -96,6 +96,6 @@ def _data_url_bytes(url: str, where: str) -> bytes:
     if not head.endswith(";base64"):
         raise MlxkvError(f"{where}: a data: URL must be base64")
     try:
-        return base64.b64decode(data, validate=True)
+        return base64.b64decode("".join(data.split()), validate=True)  # line breaks of a wrapped encoding
     except (binascii.Error, ValueError):
         raise MlxkvError(f"{where}: the data: URL is not valid base64") from None

@@ -24,9 +24,10 @@ def test_a_path_bytes_a_pil_image_and_a_data_url_give_the_same_pixels(tmp_path):
     image = make_image()
     (tmp_path / "a.png").write_bytes(_png(image))
     parts = [{"type": "image", "image": str(tmp_path / "a.png")}, {"type": "image", "image": _png(image)},
-             {"type": "image", "image": image}, {"type": "image_url", "image_url": {"url": _data_url(_png(image))}}]
+             {"type": "image", "image": image}, {"type": "image_url", "image_url": {"url": _data_url(_png(image))}},
+             {"type": "image", "image": "data:image/png;base64," + base64.encodebytes(_png(image)).decode()}]
     loaded = [load_image(p, "p").tobytes() for p in parts]
-    assert loaded == [image.tobytes()] * 4
+    assert loaded == [image.tobytes()] * 5
 
 
 @pytest.mark.parametrize("part, says", [
