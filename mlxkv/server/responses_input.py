@@ -77,9 +77,16 @@ def _text(content: Any, where: str) -> str | list[dict]:
     texts = [p.get("text") or p.get("refusal") or "" if kind != "input_image" else None
              for p, kind in zip(content, kinds)]
     if "input_image" in kinds:  # text and images, in order
-        return [image_from_url(p.get("image_url"), f"{where}.{j}", "input") if text is None
+        return [_image(p, f"{where}.{j}") if text is None
                 else {"type": "text", "text": text} for j, (p, text) in enumerate(zip(content, texts))]
     return "".join(texts)
+
+
+def _image(part: dict, where: str) -> dict:
+    if part.get("image_url") is None and part.get("file_id"):  # the Files API is not served
+        raise ApiError(400, f"{where}: a file_id image is not supported here; send image_url as a data: URL",
+                       param="input")
+    return image_from_url(part.get("image_url"), where, "input")
 
 
 def _arguments(arguments: Any) -> Any:

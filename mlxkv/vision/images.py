@@ -74,7 +74,10 @@ def load_image(part: dict, where: str, max_pixels: int = MAX_IMAGE_PIXELS):
                              f"{MAX_ASPECT_RATIO} times the other")
         image.load()
         return image.convert("RGB")
-    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as e:
+    except Image.DecompressionBombError:  # PIL refuses to open it: its header's size is past PIL's own cap
+        raise MlxkvError(f"{where}: the image has more than {2 * Image.MAX_IMAGE_PIXELS} pixels, "
+                         f"more than the limit of {max_pixels}") from None
+    except (UnidentifiedImageError, OSError, ValueError) as e:
         raise MlxkvError(f"{where}: not an image we can read ({type(e).__name__})") from None
 
 
@@ -93,6 +96,6 @@ def _data_url_bytes(url: str, where: str) -> bytes:
     if not head.endswith(";base64"):
         raise MlxkvError(f"{where}: a data: URL must be base64")
     try:
-        return base64.b64decode(data, validate=True)
+        return base64.b64decode("".join(data.split()), validate=True)  # line breaks of a wrapped encoding
     except (binascii.Error, ValueError):
         raise MlxkvError(f"{where}: the data: URL is not valid base64") from None

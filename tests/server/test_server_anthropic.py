@@ -92,6 +92,9 @@ def test_bad_requests_get_anthropic_errors(server):
                         ({"max_tokens": 5, "messages": [{"role": "tool", "content": "x"}]}, "messages.0.role"),
                         ({"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "image"}]}]},
                          "messages.0.content.0.source: an image block needs a source"),
+                        ({"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "image", "source": {
+                            "type": "base64", "media_type": "image/png", "data": 5}}]}]},
+                         "messages.0.content.0: the image is not valid base64"),
                         # an image in a tool_result (an agent's screenshot) is read and named, not refused
                         ({"max_tokens": 5, "messages": [*ok, {"role": "assistant", "content": [
                             {"type": "tool_use", "id": "t", "name": "shot", "input": {}}]}, {"role": "user", "content": [

@@ -201,6 +201,10 @@ def test_bad_requests_get_openai_errors(server):
                           "messages.0.content.0: an image part needs a url"),
                          ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": PNG}]}]},
                           "messages.0.content.0: llama takes text only"),
+                         # base64 wrapped at 76 (base64.encodebytes) is read: the part gets as far as the model
+                         ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {
+                             "url": PNG["url"][:60] + "\n" + PNG["url"][60:]}}]}]},
+                          "messages.0.content.0: llama takes text only"),
                          ({"messages": [{"role": "user", "content": [{"type": "audio"}]}]},
                           "messages.0.content.0: 'audio' parts are not supported"),
                          # a video beside an image is named, not dropped as empty text

@@ -24,9 +24,10 @@ def test_a_path_bytes_a_pil_image_and_a_data_url_give_the_same_pixels(tmp_path):
     image = make_image()
     (tmp_path / "a.png").write_bytes(_png(image))
     parts = [{"type": "image", "image": str(tmp_path / "a.png")}, {"type": "image", "image": _png(image)},
-             {"type": "image", "image": image}, {"type": "image_url", "image_url": {"url": _data_url(_png(image))}}]
+             {"type": "image", "image": image}, {"type": "image_url", "image_url": {"url": _data_url(_png(image))}},
+             {"type": "image", "image": "data:image/png;base64," + base64.encodebytes(_png(image)).decode()}]
     loaded = [load_image(p, "p").tobytes() for p in parts]
-    assert loaded == [image.tobytes()] * 4
+    assert loaded == [image.tobytes()] * 5
 
 
 @pytest.mark.parametrize("part, says", [
@@ -47,6 +48,20 @@ def test_a_sliver_image_is_refused_naming_it():
     for w, h in [(1, 201), (402, 2)]:
         with pytest.raises(MlxkvError, match=f"m: the image is {w}x{h} pixels, one side more than 200"):
             load_image({"type": "image", "image": make_image(w, h)}, "m")
+
+
+def test_a_png_whose_header_claims_a_huge_size_is_refused_as_too_large():
+    """PIL will not open it (DecompressionBombError); it was 'not an image we can read'."""
+    import struct
+    import zlib
+
+    def chunk(kind, data):
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    header = chunk(b"IHDR", struct.pack(">IIBBBBB", 100_000, 100_000, 8, 2, 0, 0, 0))
+    png = b"\x89PNG\r\n\x1a\n" + header + chunk(b"IDAT", zlib.compress(b"")) + chunk(b"IEND", b"")
+    with pytest.raises(MlxkvError, match=r"m: the image has more than \d+ pixels, more than the limit of 1000"):
+        load_image({"type": "image", "image": png}, "m", max_pixels=1000)
 
 
 def test_an_image_over_the_pixel_limit_is_refused():
