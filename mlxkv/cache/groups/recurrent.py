@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 
 from mlxkv.cache.checkpoints import Checkpoint, CheckpointIndex, CheckpointRef, CheckpointStore, States
+from mlxkv.cache.connector import LoadedCheckpoint
 from mlxkv.cache.hashing import BlockHash
 from mlxkv.cache.sequence import Sequence
 from mlxkv.cache.tiers import DISK, POOL
@@ -134,7 +135,12 @@ class RecurrentManager:
         if not need.in_tier:
             checkpoint = self.store.get(ref.key)
             return None if checkpoint is None else (checkpoint, POOL)
-        loaded = self.connector.load_checkpoint(ref.key)
+        return self.install(need, self.connector.load_checkpoint(ref.key))
+
+    def install(self, need: CheckpointNeed, loaded: LoadedCheckpoint | None) -> tuple[Checkpoint, str] | None:
+        """A checkpoint a tier gave (at once, or through a load off the engine thread: tier_loads.py)
+        into the store, and where it came from; None if the tier no longer had it."""
+        ref = need.ref
         if loaded is None:
             self.index.discard(ref)
             return None
