@@ -166,7 +166,7 @@ class TierLoads:
     def _state_ready(self, state: _StateLoad | None) -> bool:
         """Whether the hybrid's checkpoint is at hand (made MLX here, once): False if a tier lost it."""
         if state is not None and state.job is not None:
-            state.found = self.recurrent.install(state.need, state.job.take())
+            state.found = self.recurrent.load(state.need, state.job)
             state.job = None
         return state is None or state.need is None or state.found is not None
 

@@ -49,7 +49,6 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 
 from mlxkv.cache.checkpoints import Checkpoint, CheckpointIndex, CheckpointRef, CheckpointStore, States
-from mlxkv.cache.connector import LoadedCheckpoint
 from mlxkv.cache.hashing import BlockHash
 from mlxkv.cache.sequence import Sequence
 from mlxkv.cache.tiers import DISK, POOL
@@ -129,18 +128,14 @@ class RecurrentManager:
         ref = CheckpointRef(hashes[b - 1], b * self.block_size)
         return CheckpointNeed(ref, ref.key not in self.store)
 
-    def load(self, need: CheckpointNeed) -> tuple[Checkpoint, str] | None:
-        """The hit's checkpoint, into the store if a tier had it, and where it came from; None if gone."""
+    def load(self, need: CheckpointNeed, job=None) -> tuple[Checkpoint, str] | None:
+        """The hit's checkpoint, into the store if a tier had it, and where it came from; None if gone.
+        `job`: the tier's read, already run off the engine thread (tier_loads.py); else it is read now."""
         ref = need.ref
         if not need.in_tier:
             checkpoint = self.store.get(ref.key)
             return None if checkpoint is None else (checkpoint, POOL)
-        return self.install(need, self.connector.load_checkpoint(ref.key))
-
-    def install(self, need: CheckpointNeed, loaded: LoadedCheckpoint | None) -> tuple[Checkpoint, str] | None:
-        """A checkpoint a tier gave (at once, or through a load off the engine thread: tier_loads.py)
-        into the store, and where it came from; None if the tier no longer had it."""
-        ref = need.ref
+        loaded = job.take() if job is not None else self.connector.load_checkpoint(ref.key)
         if loaded is None:
             self.index.discard(ref)
             return None
