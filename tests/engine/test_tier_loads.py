@@ -216,8 +216,18 @@ def test_eviction_writes_run_after_allocate_not_inside_it(loaded):
 
 def test_restore_or_recompute_follows_the_injected_speeds(loaded, cold, tmp_path):
     first = engine_with(loaded, disk_tier=str(tmp_path))
+    writer, handed = first.connector.writer, []
+    submit = writer.submit
+
+    def watched(job):
+        handed.append([a.flags.owndata or a.flags.writeable for a in (job.keys, job.values)])
+        return submit(job)
+
+    writer.submit = watched
     first.generate(PROMPT, max_tokens=1)
     first.close()
+    # The writer thread got read-only views of the pool read: no copy of the blocks on the step path.
+    assert handed and not any(copied for job in handed for copied in job)
     bytes_per_token = first.kv_layout.bytes_per_token
     results = {}
     for name, disk_rate in (("slow", bytes_per_token * 10.0), ("fast", bytes_per_token * 1e9)):

@@ -319,9 +319,10 @@ class DiskKVCacheConnector:
     def store_run(self, block_hashes: Sequence[BlockHash], kvs: Sequence[BlockKV], *, spill: bool = False) -> bool:
         """Queue a background write of consecutive blocks as one file; False if it was not queued.
 
-        Blocks already on disk or queued are left out. Converts to numpy here,
-        on the caller's thread: the writer thread never touches an MLX array.
-        Never blocks on the disk.
+        Blocks already on disk or queued are left out. Takes numpy views of
+        the MLX arrays here, on the caller's thread (kv_arrays.to_numpy: no
+        copy); the writer thread copies them into the file and never calls
+        MLX. Never blocks on the disk.
         """
         for block_hash in block_hashes:
             cache_dir.block_path(self.dir, block_hash)  # validates the hash
