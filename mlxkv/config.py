@@ -9,7 +9,7 @@ from these.
 `CacheConfig` is the flat builder users hand in: `Engine.load(model,
 block_size=16, disk_tier=...)`, `CacheConfig(...)` in the Python API, the
 CLI's flags. Its fields are the split configs' own under one flat name
-each; `engine_config()` makes the EngineConfig, and its construction
+each, with their defaults read from them; `engine_config()` makes the EngineConfig, and its construction
 checks everything, so a bad field is an MlxkvError where the user hands it
 in. It stays flat (and mutable) because that is the one-call API the
 README and docs show; the engine reads the split config alone.
@@ -31,7 +31,7 @@ from mlxkv.remote_url import check_url
 DEFAULT_BLOCK_SIZE = 16
 # Share of physical memory the KV pool takes when nothing is said.
 DEFAULT_MEMORY_SHARE = 0.25
-DEFAULT_KV_GROUP_SIZE = 64
+DEFAULT_KV_GROUP_SIZE = KVFormat().group_size  # the format's own default, named for the flags
 # A modest unified-memory tier behind the pool, on unless turned off.
 DEFAULT_MEMORY_TIER_BYTES = 256 << 20
 # The prefix of every key mlxkv writes on a remote tier's server, and the
@@ -199,9 +199,18 @@ class EngineConfig:
         return dataclasses.replace(self, **parts)
 
 
+def _default(config: type, name: str):
+    """The default of field `name` of a split config: the flat builder below has none of its own."""
+    return next(f.default for f in dataclasses.fields(config) if f.name == name)
+
+
 @dataclass(slots=True)
 class CacheConfig:
     """The flat builder of an `EngineConfig`: every field of the split configs under one name.
+
+    A facade for the one-call API (`Engine.load(model, disk_tier=...)`, the
+    CLI's flags): each field's default is read from the split config it
+    builds (`_default`), so a default is defined there alone.
 
     block_size, num_blocks, memory_budget_bytes, prefix_cache, idle_shrink_s:
         the pool (PoolConfig); num_blocks wins over memory_budget_bytes.
@@ -220,33 +229,33 @@ class CacheConfig:
         speculative decoding (SpeculationConfig).
     """
 
-    block_size: int = DEFAULT_BLOCK_SIZE
-    num_blocks: int | None = None
-    memory_budget_bytes: int | None = None
-    prefix_cache: bool = True
-    connector: Any = None
-    kv_bits: int | None = None
-    kv_group_size: int = DEFAULT_KV_GROUP_SIZE
-    kv_format: KVFormat | None = None
-    memory_tier_bytes: int = DEFAULT_MEMORY_TIER_BYTES
-    memory_tier_bits: int | None = None
-    disk_tier: str | None = None
-    disk_tier_bytes: int | None = None
-    disk_tier_min_free_bytes: int | None = None
-    remote_tier: str | None = None
-    remote_tier_salt: str | None = None
-    remote_tier_prefix: str = DEFAULT_REMOTE_TIER_PREFIX
-    remote_tier_ttl_s: int | None = None
-    remote_tier_timeout_ms: float = DEFAULT_REMOTE_TIER_TIMEOUT_MS
-    attention: str | None = None
-    checkpoint_interval: int = DEFAULT_CHECKPOINT_INTERVAL
-    checkpoint_share: float = DEFAULT_CHECKPOINT_SHARE
-    checkpoint_write_ratio: float = DEFAULT_CHECKPOINT_WRITE_RATIO
-    idle_checkpoint_s: float = DEFAULT_IDLE_CHECKPOINT_S
-    idle_shrink_s: float = DEFAULT_IDLE_SHRINK_S
-    speculative: str | None = None
-    speculative_tokens: int = DEFAULT_SPECULATIVE_TOKENS
-    draft_model: str | None = None
+    block_size: int = _default(PoolConfig, "block_size")
+    num_blocks: int | None = _default(PoolConfig, "num_blocks")
+    memory_budget_bytes: int | None = _default(PoolConfig, "memory_budget_bytes")
+    prefix_cache: bool = _default(PoolConfig, "prefix_cache")
+    connector: Any = _default(TierConfig, "connector")
+    kv_bits: int | None = _default(KVFormat, "bits")
+    kv_group_size: int = _default(KVFormat, "group_size")
+    kv_format: KVFormat | None = None  # None: kv_bits and kv_group_size say it
+    memory_tier_bytes: int = _default(TierConfig, "memory_tier_bytes")
+    memory_tier_bits: int | None = _default(TierConfig, "memory_tier_bits")
+    disk_tier: str | None = _default(TierConfig, "disk_tier")
+    disk_tier_bytes: int | None = _default(TierConfig, "disk_tier_bytes")
+    disk_tier_min_free_bytes: int | None = _default(TierConfig, "disk_tier_min_free_bytes")
+    remote_tier: str | None = _default(TierConfig, "remote_tier")
+    remote_tier_salt: str | None = _default(TierConfig, "remote_tier_salt")
+    remote_tier_prefix: str = _default(TierConfig, "remote_tier_prefix")
+    remote_tier_ttl_s: int | None = _default(TierConfig, "remote_tier_ttl_s")
+    remote_tier_timeout_ms: float = _default(TierConfig, "remote_tier_timeout_ms")
+    attention: str | None = _default(AttentionConfig, "path")
+    checkpoint_interval: int = _default(CheckpointConfig, "interval")
+    checkpoint_share: float = _default(CheckpointConfig, "share")
+    checkpoint_write_ratio: float = _default(CheckpointConfig, "write_ratio")
+    idle_checkpoint_s: float = _default(CheckpointConfig, "idle_s")
+    idle_shrink_s: float = _default(PoolConfig, "idle_shrink_s")
+    speculative: str | None = _default(SpeculationConfig, "mode")
+    speculative_tokens: int = _default(SpeculationConfig, "tokens")
+    draft_model: str | None = _default(SpeculationConfig, "draft_model")
 
     def __post_init__(self):
         self.engine_config()  # checks every field, where the user hands them in

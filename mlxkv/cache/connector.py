@@ -107,6 +107,51 @@ def begin_load(connector, block_hashes: Sequence[BlockHash]) -> LoadJob:
     return begin(block_hashes) if begin is not None else SyncLoad(connector, block_hashes)
 
 
+class CheckpointLoad:
+    """A hit's checkpoint on its way from a tier (cache/tier_loads.py), as a LoadJob is for blocks.
+
+    `run` (loader thread) reads and verifies it into staging memory through
+    `stage` (numpy: never MLX); `take` (engine thread) makes it MLX, and does
+    the tier's own bookkeeping, through `finish`; None if it was gone or bad.
+    """
+
+    def __init__(self, key: BlockHash, tier: str, stage: Callable[[], object | None],
+                 finish: Callable[[object], States]):
+        self.key, self.tier, self._stage, self._finish = key, tier, stage, finish
+        self._staged: object | None = None
+
+    def run(self) -> None:
+        self._staged = self._stage()
+
+    @property
+    def staged(self) -> bool:
+        return self._staged is not None
+
+    def take(self) -> LoadedCheckpoint | None:
+        staged, self._staged = self._staged, None
+        return None if staged is None else LoadedCheckpoint(self.key, self._finish(staged), self.tier)
+
+
+class SyncCheckpointLoad:
+    """A checkpoint load with nothing to do off the engine thread: the connector's own
+    `load_checkpoint` at `take` (a tier in memory, or a connector without `begin_checkpoint_load`)."""
+
+    def __init__(self, connector, key: BlockHash):
+        self.connector, self.key = connector, key
+
+    def run(self) -> None:
+        pass
+
+    def take(self) -> LoadedCheckpoint | None:
+        return self.connector.load_checkpoint(self.key)
+
+
+def begin_checkpoint_load(connector, key: BlockHash) -> CheckpointLoad | SyncCheckpointLoad:
+    """The connector's own checkpoint load where it has one (`begin_checkpoint_load`), else a sync one."""
+    begin = getattr(connector, "begin_checkpoint_load", None)
+    return begin(key) if begin is not None else SyncCheckpointLoad(connector, key)
+
+
 @dataclass
 class TierStats:
     lookups: int = 0
@@ -147,7 +192,8 @@ class KVCacheConnector(Protocol):
 
     # Optional: `wants_spill(block_hash) -> bool`, whether an evicted block's bytes
     # are wanted (else the pool skips reading them); `begin_load(block_hashes) ->
-    # LoadJob`, a load read off the engine thread (else a SyncLoad).
+    # LoadJob`, a load read off the engine thread (else a SyncLoad);
+    # `begin_checkpoint_load(key) -> CheckpointLoad`, the same for a checkpoint.
 
     def has_checkpoint(self, key: BlockHash) -> bool:
         """Whether this connector can supply the checkpoint."""

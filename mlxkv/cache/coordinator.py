@@ -80,6 +80,11 @@ class PrefixHit:
         return "restore" if self.tier_blocks else ""
 
     @property
+    def from_tiers(self) -> bool:
+        """Whether admitting it reads a tier: blocks, or a hybrid's checkpoint."""
+        return bool(self.tier_blocks) or (self.checkpoint is not None and self.checkpoint.in_tier)
+
+    @property
     def pool_blocks(self) -> list[Block]:
         return [block for g in self.groups for _, block in g.pool]
 
@@ -121,7 +126,8 @@ class KVCacheCoordinator:
         self._hydration = Hydration(self.pool, kv_pool, self.connector, self.attention, self.recurrent, block_size)
         # Restore or recompute (restore_cost.py), and tier reads off the step path (tier_loads.py).
         self.costs = RestoreCost(kv_pool.layout.bytes_per_token if kv_pool else 0)
-        self.loads = TierLoads(self.pool, kv_pool, self.connector, self.attention, self.costs, block_size)
+        self.loads = TierLoads(self.pool, kv_pool, self.connector, self.attention, self.recurrent, self.costs,
+                               block_size)
         self.agree = agree
 
     # -- lookup and admission -------------------------------------------------

@@ -4,7 +4,9 @@
 for its tier blocks, starts the sequence as admission would, and hands
 each group's keys to its load job (cache/connector.py's LoadJob) on the
 loader thread, which reads them into staging memory (numpy: MLX state is
-the engine thread's). The request waits in its loading state meanwhile
+the engine thread's). A hybrid's checkpoint in a tier is read there too
+(a CheckpointLoad); its recurrent state starts empty and takes the
+checkpoint once everything is installed. The request waits in its loading state meanwhile
 (engine/request.py) and the rest of the batch keeps stepping.
 
 `progress` (engine thread, once a step) installs at most `budget` bytes
@@ -25,8 +27,12 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 from mlxkv.cache.block_pool import Block, BlockPool
-from mlxkv.cache.connector import KVCacheConnector, LoadJob, begin_load
+from mlxkv.cache.checkpoints import Checkpoint
+from mlxkv.cache.connector import (
+    CheckpointLoad, KVCacheConnector, LoadJob, SyncCheckpointLoad, begin_checkpoint_load, begin_load,
+)
 from mlxkv.cache.groups.base import AttentionManager
+from mlxkv.cache.groups.recurrent import CheckpointNeed, RecurrentManager
 from mlxkv.cache.kv_pool import KVPool
 from mlxkv.cache.restore_cost import RestoreCost
 from mlxkv.cache.sequence import Sequence
@@ -57,23 +63,36 @@ class _GroupLoad:
 
 
 @dataclass
+class _StateLoad:
+    """A hybrid's checkpoint: read by `job` (a tier's), or already `found` (the store's)."""
+
+    need: CheckpointNeed
+    branch: int  # tokens: where the recurrent manager takes a branch point's checkpoint
+    job: CheckpointLoad | SyncCheckpointLoad | None = None
+    found: tuple[Checkpoint, str] | None = None
+
+
+@dataclass
 class _Load:
     seq: Sequence
     groups: list[_GroupLoad]
+    state: _StateLoad | None
     done: Future
     sources: list[str]  # each block's slowest tier so far
 
 
 class TierLoads:
     def __init__(self, pool: BlockPool, kv_pool: KVPool | None, connector: KVCacheConnector,
-                 attention: list[AttentionManager], costs: RestoreCost, block_size: int):
+                 attention: list[AttentionManager], recurrent: RecurrentManager | None, costs: RestoreCost,
+                 block_size: int):
         self.pool, self.kv_pool, self.connector = pool, kv_pool, connector
-        self.attention, self.costs, self.block_size = attention, costs, block_size
+        self.attention, self.recurrent, self.costs, self.block_size = attention, recurrent, costs, block_size
         self._loads: dict[int, _Load] = {}
         self._loader: ThreadPoolExecutor | None = None  # made at the first load
 
-    def begin(self, request_id: int, tokens: list[int], root, hit) -> Sequence:
-        """A sequence on the hit, its tier blocks on their way (PoolExhaustedError: nothing taken)."""
+    def begin(self, request_id: int, tokens: list[int], root, hit, head: int = 0) -> Sequence:
+        """A sequence on the hit, its tier blocks (and checkpoint) on their way (PoolExhaustedError:
+        nothing taken). `head`: as the coordinator's `admit`."""
         self.pool.touch(hit.pool_blocks)  # first: the allocation must not evict the hit's own blocks
         try:
             fresh = sorted(self.pool.allocate(hit.tier_blocks), key=lambda b: b.block_id)
@@ -91,13 +110,29 @@ class TierLoads:
         seq.num_cached_blocks = hit.num_blocks
         seq.num_computed = hit.num_blocks * self.block_size
         seq.restore_choice, seq.recomputed_hit = hit.restore_choice, hit.recomputed
-        self._loads[request_id] = _Load(seq, groups, self._submit(groups), [POOL] * hit.num_blocks)
+        state = self._begin_state(request_id, hit, seq.num_computed, head)
+        self._loads[request_id] = _Load(seq, groups, state, self._submit(groups, state), [POOL] * hit.num_blocks)
         return seq
 
-    def _submit(self, groups: list[_GroupLoad]) -> Future:
+    def _begin_state(self, request_id: int, hit, num_computed: int, head: int) -> _StateLoad | None:
+        """A hybrid's recurrent state: started empty (so a release finds it), its checkpoint on its way."""
+        if self.recurrent is None:
+            return None
+        self.recurrent.start(request_id, None, num_computed)
+        if hit.checkpoint is None:
+            return _StateLoad(None, max(hit.branch * self.block_size, head))
+        state = _StateLoad(hit.checkpoint, max(hit.branch * self.block_size, head))
+        if hit.checkpoint.in_tier:
+            state.job = begin_checkpoint_load(self.connector, hit.checkpoint.ref.key)
+        else:
+            state.found = self.recurrent.load(hit.checkpoint)  # the store's: no read
+        return state
+
+    def _submit(self, groups: list[_GroupLoad], state: _StateLoad | None) -> Future:
         if self._loader is None:
             self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlxkv-tier-load")
-        return self._loader.submit(lambda: [g.job.run() for g in groups])
+        jobs = [g.job for g in groups] + ([state.job] if state is not None and state.job is not None else [])
+        return self._loader.submit(lambda: [job.run() for job in jobs])
 
     def ready(self) -> bool:
         """Whether some load has been read (so waiting for one would not wait)."""
@@ -115,6 +150,8 @@ class TierLoads:
         if load.done.exception() is not None:
             log.error("a tier load failed; its blocks are recomputed", exc_info=load.done.exception())
             return self._end(load, LoadState.SHORT), 0
+        if not self._state_ready(load.state):
+            return self._end(load, LoadState.SHORT), 0
         used = 0
         for group in load.groups:
             while group.installed < len(group.blocks) and used < budget:
@@ -125,6 +162,13 @@ class TierLoads:
             if group.installed < len(group.blocks):
                 return LoadState.INSTALLING, used
         return self._end(load, LoadState.DONE), used
+
+    def _state_ready(self, state: _StateLoad | None) -> bool:
+        """Whether the hybrid's checkpoint is at hand (made MLX here, once): False if a tier lost it."""
+        if state is not None and state.job is not None:
+            state.found = self.recurrent.load(state.need, state.job)
+            state.job = None
+        return state is None or state.need is None or state.found is not None
 
     def _install(self, load: _Load, group: _GroupLoad, found) -> int:
         """Copy blocks read into their pool blocks and register them; the bytes copied."""
@@ -149,10 +193,20 @@ class TierLoads:
             for tier, nbytes, seconds in group.job.reads:
                 self.costs.record_read(tier, nbytes, seconds)
         if state is LoadState.DONE:
+            state_tier = self._start_state(load)
             for source in load.sources:
+                source = max(source, state_tier, key=TIERS.index)  # as slow as the checkpoint, too
                 load.seq.cached_tokens[source] += self.block_size
         del self._loads[load.seq.request_id]
         return state
+
+    def _start_state(self, load: _Load) -> str:
+        """The recurrent state starts on the checkpoint now installed; the tier it came from."""
+        if load.state is None:
+            return POOL
+        checkpoint, tier = load.state.found or (None, POOL)
+        self.recurrent.start(load.seq.request_id, checkpoint, load.seq.num_computed, load.state.branch)
+        return tier
 
     def cancel(self, seq: Sequence) -> None:
         """Forget the sequence's load (the caller releases its blocks); a read in flight is dropped when done."""

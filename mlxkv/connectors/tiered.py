@@ -21,7 +21,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from mlxkv.cache.checkpoints import Checkpoint
-from mlxkv.cache.connector import LoadJob, LoadedBlock, LoadedCheckpoint, ReadKV, SyncLoad, begin_load
+from mlxkv.cache.connector import (
+    CheckpointLoad, LoadJob, LoadedBlock, LoadedCheckpoint, ReadKV, SyncCheckpointLoad, SyncLoad, begin_checkpoint_load,
+    begin_load,
+)
 from mlxkv.cache.hashing import BlockHash
 from mlxkv.connectors.memory import InMemoryKVCacheConnector
 
@@ -115,6 +118,13 @@ class TieredKVCacheConnector:
                 return loaded
         return None
 
+    def begin_checkpoint_load(self, key: BlockHash) -> CheckpointLoad | SyncCheckpointLoad:
+        """Memory's copy on the engine thread (a copy in RAM); else the SSD's, then the remote's,
+        read on the loader thread."""
+        if self.memory is not None and self.memory.has_checkpoint(key):
+            return SyncCheckpointLoad(self.memory, key)
+        return _FirstCheckpoint([begin_checkpoint_load(tier, key) for tier in self._behind])
+
     def checkpoint_refs(self):
         return [ref for tier in self._behind for ref in tier.checkpoint_refs()]
 
@@ -160,6 +170,23 @@ class TieredKVCacheConnector:
     def close(self) -> None:
         for tier in self._behind:
             tier.close()
+
+
+class _FirstCheckpoint:
+    """A checkpoint load across the tiers behind memory: the first that has it, on the loader thread."""
+
+    def __init__(self, jobs: list):
+        self._jobs, self._found = jobs, None
+
+    def run(self) -> None:
+        for job in self._jobs:
+            job.run()
+            if getattr(job, "staged", True):
+                self._found = job
+                return
+
+    def take(self) -> LoadedCheckpoint | None:
+        return self._found.take() if self._found is not None else None
 
 
 class TieredLoad:

@@ -10,8 +10,8 @@ takes or releases blocks; it never touches MLX.
   the cache's generation stands, however many steps it waits. A request whose next uncached block is being
   prefilled by a running request waits for it, so a prefix shared by a
   batch is computed once and then hit, not computed once per sequence.
-- Tier hits: a request whose hit has blocks in a tier (memory, SSD,
-  remote) is admitted into `loading` instead: it holds its blocks while a
+- Tier hits: a request whose hit has blocks (or a hybrid's checkpoint) in
+  a tier (memory, SSD, remote) is admitted into `loading` instead: it holds its blocks while a
   loader thread reads them (cache/tier_loads.py), and each step installs
   at most INSTALL_BYTES_PER_STEP of what was read, so the batch keeps
   stepping. Once installed it runs; if a tier fell short it waits again
@@ -128,7 +128,7 @@ class Scheduler:
             if not self._fits(request, hit):
                 return
             self._leave_queue(request)
-            if hit.tier_blocks and self.cache.recurrent is None and self.background_loads:
+            if hit.from_tiers and self.background_loads:
                 self._begin_load(request, hit)
             else:
                 self._start(request, hit)
@@ -188,7 +188,7 @@ class Scheduler:
 
     def _begin_load(self, request: Request, hit: PrefixHit) -> None:
         """Admit on a hit with tier blocks: they are read off the step path while it waits."""
-        seq = self.cache.loads.begin(request.request_id, request.tokens, request.hash_root, hit)
+        seq = self.cache.loads.begin(request.request_id, request.tokens, request.hash_root, hit, head=request.head)
         self._prompt_slots(seq)
         request.load(time.perf_counter(), seq)
         self.loading.append(request)

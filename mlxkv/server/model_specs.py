@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mlxkv.errors import MlxkvError
-from mlxkv.kv_format import BITS
+from mlxkv.kv_format import KVFormat
 
 # A name is what a client sends in "model": no "/" (a source's path or Hugging Face id has one).
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@+-]*")
@@ -27,13 +27,14 @@ OPTIONS = ("source", "kv_bits", "speculative", "draft_model", "pin", "keep_alive
 @dataclass(frozen=True)
 class ModelSpec:
     """One served model. `keep_alive_s` None: the server's --keep-alive; NEVER: never unloaded
-    for idleness. `context`: the tokens its KV pool holds (None: sized as usual)."""
+    for idleness. `context`: the tokens its KV pool holds (None: sized as usual). `kv_format`:
+    its pool's (the file's `kv_bits`, in the server's --kv-group-size; None: the server's)."""
 
     name: str
     source: str
     pin: bool = False
     keep_alive_s: float | None = None
-    kv_bits: int | None = None
+    kv_format: KVFormat | None = None
     speculative: str | None = None
     draft_model: str | None = None
     context: int | None = None
@@ -43,8 +44,8 @@ class ModelSpec:
             raise MlxkvError(f"model name {self.name!r}: it must be non-empty, without spaces around it")
         if not self.source:
             raise MlxkvError(f"model {self.name!r}: its source is empty")
-        if self.kv_bits is not None and self.kv_bits not in BITS:
-            raise MlxkvError(f"model {self.name!r}: kv_bits must be 4 or 8, got {self.kv_bits!r}")
+        if self.kv_format is not None and not isinstance(self.kv_format, KVFormat):
+            raise MlxkvError(f"model {self.name!r}: kv_format must be a KVFormat, got {self.kv_format!r}")
         if self.speculative not in (None, "lookup", "draft"):
             raise MlxkvError(f"model {self.name!r}: speculative must be \"lookup\" or \"draft\", "
                              f"got {self.speculative!r}")
@@ -101,13 +102,25 @@ def from_table(name: str, table: dict) -> ModelSpec:
         raise MlxkvError(f"model {name!r}: unknown option {unknown[0]!r} (known: {', '.join(OPTIONS)})")
     if "source" not in table:
         raise MlxkvError(f"model {name!r}: it needs a source (a path, a GGUF, a Hugging Face id, demo or tiny)")
-    fields = {k: v for k, v in table.items() if k != "keep_alive"}
+    fields = {k: v for k, v in table.items() if k not in ("keep_alive", "kv_bits")}
     if "keep_alive" in table:
         fields["keep_alive_s"] = duration(table["keep_alive"])
+    if "kv_bits" in table:
+        fields["kv_format"] = _kv_format(name, table["kv_bits"])
     for key, kind in (("pin", bool), ("source", str)):
         if key in fields and not isinstance(fields[key], kind):
             raise MlxkvError(f"model {name!r}: {key} must be a {kind.__name__}, got {fields[key]!r}")
     return ModelSpec(name, **fields)
+
+
+def _kv_format(name: str, bits) -> KVFormat:
+    """The file's `kv_bits` as the pool format the model is served with (its group size: the server's)."""
+    if isinstance(bits, bool) or not isinstance(bits, int):
+        raise MlxkvError(f"model {name!r}: kv_bits must be 4 or 8, got {bits!r}")
+    try:
+        return KVFormat(bits)
+    except MlxkvError:
+        raise MlxkvError(f"model {name!r}: kv_bits must be 4 or 8, got {bits!r}") from None
 
 
 def weights_estimate(source: str) -> int:

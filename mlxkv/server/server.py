@@ -22,7 +22,6 @@ import uvicorn
 
 from mlxkv.config import DEFAULT_KV_GROUP_SIZE, CacheConfig
 from mlxkv.errors import MlxkvError, MlxkvWarning
-from mlxkv.kv_format import KVFormat
 from mlxkv.server.backend import DEFAULT_MAX_OPEN, DEFAULT_MAX_TOKENS, ServingBackend, short_name
 from mlxkv.server.encoder_backend import EncoderBackend
 from mlxkv.host.encoder_thread import EncoderThread
@@ -322,10 +321,10 @@ class Server:
 def model_cache(cache: CacheConfig, spec: ModelSpec, pool_bytes: int | None = None) -> CacheConfig:
     """The server's cache flags with the model's own options (--models file) on top;
     `pool_bytes`: its pool's share of --memory-budget."""
-    if spec.kv_bits is not None:
-        group = cache.kv_format.group_size if cache.kv_format is not None else cache.kv_group_size
-        cache = dataclasses.replace(cache, kv_format=KVFormat(spec.kv_bits, group), kv_bits=None,
-                                    kv_group_size=DEFAULT_KV_GROUP_SIZE)
+    if spec.kv_format is not None:
+        group = cache.engine_config().pool.kv_format.group_size  # the server's --kv-group-size
+        cache = dataclasses.replace(cache, kv_format=dataclasses.replace(spec.kv_format, group_size=group),
+                                    kv_bits=None, kv_group_size=DEFAULT_KV_GROUP_SIZE)
     if spec.speculative is not None:
         cache = dataclasses.replace(cache, speculative=spec.speculative, draft_model=spec.draft_model or cache.draft_model)
     if spec.context is not None:

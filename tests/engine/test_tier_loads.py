@@ -13,13 +13,14 @@ import threading
 import pytest
 
 from mlxkv.cache.coordinator import HYDRATE_ATTEMPTS
-from mlxkv.cache.connector import LoadedBlock, NoopKVCacheConnector
+from mlxkv.cache.connector import CheckpointLoad, LoadedBlock, NoopKVCacheConnector
 from mlxkv.cache.tier_loads import LoadState
 from mlxkv.config import CacheConfig
 from mlxkv.engine.engine import Engine
 from mlxkv.engine.records import GenerationChunk
 from mlxkv.engine.request import RequestState
 from mlxkv.models.loader import load_model
+from mlxkv.models.tiny import TinyModelSpec, write_tiny_model
 
 BLOCK = 4
 PROMPT = [(5 * i + 7) % 300 + 3 for i in range(41)]  # 10 full blocks of prefix
@@ -215,8 +216,18 @@ def test_eviction_writes_run_after_allocate_not_inside_it(loaded):
 
 def test_restore_or_recompute_follows_the_injected_speeds(loaded, cold, tmp_path):
     first = engine_with(loaded, disk_tier=str(tmp_path))
+    writer, handed = first.connector.writer, []
+    submit = writer.submit
+
+    def watched(job):
+        handed.append([a.flags.owndata or a.flags.writeable for a in (job.keys, job.values)])
+        return submit(job)
+
+    writer.submit = watched
     first.generate(PROMPT, max_tokens=1)
     first.close()
+    # The writer thread got read-only views of the pool read: no copy of the blocks on the step path.
+    assert handed and not any(copied for job in handed for copied in job)
     bytes_per_token = first.kv_layout.bytes_per_token
     results = {}
     for name, disk_rate in (("slow", bytes_per_token * 10.0), ("fast", bytes_per_token * 1e9)):
@@ -267,3 +278,91 @@ def test_the_request_log_names_the_restore_choice():
 
     assert line(restore="recompute", recomputed_hit_tokens=40).endswith(" out=3 restore=recompute recomputed=40")
     assert "restore=" not in line()  # no tier hit, no field
+
+
+# -- a hybrid's checkpoint ------------------------------------------------------
+
+GATE_S = 3  # how long a gated read waits at most: a read on the engine thread stalls the test this long
+
+
+class GatedStates(NoopKVCacheConnector):
+    """A tier that keeps blocks and checkpoints; a checkpoint's read waits for the test's gate."""
+
+    tier_name = "disk"
+
+    def __init__(self):
+        self.blocks, self.states, self.refs, self.gate, self.read_threads = {}, {}, [], threading.Event(), []
+
+    def get_computed_blocks(self, hashes):
+        n = 0
+        while n < len(hashes) and hashes[n] in self.blocks:
+            n += 1
+        return n
+
+    def load_blocks(self, hashes):
+        return [LoadedBlock(h, self.blocks[h], "disk") for h in hashes[: self.get_computed_blocks(hashes)]]
+
+    def cache_blocks(self, hashes, read):
+        self.blocks.update(zip(hashes, read()))
+
+    def has_checkpoint(self, key):
+        return key in self.states
+
+    def cache_checkpoint(self, checkpoint):
+        self.states[checkpoint.key] = checkpoint.states
+        self.refs.append(checkpoint.ref)
+
+    def checkpoint_refs(self):
+        refs, self.refs = self.refs, []
+        return refs
+
+    def _read(self, key):
+        self.read_threads.append(threading.current_thread().name)
+        self.gate.wait(GATE_S)
+        return self.states.get(key)
+
+    def begin_checkpoint_load(self, key):
+        return CheckpointLoad(key, self.tier_name, lambda: self._read(key), lambda states: states)
+
+    def load_checkpoint(self, key):
+        job = self.begin_checkpoint_load(key)
+        job.run()
+        return job.take()
+
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory):
+    spec = TinyModelSpec(family="qwen3_next", num_layers=4, seed=41)
+    return load_model(str(write_tiny_model(tmp_path_factory.mktemp("hybrid"), spec)))
+
+
+def hybrid_engine(loaded, connector=None) -> Engine:
+    return Engine(loaded, CacheConfig(block_size=16, num_blocks=64, memory_tier_bytes=0, connector=connector,
+                                      checkpoint_write_ratio=0))
+
+
+@pytest.mark.slow
+def test_a_hybrids_checkpoint_is_read_off_the_step_path_while_the_batch_decodes(hybrid):
+    prompt, other = [(7 * i + 3) % 300 + 3 for i in range(70)], OTHER
+    cold = hybrid_engine(hybrid).generate(prompt, max_tokens=MAX).tokens
+    tier = GatedStates()
+    hybrid_engine(hybrid, tier).generate(prompt, max_tokens=1)  # leaves blocks and a checkpoint in the tier
+    assert tier.states
+    engine = hybrid_engine(hybrid, tier)
+    core, stream_records, hit_records = engine.core, [], []
+    core.add(engine.make_request(other, stream_records.append, max_tokens=40))
+    core.step()
+    hit = engine.make_request(prompt, hit_records.append, max_tokens=MAX)
+    core.add(hit)
+    states = []
+    for _ in range(6):
+        core.step()  # a read on the engine thread would hold this step GATE_S and fail the next line
+        states.append((hit.state, len(stream_records)))
+    assert all(state is RequestState.LOADING for state, _ in states)
+    assert states[-1][1] - states[0][1] >= 4  # the stream kept decoding meanwhile
+    tier.gate.set()
+    while core.has_work:
+        core.step()
+    assert tokens_of(hit_records) == cold
+    assert tier.read_threads and all(name.startswith("mlxkv-tier-load") for name in tier.read_threads)
+    assert hit_records[-1].stats.cached_tokens["disk"] == 64

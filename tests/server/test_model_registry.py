@@ -6,6 +6,7 @@ from types import SimpleNamespace
 import pytest
 
 from mlxkv.errors import MlxkvError
+from mlxkv.kv_format import KVFormat
 from mlxkv.server.model_names import ModelNames
 from mlxkv.server.model_registry import LOADED, LoadLimits, ModelRegistry
 from mlxkv.server.model_specs import NEVER, ModelSpec, alias_flag, duration, model_flag, size
@@ -122,13 +123,15 @@ def test_models_file(tmp_path):
                     '[models.small]\nsource = "/m/small"\nkeep_alive = "-1"\ncontext = 4096\n'
                     '[aliases]\n"claude-haiku-*" = "small"\n"claude-*" = "coder"\n')
     f = read_models_file(str(path))
-    assert f.specs == [ModelSpec("coder", "/m/coder", pin=True, kv_bits=8),
+    assert f.specs == [ModelSpec("coder", "/m/coder", pin=True, kv_format=KVFormat(8)),
                        ModelSpec("small", "/m/small", keep_alive_s=NEVER, context=4096)]
     assert f.aliases == [("claude-haiku-*", "small"), ("claude-*", "coder")]
     assert (f.max_loaded, f.keep_alive_s, f.memory_budget) == (1, 120, 8 << 30)
     for text, message in (('[models.a]\nsource = "x"\nbits = 4\n', "unknown option 'bits'"),
                           ('[models.a]\nkv_bits = 8\n', "needs a source"),
-                          ('[models.a]\nsource = "x"\nkv_bits = 3\n', "kv_bits must be 4 or 8"),
+                          ('[models.a]\nsource = "x"\nkv_bits = 3\n', ": model 'a': kv_bits must be 4 or 8, got 3$"),
+                          ('[models.a]\nsource = "x"\nkv_bits = true\n',
+                           ": model 'a': kv_bits must be 4 or 8, got True$"),
                           ('max_loaded = 0\n', "max_loaded"), ('models = [', "not valid TOML")):
         path.write_text(text)
         with pytest.raises(MlxkvError, match=message):
@@ -140,7 +143,9 @@ def test_a_models_own_options_land_in_its_cache_config():
     from mlxkv.server.server import model_cache
 
     base = CacheConfig(block_size=16, disk_tier="/ssd")
-    cache = model_cache(base, ModelSpec("a", "a", kv_bits=8, speculative="lookup", context=1000))
+    cache = model_cache(base, ModelSpec("a", "a", kv_format=KVFormat(8), speculative="lookup", context=1000))
     assert (cache.kv_format.bits, cache.speculative, cache.num_blocks, cache.disk_tier) == (8, "lookup", 63, "/ssd")
     assert cache.engine_config().pool.kv_format.bits == 8 and base.kv_format is None  # the server's is unchanged
     assert model_cache(base, ModelSpec("b", "b"), pool_bytes=1 << 30).memory_budget_bytes == 1 << 30
+    grouped = model_cache(CacheConfig(kv_group_size=32), ModelSpec("c", "c", kv_format=KVFormat(4)))
+    assert grouped.engine_config().pool.kv_format == KVFormat(4, 32)  # in the server's --kv-group-size

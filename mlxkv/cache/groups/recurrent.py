@@ -128,13 +128,14 @@ class RecurrentManager:
         ref = CheckpointRef(hashes[b - 1], b * self.block_size)
         return CheckpointNeed(ref, ref.key not in self.store)
 
-    def load(self, need: CheckpointNeed) -> tuple[Checkpoint, str] | None:
-        """The hit's checkpoint, into the store if a tier had it, and where it came from; None if gone."""
+    def load(self, need: CheckpointNeed, job=None) -> tuple[Checkpoint, str] | None:
+        """The hit's checkpoint, into the store if a tier had it, and where it came from; None if gone.
+        `job`: the tier's read, already run off the engine thread (tier_loads.py); else it is read now."""
         ref = need.ref
         if not need.in_tier:
             checkpoint = self.store.get(ref.key)
             return None if checkpoint is None else (checkpoint, POOL)
-        loaded = self.connector.load_checkpoint(ref.key)
+        loaded = job.take() if job is not None else self.connector.load_checkpoint(ref.key)
         if loaded is None:
             self.index.discard(ref)
             return None

@@ -28,7 +28,7 @@ import numpy as np
 from mlxkv.cache.block_kv import BlockKV
 from mlxkv.cache.hashing import BlockHash
 from mlxkv.cache.tiers import DISK
-from mlxkv.cache.connector import LoadedBlock, LoadedCheckpoint, ReadKV
+from mlxkv.cache.connector import CheckpointLoad, LoadedBlock, LoadedCheckpoint, ReadKV
 from mlxkv.connectors.disk import cache_dir, run_file, state_file
 from mlxkv.connectors.disk.index import DiskIndex
 from mlxkv.connectors.disk.kv_arrays import file_spec, to_numpy
@@ -253,12 +253,23 @@ class DiskKVCacheConnector:
 
     def load_checkpoint(self, key: BlockHash) -> LoadedCheckpoint | None:
         """The checkpoint's states, or None (gone, or corrupt: then removed and counted)."""
-        if self.disabled or not self.index.contains(key):
+        job = self.begin_checkpoint_load(key)
+        job.run()
+        return job.take()
+
+    def begin_checkpoint_load(self, key: BlockHash) -> CheckpointLoad:
+        """A checkpoint load (cache/connector.py): read and verified on the loader thread,
+        made MLX on the engine thread."""
+        return CheckpointLoad(key, self.tier_name, lambda: self._stage_checkpoint(key), state_file.mlx_states)
+
+    def _stage_checkpoint(self, key: BlockHash) -> state_file.StagedStates | None:
+        """Any thread, as the block reader's `stage`: the file read and verified into numpy."""
+        where = None if self.disabled else self.index.locate(key)
+        if where is None:
             return None
-        name, _ = self.index.locate(key)
-        path = self.scanner.path(name)
+        name, _ = where
         try:
-            states = state_file.decode_state(self.spec, np.fromfile(path, np.uint8), name)
+            states = state_file.decode_state(self.spec, np.fromfile(self.scanner.path(name), np.uint8), name)
         except FileNotFoundError:
             self.index.forget(name)
             return None
@@ -267,7 +278,7 @@ class DiskKVCacheConnector:
             return None
         self.reader.touch(name)
         self.index.count(hydrations=1)
-        return LoadedCheckpoint(key, states, self.tier_name)
+        return states
 
     def cache_checkpoint(self, checkpoint) -> None:
         self._store_checkpoint(checkpoint, spill=False)
@@ -308,9 +319,10 @@ class DiskKVCacheConnector:
     def store_run(self, block_hashes: Sequence[BlockHash], kvs: Sequence[BlockKV], *, spill: bool = False) -> bool:
         """Queue a background write of consecutive blocks as one file; False if it was not queued.
 
-        Blocks already on disk or queued are left out. Converts to numpy here,
-        on the caller's thread: the writer thread never touches an MLX array.
-        Never blocks on the disk.
+        Blocks already on disk or queued are left out. Takes numpy views of
+        the MLX arrays here, on the caller's thread (kv_arrays.to_numpy: no
+        copy); the writer thread copies them into the file and never calls
+        MLX. Never blocks on the disk.
         """
         for block_hash in block_hashes:
             cache_dir.block_path(self.dir, block_hash)  # validates the hash

@@ -1,4 +1,4 @@
-"""K/V between MLX and the files' numpy arrays: dtypes, the tier's FileSpec, and copies for the writer.
+"""K/V between MLX and the files' numpy arrays: dtypes, the tier's FileSpec, and views for the writer.
 
 numpy has no bfloat16, so bfloat16 is stored as its raw uint16 bit
 patterns (the file's metadata names the real dtype). A quantized pool's
@@ -47,8 +47,10 @@ def to_numpy(kvs: Sequence[BlockKV], spec: FileSpec, mx_dtype: mx.Dtype) -> tupl
     """Layer-major numpy copies `[num_layers, n, heads, block_size, head_dim]` of the blocks.
 
     Consecutive views of one run (a pool read) are one slice of it; other
-    blocks are stacked first. Runs on the engine thread: writer threads
-    never touch MLX.
+    blocks are stacked first. Runs on the engine thread, and copies nothing
+    there: the arrays are read-only numpy views of the MLX memory (a pool
+    read is evaluated and never written; the view keeps it alive), which the
+    writer thread copies into a file's bytes. Writer threads never call MLX.
     """
     first, n = kvs[0], len(kvs)
     hint = f"[{spec.num_layers}, heads, {spec.block_size}, head_dim]"
@@ -74,4 +76,7 @@ def to_numpy(kvs: Sequence[BlockKV], spec: FileSpec, mx_dtype: mx.Dtype) -> tupl
 
 
 def _numpy(a: mx.array) -> np.ndarray:
-    return np.array(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a, copy=True)
+    """A read-only view of the array's memory (strided for a slice of a run: run_file.encode copies it)."""
+    view = np.asarray(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a)
+    view.flags.writeable = False
+    return view

@@ -27,6 +27,8 @@ from mlxkv.connectors.disk.run_file import (
 )
 
 STATE_FORMAT = "mlxkv-state"
+# A decoded checkpoint before it is MLX: per slot, (array as stored, real dtype) or None.
+StagedStates = tuple[tuple[tuple[np.ndarray, str] | None, ...], ...]
 _STORED = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}
 
 
@@ -85,8 +87,9 @@ def checkpoint_ref(meta: dict, name: bytes) -> CheckpointRef | None:
     return ref if len(ref.block_hash) == 32 and ref.boundary > 0 and ref.key == name else None
 
 
-def decode_state(spec: FileSpec, data: np.ndarray, name: bytes) -> States:
-    """The checkpoint in a file's bytes, every field and the checksum checked; CorruptBlockError if not."""
+def decode_state(spec: FileSpec, data: np.ndarray, name: bytes) -> StagedStates:
+    """The checkpoint in a file's bytes, every field and the checksum checked, as numpy (any
+    thread: `mlx_states` makes it MLX on the engine thread); CorruptBlockError if not."""
     meta, tensors = parse(data)
     for field, want in (("format", STATE_FORMAT), ("format_version", FORMAT_VERSION),
                         ("fingerprint", spec.fingerprint.hex())):
@@ -106,8 +109,8 @@ def decode_state(spec: FileSpec, data: np.ndarray, name: bytes) -> States:
     return _states(tensors, dtypes)
 
 
-def _states(tensors: dict[str, np.ndarray], dtypes: dict[str, str]) -> States:
-    slots: dict[int, dict[int, mx.array]] = {}
+def _states(tensors: dict[str, np.ndarray], dtypes: dict[str, str]) -> StagedStates:
+    slots: dict[int, dict[int, tuple[np.ndarray, str]]] = {}
     for name, tensor in tensors.items():
         dtype = dtypes[name]
         if dtype not in _STORED or tensor.dtype != _STORED[dtype]:
@@ -116,11 +119,20 @@ def _states(tensors: dict[str, np.ndarray], dtypes: dict[str, str]) -> States:
             slot, i = (int(part) for part in name.removeprefix("s").split("."))
         except ValueError as e:
             raise CorruptBlockError(f"tensor name {name!r}") from e
-        array = mx.array(tensor)
-        slots.setdefault(slot, {})[i] = array.view(mx.bfloat16) if dtype == "bfloat16" else array
+        slots.setdefault(slot, {})[i] = (tensor, dtype)
     if sorted(slots) != list(range(len(slots))):
         raise CorruptBlockError("checkpoint slots are not 0..n-1")
     return tuple(tuple(arrays.get(i) for i in range(max(arrays) + 1)) for _, arrays in sorted(slots.items()))
+
+
+def mlx_states(staged: StagedStates) -> States:
+    """A decoded checkpoint's arrays as MLX (the engine thread's: one copy each)."""
+    return tuple(tuple(None if a is None else _mlx(*a) for a in slot) for slot in staged)
+
+
+def _mlx(tensor: np.ndarray, dtype: str) -> mx.array:
+    array = mx.array(tensor)
+    return array.view(mx.bfloat16) if dtype == "bfloat16" else array
 
 
 def tensors_checksum(tensors: dict[str, np.ndarray], algo: str) -> str:

@@ -18,8 +18,8 @@ import warnings
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from mlxkv.cache.checkpoints import Checkpoint
-from mlxkv.cache.connector import LoadedBlock, LoadedCheckpoint, ReadKV, TierStats
+from mlxkv.cache.checkpoints import Checkpoint, States
+from mlxkv.cache.connector import CheckpointLoad, LoadedBlock, LoadedCheckpoint, ReadKV, TierStats
 from mlxkv.cache.hashing import BlockHash
 from mlxkv.cache.tiers import REMOTE
 from mlxkv.connectors.disk import state_file
@@ -221,17 +221,29 @@ class RemoteKVCacheConnector:
         return bool(self.link.read(lambda r: r.exists(self.space.state(key))))
 
     def load_checkpoint(self, key: BlockHash) -> LoadedCheckpoint | None:
+        job = self.begin_checkpoint_load(key)
+        job.run()
+        return job.take()
+
+    def begin_checkpoint_load(self, key: BlockHash) -> CheckpointLoad:
+        """A checkpoint load (cache/connector.py): fetched on the loader thread, made MLX on the engine thread."""
+
+        def finish(staged) -> States:
+            self._taken([key])
+            return state_file.mlx_states(staged)
+
+        return CheckpointLoad(key, self.tier_name, lambda: self._fetch_checkpoint(key), finish)
+
+    def _fetch_checkpoint(self, key: BlockHash) -> state_file.StagedStates | None:
+        """The checkpoint's value, verified, as numpy: no MLX, any thread (as `_fetch`)."""
         value = self.link.read(lambda r: r.get(self.space.state(key)))
         if value is None:
             return None
         try:
-            states = state_file.decode_state(self.spec, np.frombuffer(value, np.uint8), key)
+            return state_file.decode_state(self.spec, np.frombuffer(value, np.uint8), key)
         except CorruptBlockError as e:
             self._corrupt(self.space.state(key), str(e))
             return None
-        self._offered.add([key])
-        self._stats.hydrations += 1
-        return LoadedCheckpoint(key, states, self.tier_name)
 
     def cache_checkpoint(self, checkpoint: Checkpoint) -> None:
         self._offer_checkpoint(checkpoint, spill=False)
