@@ -157,7 +157,9 @@ def markdown(report: dict) -> str:
 
 
 def _row_lines(name: str, rows: list[dict]) -> list[str]:
-    lines = ["", f"## {name}", "", "| case | ours | baseline | against | ratio | goal | met |", "|---|---|---|---|---|---|---|"]
+    """A suite's rows as one markdown table under its name."""
+    lines = ["", f"## {name}", "", "| case | ours | baseline | against | ratio | goal | met |",
+             "|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['name']} | {r['ours']:.4g} {r['unit']} | {r['baseline']:.4g} {r['unit']} "
                      f"| {r['baseline_name']} | {r['ratio']:.3f}x | {r['goal']} | {'yes' if r['met'] else 'NO'} |")
