@@ -208,6 +208,7 @@ def test_the_mac_report_runs_the_distributed_rows_on_a_hostfiles_set_first(tmp_p
 @pytest.mark.parametrize("argv, error", [
     (["bench", "mac", "--hostfile", "no-such-hosts.json"], "no hostfile no-such-hosts.json"),
     (["bench", "engine", "--hostfile", "hosts.json"], "--hostfile is a flag of `mlxkv bench distributed`"),
+    (["bench", "distributed", "--hostfile", "no-such-hosts.json"], "bench distributed: no hostfile no-such-hosts.json"),
 ])
 def test_a_hostfile_in_the_wrong_place_is_a_one_line_error(argv, error, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
@@ -215,6 +216,14 @@ def test_a_hostfile_in_the_wrong_place_is_a_one_line_error(argv, error, tmp_path
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"mlxkv: error: {error}") and "\n" not in err
     assert not list(tmp_path.iterdir())  # no empty report left behind
+
+
+def test_rank_zeros_record_is_found_among_what_mlx_launch_prints():
+    from mlxkv.benchmarks.distributed import _record
+
+    assert _record('{"not": "it"}\nrank 1 of 2 ready\n{"tokens": [1]}\n[launch] done\n') == {"tokens": [1]}
+    with pytest.raises(MlxkvError, match="rank 0 printed no record"):
+        _record("ssh: connect to host mac-b.local: Connection refused\n")
 
 
 def test_an_unwritable_report_is_a_one_line_error_before_any_benchmark(tmp_path, capsys):
