@@ -120,6 +120,11 @@ def _add_bench(sub) -> None:
                    help="tiers: the cached prefix of the stream-gap rows (default 6144, as recorded)")
     p.add_argument("--quick", action="store_true",
                    help="memory: the quantized pool's rows at small sizes (minutes on a CPU, not an hour)")
+    p.add_argument("--hostfile", default=None, metavar="FILE",
+                   help="distributed, mac: run the distributed rows on the set FILE names (mlx.launch's "
+                        "hostfile; mlxkv at the same path on each machine), not 2 ranks on loopback")
+    p.add_argument("--distributed-backend", choices=("ring", "jaccl"), default="ring",
+                   help="distributed, mac: with --hostfile, MLX's transport between the ranks")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_bench)
 

@@ -48,6 +48,13 @@ def _tiers(args) -> tuple[list[dict], str]:
     return rows, format_rows(rows)
 
 
+def _distributed(args) -> tuple[list[dict], str]:
+    from mlxkv.benchmarks.distributed import format_rows, run_distributed_benchmark
+
+    rows = run_distributed_benchmark(getattr(args, "hostfile", None), getattr(args, "distributed_backend", "ring"))
+    return rows, format_rows(rows)
+
+
 def _memory(args) -> tuple[list[dict], str]:
     from mlxkv.benchmarks.kv_formats import QUICK, FormatSizes
     from mlxkv.benchmarks.memory import format_rows, run_memory_benchmark
@@ -81,16 +88,19 @@ SUITES = {
     "speculative": _at_defaults("speculative", "run_speculative_benchmark"),
     "structured": _at_defaults("structured", "run_structured_benchmark"),
     "vision": _at_defaults("vision", "run_vision_benchmark"),  # the vision extra
-    "distributed": _at_defaults("distributed", "run_distributed_benchmark"),  # 2 ranks on loopback
+    "distributed": _distributed,  # 2 ranks on loopback, or a hostfile's set
 }
 
 
 def run_suite(args) -> int:
     """Run `args.suite` (a suite, `all`, or `mac`: the report) and print its rows; returns the exit code."""
+    if getattr(args, "hostfile", None) and args.suite not in ("distributed", "mac"):
+        raise MlxkvError("--hostfile is a flag of `mlxkv bench distributed` and `mlxkv bench mac`")
     if args.suite == "mac":
         from mlxkv.benchmarks.report import run_report
 
-        json_path, md_path = run_report(args.report or f"mlxkv-report-{time.strftime('%Y%m%d-%H%M%S')}")
+        json_path, md_path = run_report(args.report or f"mlxkv-report-{time.strftime('%Y%m%d-%H%M%S')}",
+                                        hostfile=args.hostfile, backend=args.distributed_backend)
         print(f"wrote {json_path} and {md_path}")
         return 0
     if getattr(args, "efficiency", False) and args.suite != "kernels":

@@ -14,12 +14,18 @@ back-end on 127.0.0.1 (distributed_rank.py). The rows:
 - decode tokens per second, 2 ranks against 1. Two ranks on one CPU
   share its cores and add loopback round trips: no speedup to show here;
   on two Macs the same row is the one to read.
+
+Given a hostfile (`--hostfile`, in `bench distributed` and `bench mac`), the
+two ranks are the set it names, started by `mlx.launch` with mlxkv at the
+same path on every machine; each rank writes the bench model itself (the
+same bytes from the same seed), and the one-process run is this machine's.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -45,38 +51,67 @@ def prompt() -> list[int]:
     return [3 + (i * 37) % 1000 for i in range(PROMPT_TOKENS)]
 
 
-def run_distributed_benchmark() -> list[dict]:
+def run_distributed_benchmark(hostfile: str | None = None, backend: str = "ring") -> list[dict]:
+    """The rows: 2 ranks on loopback, or the set `hostfile` names (through mlx.launch)."""
     from mlxkv.benchmarks.distributed_rank import measure
 
+    if hostfile is not None and not Path(hostfile).is_file():
+        raise MlxkvError(f"bench distributed: no hostfile {hostfile}")
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         model = bench_model(root)
         one = measure(str(model), None)
-        two = _two_ranks(root, model)
-    return _rows(one, two)
+        two = _launched(Path(hostfile), backend) if hostfile else _two_ranks(root, model)
+    return _rows(one, two, shared_cpu=hostfile is None)
 
 
 def _two_ranks(root: Path, model: Path) -> dict:
     hostfile = loopback_hostfile(root / "hosts.json", 2)
-    procs = [subprocess.Popen([sys.executable, "-m", "mlxkv.benchmarks.distributed_rank", str(model)],
+    procs = [subprocess.Popen(_rank_command("ring", model),
                               env=dict(os.environ, MLX_HOSTFILE=str(hostfile), MLX_RANK=str(rank)),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for rank in range(2)]
-    outs = []
-    for rank, proc in enumerate(procs):
-        try:
-            out, err = proc.communicate(timeout=RANK_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            for p in procs:
-                p.kill()
-            raise MlxkvError(f"bench distributed: rank {rank} did not finish in {RANK_TIMEOUT_S} s") from None
-        if proc.returncode != 0:
-            raise MlxkvError(f"bench distributed: rank {rank} failed: {err.strip().splitlines()[-1:]}")
-        outs.append(out)
-    return json.loads(outs[0].strip().splitlines()[-1])
+    outs = [_finished(proc, f"rank {rank}", procs) for rank, proc in enumerate(procs)]
+    return _record(outs[0])
 
 
-def _rows(one: dict, two: dict) -> list[dict]:
+def _launched(hostfile: Path, backend: str) -> dict:
+    """Rank 0's record from the set `hostfile` names, every rank started by mlx.launch."""
+    launcher = shutil.which("mlx.launch", path=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    if launcher is None:
+        raise MlxkvError("bench distributed: mlx.launch is not installed beside this Python")
+    proc = subprocess.Popen([launcher, "--hostfile", str(hostfile), "--backend", backend, "--",
+                             *_rank_command(backend, None)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return _record(_finished(proc, f"mlx.launch --hostfile {hostfile}", [proc]))
+
+
+def _rank_command(backend: str, model: Path | None) -> list[str]:
+    """One rank of the bench; without `model` the rank writes the bench model itself (a remote Mac)."""
+    return [sys.executable, "-m", "mlxkv.benchmarks.distributed_rank", backend, *([str(model)] if model else [])]
+
+
+def _finished(proc: subprocess.Popen, what: str, procs: list[subprocess.Popen]) -> str:
+    try:
+        out, err = proc.communicate(timeout=RANK_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        raise MlxkvError(f"bench distributed: {what} did not finish in {RANK_TIMEOUT_S} s") from None
+    if proc.returncode != 0:
+        raise MlxkvError(f"bench distributed: {what} failed: {err.strip().splitlines()[-1:]}")
+    return out
+
+
+def _record(out: str) -> dict:
+    """Rank 0's record: the last line of its output that is one (mlx.launch may print more)."""
+    for line in reversed(out.strip().splitlines()):
+        if line.startswith("{"):
+            return json.loads(line)
+    raise MlxkvError("bench distributed: rank 0 printed no record")
+
+
+def _rows(one: dict, two: dict, shared_cpu: bool = True) -> list[dict]:
     model = two["model"]
     same = two["tokens"] == one["tokens"]
     collective_s = two["plan_s"] - two["plan_wait_s"]
@@ -95,6 +130,8 @@ def _rows(one: dict, two: dict) -> list[dict]:
             note="per token forwarded (the prompt's and each decode step's)",
             model=model),
         row("decode tok/s, 2 ranks vs 1", "tok/s", two["decode_tps"], one["decode_tps"], "1 process",
-            "none on 1 CPU", True, note="both ranks share this machine's cores: no speedup to show here",
+            "none on 1 CPU" if shared_cpu else "-", True,
+            note="both ranks share this machine's cores: no speedup to show here" if shared_cpu
+            else "two machines: a tiny model, so this is the link's cost per step, not a model's speedup",
             model=model),
     ]

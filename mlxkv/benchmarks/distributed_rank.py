@@ -1,6 +1,7 @@
 """One measurement of `mlxkv bench distributed` (distributed.py): the bench model, greedy, in
 this process (`kind` None) or as one rank of a set (`python -m mlxkv.benchmarks.distributed_rank
-MODEL`, started with MLX_HOSTFILE and MLX_RANK; rank 0 prints the record, the others follow)."""
+BACKEND [MODEL]`, started with MLX_HOSTFILE and MLX_RANK; rank 0 prints the record, the others
+follow). Without MODEL the rank writes the bench model itself, as on another machine."""
 
 from __future__ import annotations
 
@@ -36,12 +37,12 @@ class AllSumBytes:
         mx.distributed.all_sum = self._real
 
 
-def measure(model: str, kind: str | None) -> dict | None:
+def measure(model: str, kind: str | None, backend: str = "ring") -> dict | None:
     """The record of one greedy generation; None on a rank other than 0."""
     from mlxkv.benchmarks.distributed import DECODE_TOKENS, prompt
 
     with AllSumBytes() as probe:
-        engine = Engine.load(model, CacheConfig(**CACHE), distributed=kind, backend="ring") if kind \
+        engine = Engine.load(model, CacheConfig(**CACHE), distributed=kind, backend=backend) if kind \
             else Engine.load(model, CacheConfig(**CACHE))
         core = engine.core
         if kind and not core.channel.cluster.leader:
@@ -75,6 +76,13 @@ def _counters(engine) -> dict:
 if __name__ == "__main__":
     import mlxkv  # noqa: F401  (before mlx's first use: the BLAS choice)
 
-    record = measure(sys.argv[1], "tensor")
+    import tempfile
+    from pathlib import Path
+
+    from mlxkv.benchmarks.distributed import bench_model
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model = sys.argv[2] if len(sys.argv) > 2 else str(bench_model(Path(tmp)))
+        record = measure(model, "tensor", sys.argv[1])
     if record is not None:
         print(json.dumps(record), flush=True)

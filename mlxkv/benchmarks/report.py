@@ -7,6 +7,9 @@ decode and peak memory against mlx-lm, with the machine described (chip,
 memory, OS, MLX and mlx-lm versions, the attention path, its self-check
 and the speed gate's timings and stored choice per (queries, batch,
 context) bucket). It writes FILE.json and FILE.md. On Linux the same suites run on the CPU path.
+Given a hostfile (`--hostfile`), it adds `bench distributed`'s rows on the set that file names
+(first, so a set that cannot start fails in seconds); without one it says they were not run,
+and how to run them.
 """
 
 from __future__ import annotations
@@ -48,8 +51,17 @@ class ReportSizes:
     model: str | None = None  # None: the bench model
 
 
-def run_report(stem: str | Path, sizes: ReportSizes = ReportSizes(), log=None) -> tuple[Path, Path]:
-    """Run the suites and write `stem`.json and `stem`.md; returns both paths."""
+# docs/distributed.md quotes this line (tests/benchmarks/test_bench.py holds them together)
+DISTRIBUTED_NOT_RUN = ("Not run: they need a set of machines. On two Macs: "
+                       "`mlxkv bench mac --report FILE --hostfile hosts.json` (add `--distributed-backend jaccl` "
+                       "for Thunderbolt RDMA).")
+
+
+def run_report(stem: str | Path, sizes: ReportSizes = ReportSizes(), log=None, hostfile: str | None = None,
+               backend: str = "ring") -> tuple[Path, Path]:
+    """Run the suites (the distributed one on `hostfile`'s set, if given) and write `stem`.json and
+    `stem`.md; returns both paths."""
+    from mlxkv.benchmarks.distributed import run_distributed_benchmark
     from mlxkv.benchmarks.engine import run_engine_benchmark
     from mlxkv.benchmarks.kernels import run_kernel_benchmark
     from mlxkv.benchmarks.memory import run_memory_benchmark
@@ -58,13 +70,16 @@ def run_report(stem: str | Path, sizes: ReportSizes = ReportSizes(), log=None) -
     log = log or _stderr
     stem = Path(stem)
     json_path, md_path = stem.with_name(stem.name + ".json"), stem.with_name(stem.name + ".md")
+    if hostfile is not None and not Path(hostfile).is_file():
+        raise MlxkvError(f"no hostfile {hostfile}")
     for path in (json_path, md_path):  # before minutes of benchmarks, not after
         try:
             path.touch()
         except OSError as e:
             raise MlxkvError(f"cannot write the report {path}: {e.strerror or e}") from None
     report = {"date": time.strftime("%Y-%m-%d %H:%M:%S %z"), "machine": machine_info(), "suites": {}}
-    suites = {
+    suites = {"distributed": lambda: run_distributed_benchmark(hostfile, backend)} if hostfile else {}
+    suites |= {
         "kernels": lambda: run_kernel_benchmark(sizes.kernel_contexts, sizes.kernel_batches, queries=sizes.kernel_queries),
         "tiers": lambda: run_tiers_benchmark(sizes.model, sizes.restore_tokens, sizes.read_blocks, log=log,
                                              gap_tokens=sizes.gap_tokens, choice_tokens=sizes.choice_tokens),
@@ -131,12 +146,24 @@ def markdown(report: dict) -> str:
     lines.append(f"| attention | {m['attention']['path']} ({m['attention']['why']}) |")
     lines += _kernel_lines(report)
     for name in ("tiers", "engine", "memory"):
-        lines += ["", f"## {name}", "", "| case | ours | baseline | against | ratio | goal | met |",
-                  "|---|---|---|---|---|---|---|"]
-        for r in report["suites"][name]:
-            lines.append(f"| {r['name']} | {r['ours']:.4g} {r['unit']} | {r['baseline']:.4g} {r['unit']} "
-                         f"| {r['baseline_name']} | {r['ratio']:.3f}x | {r['goal']} | {'yes' if r['met'] else 'NO'} |")
+        lines += _row_lines(name, report["suites"][name])
+    distributed = report["suites"].get("distributed")
+    if distributed is None:
+        lines += ["", "## distributed", "", DISTRIBUTED_NOT_RUN]
+    else:
+        lines += _row_lines("distributed", distributed) + ["", f"Model: {distributed[0]['model']}."]
+        lines += [f"- {r['name']}: {r['note']}" for r in distributed if r["note"]]
     return "\n".join(lines) + "\n"
+
+
+def _row_lines(name: str, rows: list[dict]) -> list[str]:
+    """A suite's rows as one markdown table under its name."""
+    lines = ["", f"## {name}", "", "| case | ours | baseline | against | ratio | goal | met |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['name']} | {r['ours']:.4g} {r['unit']} | {r['baseline']:.4g} {r['unit']} "
+                     f"| {r['baseline_name']} | {r['ratio']:.3f}x | {r['goal']} | {'yes' if r['met'] else 'NO'} |")
+    return lines
 
 
 def _kernel_lines(report: dict) -> list[str]:

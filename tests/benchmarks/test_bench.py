@@ -5,12 +5,14 @@ from __future__ import annotations
 import json
 import math
 import os
+from pathlib import Path
 
 import pytest
 import redis
 
 from mlxkv import cli
 from mlxkv.benchmarks import engine as bench
+from mlxkv.benchmarks.report import DISTRIBUTED_NOT_RUN
 from mlxkv.errors import MlxkvError
 from mlxkv.models.tiny import TinyModelSpec
 
@@ -157,6 +159,71 @@ def test_the_mac_report_runs_end_to_end_here_on_the_cpu_path(tmp_path):
     for heading in ("# mlxkv report", "## Paged kernel decode / SDPA", "## tiers", "## engine", "## memory"):
         assert heading in text
     assert f"| chip | {machine['chip']} |" in text
+    assert DISTRIBUTED_NOT_RUN in text  # no hostfile: the distributed rows say how to run them
+
+
+def _distributed_record() -> dict:
+    """A rank 0 record of `bench distributed` (distributed_rank.measure), made up."""
+    return dict(model="llama 4 layers", tokens=[1, 2, 3], decode_tps=10.0, layers=4, hidden=256, dtype_bytes=2,
+                allreduce_bytes_per_token=4096.0, steps=66, step_s=2.0, plan_s=0.05, plan_wait_s=0.01,
+                plan_exchanges=66, plan_collectives=68, plan_bytes=68_000)
+
+
+def test_the_mac_report_runs_the_distributed_rows_on_a_hostfiles_set_first(tmp_path, monkeypatch):
+    """A fake runner in place of every suite: given a hostfile, the report asks the distributed
+    suite for that set, before the others, and prints its rows; docs/distributed.md names the
+    command the report gives when it has none."""
+    from mlxkv.benchmarks import distributed, engine, kernels, memory, tiers
+    from mlxkv.benchmarks.report import markdown, run_report
+
+    order, asked = [], []
+
+    def runner(name, rows=()):
+        return lambda *args, **kwargs: order.append(name) or asked.append(args) or list(rows)
+
+    for module, run in ((kernels, "run_kernel_benchmark"), (tiers, "run_tiers_benchmark"),
+                        (engine, "run_engine_benchmark"), (memory, "run_memory_benchmark")):
+        monkeypatch.setattr(module, run, runner(module.__name__))
+    one = two = _distributed_record()
+    monkeypatch.setattr(distributed, "run_distributed_benchmark",
+                        runner("distributed", distributed._rows(one, two, shared_cpu=False)))
+    (tmp_path / "hosts.json").write_text("[]")
+    json_path, md_path = run_report(tmp_path / "r", log=lambda *_: None, hostfile=str(tmp_path / "hosts.json"),
+                                    backend="jaccl")
+    assert order[0] == "distributed" and asked[0] == (str(tmp_path / "hosts.json"), "jaccl")
+    rows = json.loads(json_path.read_text())["suites"]["distributed"]
+    assert [r["name"] for r in rows] == ["greedy tokens, 2 ranks", "plan collective / step time",
+                                         "all-reduced bytes per token", "decode tok/s, 2 ranks vs 1"]
+    assert all(KEYS <= r.keys() for r in rows) and rows[2]["met"]  # 4096 = 2 x 4 x 256 x 2
+    text = md_path.read_text()
+    assert "## distributed" in text and "| greedy tokens, 2 ranks | 1 tokens equal |" in text
+    assert DISTRIBUTED_NOT_RUN not in text and "Model: llama 4 layers." in text
+    report = json.loads(json_path.read_text())
+    del report["suites"]["distributed"]  # as a report without a hostfile has it
+    assert DISTRIBUTED_NOT_RUN in markdown(report)
+    docs = (Path(__file__).parents[2] / "docs" / "distributed.md").read_text()
+    assert DISTRIBUTED_NOT_RUN.split("On two Macs: ")[1].split(" (")[0] in docs
+
+
+@pytest.mark.parametrize("argv, error", [
+    (["bench", "mac", "--hostfile", "no-such-hosts.json"], "no hostfile no-such-hosts.json"),
+    (["bench", "engine", "--hostfile", "hosts.json"], "--hostfile is a flag of `mlxkv bench distributed`"),
+    (["bench", "distributed", "--hostfile", "no-such-hosts.json"], "bench distributed: no hostfile no-such-hosts.json"),
+])
+def test_a_hostfile_in_the_wrong_place_is_a_one_line_error(argv, error, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"mlxkv: error: {error}") and "\n" not in err
+    assert not list(tmp_path.iterdir())  # no empty report left behind
+
+
+def test_rank_zeros_record_is_found_among_what_mlx_launch_prints():
+    from mlxkv.benchmarks.distributed import _record
+
+    assert _record('{"not": "it"}\nrank 1 of 2 ready\n{"tokens": [1]}\n[launch] done\n') == {"tokens": [1]}
+    with pytest.raises(MlxkvError, match="rank 0 printed no record"):
+        _record("ssh: connect to host mac-b.local: Connection refused\n")
 
 
 def test_an_unwritable_report_is_a_one_line_error_before_any_benchmark(tmp_path, capsys):
