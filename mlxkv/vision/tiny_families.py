@@ -38,6 +38,33 @@ def mage_vl_config(vocab_size: int, ids: dict[str, int], hidden: int = 64, layer
     }
 
 
+MINIMAX_M3_VL_VISION_TOKENS = ["]<]image[>[", "]<]video[>[", "]<]start of image[>[", "]<]end of image[>["]
+
+
+def minimax_m3_vl_config(vocab_size: int, ids: dict[str, int], hidden: int = 64, layers: int = 2, seed: int = 0,
+                         **_) -> dict:
+    """MiniMax-M3-VL: Qwen-style patches (14 px, 2 x 2 merged after projection) written over
+    `]<]image[>[` between its start and end tokens; a MiniMax-M3 (a dense layer then experts, a block
+    indexer on its sparse layers) at plain positions."""
+    from mlxkv.models.tiny_args import family_args
+
+    text = {**family_args("minimax_m3_vl")["text_config"], "hidden_size": hidden, "num_hidden_layers": layers,
+            "vocab_size": vocab_size, "mlp_layer_types": ["dense", "sparse"][:layers],
+            "sparse_attention_freq": [0, 1][:layers]}
+    return {
+        "model_type": "minimax_m3_vl", "architectures": ["MiniMaxM3VLForConditionalGeneration"],
+        "text_config": text, "vocab_size": vocab_size,
+        "vision_config": {"model_type": "clip_vision_model", "hidden_size": 32, "intermediate_size": 64,
+                          "num_attention_heads": 2, "num_hidden_layers": 1, "patch_size": 14, "image_size": 224,
+                          "projection_dim": hidden},
+        "projector_hidden_size": hidden,
+        "image_token_index": ids["]<]image[>["], "video_token_index": ids["]<]video[>["],
+        "vision_start_token_id": ids["]<]start of image[>["], "vision_end_token_id": ids["]<]end of image[>["],
+        "eos_token_id": [SPECIAL_TOKENS.index("<|im_end|>")],
+        "mlxkv_tiny_model": {"family": "minimax_m3_vl", "hidden_size": hidden, "num_layers": layers, "seed": seed},
+    }
+
+
 MUSE_GLIMMER_VISION_TOKENS = ["<|patch|>", "<|image_start|>", "<|image_end|>", "<|video|>"]
 
 
@@ -339,6 +366,10 @@ FAMILIES = {
     "kimi_k25": (KIMI_VL_VISION_TOKENS, kimi_k25_config, KIMI_VL_TEMPLATE,
                  {**KIMI_VL_PREPROCESSOR, "image_processor_type": "KimiK25ImageProcessor",
                   "processor_class": "KimiK25Processor"}, "KimiK25Processor", {}),
+    "minimax_m3_vl": (MINIMAX_M3_VL_VISION_TOKENS, minimax_m3_vl_config,
+                      QWEN_VL_TEMPLATE.replace("<|vision_start|><|image_pad|><|vision_end|>", "]<]image[>["),
+                      {"patch_size": 14, "merge_size": 2, "temporal_patch_size": 2, "max_pixels": 112 * 112 * 4},
+                      "MiniMaxM3VLProcessor", {}),
     "glm_ocr": (GLM4V_VISION_TOKENS, glm_ocr_config, GLM4V_TEMPLATE,
                 {**GLM4V_PREPROCESSOR, "processor_class": "GlmOcrProcessor"}, "GlmOcrProcessor",
                 {"extra_special_tokens": {"image_token": "<|image|>"}}),
