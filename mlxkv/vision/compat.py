@@ -214,7 +214,7 @@ _PROCESSOR_SETTINGS = ("min_pixels", "max_pixels", "size", "patch_size", "merge_
 # The processor's per-image outputs beside pixel_values (a row an image) that change what an image's
 # pixels mean: Kimi-VL's patch grid (the same patches in 2 x 8 or 4 x 4 are different images),
 # LLaVA-OneVision's size (which AnyRes tiles are real). Part of an image's hash.
-_PER_IMAGE_INPUTS = ("image_grid_hws", "image_sizes")
+_PER_IMAGE_INPUTS = ("image_grid_hws", "grid_thws", "image_sizes")  # grid_thws: Kimi K3's grid
 
 
 def per_image_inputs(inputs: dict, count: int) -> list:

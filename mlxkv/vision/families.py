@@ -16,7 +16,7 @@ SERVED = (
     "qwen2_vl", "qwen2_5_vl", "gemma3", "smolvlm", "idefics3", "qwen3_vl", "qwen3_vl_moe", "mistral3", "pixtral",
     "glm4v", "glm4v_moe", "idefics2", "internvl_chat", "aya_vision", "llava_onevision",
     "kimi_vl", "internvl", "kimi_k25", "glm_ocr", "mage_vl", "cohere_compass", "muse_glimmer", "nemotron_h_nano_omni",
-    "mimo_v2", "minimax_m3_vl",
+    "mimo_v2", "minimax_m3_vl", "kimi_k3",
     # their processors take the image token in string content (vision/rendering.py)
     "llmjpvl", "minicpmo", "qwen3_omni_moe",
 )
@@ -87,8 +87,6 @@ NOT_YET_RUN = {
     "youtu_vl": ("mlx-vlm has no processor for it (its checkpoint's is remote code) and no installed one makes its "
                  "SigLIP 2 spatial_shapes and placeholder counts; read only: a DeepSeek-style latent-attention "
                  "language model with features written over its image tokens"),
-    "kimi_k3": ("read only: Kimi-VL's placeholders and merge over a hybrid language model (gated-delta layers on "
-                "mlx-lm ArraysCache states, latent attention, experts, Metal kernels with CPU fallbacks)"),
     "molmo2": ("tried: mlx-vlm's load replaces its image processor with one of default settings (378-pixel "
                "crops, up to 8) whatever the checkpoint says, so a test image is hundreds of placeholders (870 for "
                "two small images); its features are added to `image_patch_id` tokens, a row of them closed by "

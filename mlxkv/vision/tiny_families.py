@@ -303,6 +303,31 @@ KIMI_VL_TEMPLATE = QWEN_VL_TEMPLATE.replace("<|vision_start|><|image_pad|><|visi
 KIMI_VL_PREPROCESSOR = {"image_processor_type": "KimiVLImageProcessor", "processor_class": "KimiVLProcessor",
                         "patch_size": 14, "merge_kernel_size": [2, 2], "in_token_limit": 256,
                         "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}
+KIMI_K3_VISION_TOKENS = ["<|media_begin|>", "<|media_content|>", "<|media_end|>", "<|media_pad|>"]
+
+
+def kimi_k3_config(vocab_size: int, ids: dict[str, int], hidden: int = 64, layers: int = 2, seed: int = 0,
+                   **_) -> dict:
+    """Kimi K3: a MoonViT-3D over 14 px patches merged 2 x 2, `<|media_pad|>` x its merged patches; a Kimi
+    Linear (latent attention then gated-delta layers, experts)."""
+    from mlxkv.models.tiny_args import family_args
+
+    text = {**family_args("kimi_k3")["text_config"], "hidden_size": hidden, "num_hidden_layers": layers,
+            "vocab_size": vocab_size}
+    text["linear_attn_config"] = {**text["linear_attn_config"], "kda_layers": [2]}
+    return {
+        "model_type": "kimi_k3", "architectures": ["KimiK3ForConditionalGeneration"], "text_config": text,
+        "vocab_size": vocab_size,
+        "vision_config": {"model_type": "moonvit3d", "patch_size": 14, "init_pos_emb_height": 8,
+                          "init_pos_emb_width": 8, "vt_num_attention_heads": 2, "vt_num_hidden_layers": 1,
+                          "vt_hidden_size": 32, "vt_intermediate_size": 64, "qkv_hidden_size": 96,
+                          "mm_hidden_size": 32, "text_hidden_size": hidden, "merge_kernel_size": [2, 2]},
+        "media_placeholder_token_id": ids["<|media_pad|>"],
+        "eos_token_id": [SPECIAL_TOKENS.index("<|im_end|>")],
+        "mlxkv_tiny_model": {"family": "kimi_k3", "hidden_size": hidden, "num_layers": layers, "seed": seed},
+    }
+
+
 # family -> (vision tokens, config, template, preprocessor, processor class, tokenizer extras)
 FAMILIES = {
     "qwen2_vl": (QWEN_VISION_TOKENS, qwen2_vl_config, QWEN_VL_TEMPLATE, PREPROCESSOR, "Qwen2VLProcessor", {}),
@@ -363,6 +388,9 @@ FAMILIES = {
                         "LlavaOnevisionProcessor", {}),
     "kimi_vl": (KIMI_VL_VISION_TOKENS, kimi_vl_config, KIMI_VL_TEMPLATE, KIMI_VL_PREPROCESSOR, "KimiVLProcessor", {}),
     "internvl": (INTERNVL_VISION_TOKENS, internvl_config, INTERNVL_TEMPLATE, {}, "InternVLProcessor", {}),
+    "kimi_k3": (KIMI_K3_VISION_TOKENS, kimi_k3_config, KIMI_VL_TEMPLATE.replace("media_start", "media_begin"),
+                {"media_proc_cfg": {"patch_size": 14, "merge_kernel_size": [2, 2], "in_patch_limit": 256}},
+                "KimiK3Processor", {}),
     "kimi_k25": (KIMI_VL_VISION_TOKENS, kimi_k25_config, KIMI_VL_TEMPLATE,
                  {**KIMI_VL_PREPROCESSOR, "image_processor_type": "KimiK25ImageProcessor",
                   "processor_class": "KimiK25Processor"}, "KimiK25Processor", {}),
