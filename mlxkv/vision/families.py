@@ -84,9 +84,9 @@ NOT_YET_RUN = {
                  "151665-151668 for its patch tokens, its crop sizes) whatever the checkpoint says: its test model "
                  "needs a 151k-token vocabulary; its features are added to the patch tokens' embeddings, which the "
                  "whole-prompt path keeps"),
-    "youtu_vl": ("mlx-vlm has no processor for it (its checkpoint's is remote code) and no installed one makes its "
-                 "SigLIP 2 spatial_shapes and placeholder counts; read only: a DeepSeek-style latent-attention "
-                 "language model with features written over its image tokens"),
+    "youtu_vl": ("tried: mlx-vlm has no processor for it (its checkpoint's is remote code), so its load of a tiny "
+                 "one gives a tokenizer alone, which drops the images (no pixel_values), and no installed "
+                 "processor makes its SigLIP 2 spatial_shapes and placeholder counts"),
     "molmo2": ("tried: mlx-vlm's load replaces its image processor with one of default settings (378-pixel "
                "crops, up to 8) whatever the checkpoint says, so a test image is hundreds of placeholders (870 for "
                "two small images); its features are added to `image_patch_id` tokens, a row of them closed by "
