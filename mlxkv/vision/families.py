@@ -72,10 +72,11 @@ NOT_YET_RUN = {
                     "over 640- or 1024-pixel views whatever the config says: one 640-pixel view took 78 s on the "
                     "test machine's CPU (load 41)"),
     "unlimited_ocr": "read: its model is DeepSeek-OCR's, with DeepSeek-OCR's SAM encoder (see deepseekocr)",
-    "deepseek_vl_v2": ("tried: its processor computes pixel values with MLX (lazy arrays) on whichever thread "
-                       "builds the prompt, beside the engine's thread: its tiny model's replies, and mlx-vlm's own, "
-                       "change from run to run on the same image (most runs equal mlx-vlm's); its tiles an image "
-                       "need images_spatial_crop to key them"),
+    "deepseek_vl_v2": ("tried twice, its processor's MLX outputs evaluated where the prompt is built and before "
+                       "mlx-vlm's generate: mlxkv's replies repeat, and mlx-vlm's generate alone does, but mlx-vlm's "
+                       "generate in a process that also runs mlxkv's engine on the same model changes its reply in "
+                       "some runs (cause not found), so it is no oracle yet; its tiles an image need "
+                       "images_spatial_crop to key them"),
     "muse_spark": ("read: mlx-vlm runs its attention through a Metal kernel (qk_norm_rope), so its test model "
                    "cannot run on the Linux machine the tests run on"),
     "dots_ocr": ("read: mlx-vlm's processor hard-codes Qwen2's image token id 151665: its test model needs a "
