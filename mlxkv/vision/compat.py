@@ -92,7 +92,18 @@ def rope_index(model, input_ids, grid):
 
 # Families whose language model is an M-RoPE one given plain positions, the same on its three axes:
 # MiniCPM-o's (Qwen3-VL's language model; its get_input_embeddings sets arange positions, no image grid).
-_PLAIN_POSITIONS = ("minicpmo",)
+# MiniMax-M3-VL's (its get_rope_index is an arange whatever the grid).
+_PLAIN_POSITIONS = ("minicpmo", "minimax_m3_vl")
+# Families whose language model takes plain positions as one [B, L] axis, not M-RoPE's [3, B, L]:
+# MiniMax-M3-VL's attention reads a 3-axis array's first axis as its rotary offsets.
+_ONE_AXIS_POSITIONS = ("minimax_m3_vl",)
+
+
+def language_positions(model, position_ids):
+    """`position_ids` [3, B, L] (mlxkv's rows) as `model`'s language model takes them."""
+    if position_ids is not None and getattr(model.config, "model_type", None) in _ONE_AXIS_POSITIONS:
+        return position_ids[0]
+    return position_ids
 
 
 def _embedding(model):
@@ -225,7 +236,7 @@ _PROCESSOR_SETTINGS = ("min_pixels", "max_pixels", "size", "patch_size", "merge_
 # The processor's per-image outputs beside pixel_values (a row an image) that change what an image's
 # pixels mean: Kimi-VL's patch grid (the same patches in 2 x 8 or 4 x 4 are different images),
 # LLaVA-OneVision's size (which AnyRes tiles are real). Part of an image's hash.
-_PER_IMAGE_INPUTS = ("image_grid_hws", "image_sizes")
+_PER_IMAGE_INPUTS = ("image_grid_hws", "grid_thws", "image_sizes")  # grid_thws: Kimi K3's grid
 
 
 def per_image_inputs(inputs: dict, count: int) -> list:

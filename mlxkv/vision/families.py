@@ -16,7 +16,7 @@ SERVED = (
     "qwen2_vl", "qwen2_5_vl", "gemma3", "smolvlm", "idefics3", "qwen3_vl", "qwen3_vl_moe", "mistral3", "pixtral",
     "glm4v", "glm4v_moe", "idefics2", "internvl_chat", "aya_vision", "llava_onevision",
     "kimi_vl", "internvl", "kimi_k25", "glm_ocr", "mage_vl", "cohere_compass", "muse_glimmer", "nemotron_h_nano_omni",
-    "mimo_v2",
+    "mimo_v2", "minimax_m3_vl", "kimi_k3",
     "llava", "llava_next", "granite_vision",
     # their processors take the image token in string content (vision/rendering.py)
     "llmjpvl", "minicpmo",
@@ -90,10 +90,11 @@ NOT_YET_RUN = {
                     "over 640- or 1024-pixel views whatever the config says: one 640-pixel view took 78 s on the "
                     "test machine's CPU (load 41)"),
     "unlimited_ocr": "read: its model is DeepSeek-OCR's, with DeepSeek-OCR's SAM encoder (see deepseekocr)",
-    "deepseek_vl_v2": ("tried: its processor computes pixel values with MLX (lazy arrays) on whichever thread "
-                       "builds the prompt, beside the engine's thread: its tiny model's replies, and mlx-vlm's own, "
-                       "change from run to run on the same image (most runs equal mlx-vlm's); its tiles an image "
-                       "need images_spatial_crop to key them"),
+    "deepseek_vl_v2": ("tried twice, its processor's MLX outputs evaluated where the prompt is built and before "
+                       "mlx-vlm's generate: mlxkv's replies repeat, and mlx-vlm's generate alone does, but mlx-vlm's "
+                       "generate in a process that also runs mlxkv's engine on the same model changes its reply in "
+                       "some runs (cause not found), so it is no oracle yet; its tiles an image need "
+                       "images_spatial_crop to key them"),
     "muse_spark": ("read: mlx-vlm runs its attention through a Metal kernel (qk_norm_rope), so its test model "
                    "cannot run on the Linux machine the tests run on"),
     "dots_ocr": ("read: mlx-vlm's processor hard-codes Qwen2's image token id 151665: its test model needs a "
@@ -102,13 +103,9 @@ NOT_YET_RUN = {
                  "151665-151668 for its patch tokens, its crop sizes) whatever the checkpoint says: its test model "
                  "needs a 151k-token vocabulary; its features are added to the patch tokens' embeddings, which the "
                  "whole-prompt path keeps"),
-    "youtu_vl": ("mlx-vlm has no processor for it (its checkpoint's is remote code) and no installed one makes its "
-                 "SigLIP 2 spatial_shapes and placeholder counts; read only: a DeepSeek-style latent-attention "
-                 "language model with features written over its image tokens"),
-    "kimi_k3": ("read only: Kimi-VL's placeholders and merge over a hybrid language model (gated-delta layers on "
-                "mlx-lm ArraysCache states, latent attention, experts, Metal kernels with CPU fallbacks)"),
-    "minimax_m3_vl": ("read only: Qwen-style M-RoPE positions (it takes position_ids, else keeps them on the "
-                      "model) over experts with a Metal kernel that has a CPU fallback"),
+    "youtu_vl": ("tried: mlx-vlm has no processor for it (its checkpoint's is remote code), so its load of a tiny "
+                 "one gives a tokenizer alone, which drops the images (no pixel_values), and no installed "
+                 "processor makes its SigLIP 2 spatial_shapes and placeholder counts"),
     "molmo2": ("tried: mlx-vlm's load replaces its image processor with one of default settings (378-pixel "
                "crops, up to 8) whatever the checkpoint says, so a test image is hundreds of placeholders (870 for "
                "two small images); its features are added to `image_patch_id` tokens, a row of them closed by "

@@ -118,7 +118,8 @@ class VisionModel(nn.Module):
             inputs_embeds = compat.embed_tokens(self.vlm, tokens)
             position_ids = _text_positions([int(offset)] * tokens.shape[0], tokens.shape[1])
         out = compat.language_model(self.vlm)(tokens, inputs_embeds=inputs_embeds, cache=cache,
-                                              position_ids=position_ids, **deepstack)
+                                              position_ids=compat.language_positions(self.vlm, position_ids),
+                                              **deepstack)
         return compat.logits(out)
 
     def step_inputs(self, seqs, tokens: mx.array) -> dict:

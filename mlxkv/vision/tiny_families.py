@@ -38,6 +38,33 @@ def mage_vl_config(vocab_size: int, ids: dict[str, int], hidden: int = 64, layer
     }
 
 
+MINIMAX_M3_VL_VISION_TOKENS = ["]<]image[>[", "]<]video[>[", "]<]start of image[>[", "]<]end of image[>["]
+
+
+def minimax_m3_vl_config(vocab_size: int, ids: dict[str, int], hidden: int = 64, layers: int = 2, seed: int = 0,
+                         **_) -> dict:
+    """MiniMax-M3-VL: Qwen-style patches (14 px, 2 x 2 merged after projection) written over
+    `]<]image[>[` between its start and end tokens; a MiniMax-M3 (a dense layer then experts, a block
+    indexer on its sparse layers) at plain positions."""
+    from mlxkv.models.tiny_args import family_args
+
+    text = {**family_args("minimax_m3_vl")["text_config"], "hidden_size": hidden, "num_hidden_layers": layers,
+            "vocab_size": vocab_size, "mlp_layer_types": ["dense", "sparse"][:layers],
+            "sparse_attention_freq": [0, 1][:layers]}
+    return {
+        "model_type": "minimax_m3_vl", "architectures": ["MiniMaxM3VLForConditionalGeneration"],
+        "text_config": text, "vocab_size": vocab_size,
+        "vision_config": {"model_type": "clip_vision_model", "hidden_size": 32, "intermediate_size": 64,
+                          "num_attention_heads": 2, "num_hidden_layers": 1, "patch_size": 14, "image_size": 224,
+                          "projection_dim": hidden},
+        "projector_hidden_size": hidden,
+        "image_token_index": ids["]<]image[>["], "video_token_index": ids["]<]video[>["],
+        "vision_start_token_id": ids["]<]start of image[>["], "vision_end_token_id": ids["]<]end of image[>["],
+        "eos_token_id": [SPECIAL_TOKENS.index("<|im_end|>")],
+        "mlxkv_tiny_model": {"family": "minimax_m3_vl", "hidden_size": hidden, "num_layers": layers, "seed": seed},
+    }
+
+
 MUSE_GLIMMER_VISION_TOKENS = ["<|patch|>", "<|image_start|>", "<|image_end|>", "<|video|>"]
 
 
@@ -276,6 +303,31 @@ KIMI_VL_TEMPLATE = QWEN_VL_TEMPLATE.replace("<|vision_start|><|image_pad|><|visi
 KIMI_VL_PREPROCESSOR = {"image_processor_type": "KimiVLImageProcessor", "processor_class": "KimiVLProcessor",
                         "patch_size": 14, "merge_kernel_size": [2, 2], "in_token_limit": 256,
                         "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}
+KIMI_K3_VISION_TOKENS = ["<|media_begin|>", "<|media_content|>", "<|media_end|>", "<|media_pad|>"]
+
+
+def kimi_k3_config(vocab_size: int, ids: dict[str, int], hidden: int = 64, layers: int = 2, seed: int = 0,
+                   **_) -> dict:
+    """Kimi K3: a MoonViT-3D over 14 px patches merged 2 x 2, `<|media_pad|>` x its merged patches; a Kimi
+    Linear (latent attention then gated-delta layers, experts)."""
+    from mlxkv.models.tiny_args import family_args
+
+    text = {**family_args("kimi_k3")["text_config"], "hidden_size": hidden, "num_hidden_layers": layers,
+            "vocab_size": vocab_size}
+    text["linear_attn_config"] = {**text["linear_attn_config"], "kda_layers": [2]}
+    return {
+        "model_type": "kimi_k3", "architectures": ["KimiK3ForConditionalGeneration"], "text_config": text,
+        "vocab_size": vocab_size,
+        "vision_config": {"model_type": "moonvit3d", "patch_size": 14, "init_pos_emb_height": 8,
+                          "init_pos_emb_width": 8, "vt_num_attention_heads": 2, "vt_num_hidden_layers": 1,
+                          "vt_hidden_size": 32, "vt_intermediate_size": 64, "qkv_hidden_size": 96,
+                          "mm_hidden_size": 32, "text_hidden_size": hidden, "merge_kernel_size": [2, 2]},
+        "media_placeholder_token_id": ids["<|media_pad|>"],
+        "eos_token_id": [SPECIAL_TOKENS.index("<|im_end|>")],
+        "mlxkv_tiny_model": {"family": "kimi_k3", "hidden_size": hidden, "num_layers": layers, "seed": seed},
+    }
+
+
 # family -> (vision tokens, config, template, preprocessor, processor class, tokenizer extras)
 FAMILIES = {
     "qwen2_vl": (QWEN_VISION_TOKENS, qwen2_vl_config, QWEN_VL_TEMPLATE, PREPROCESSOR, "Qwen2VLProcessor", {}),
@@ -336,9 +388,16 @@ FAMILIES = {
                         "LlavaOnevisionProcessor", {}),
     "kimi_vl": (KIMI_VL_VISION_TOKENS, kimi_vl_config, KIMI_VL_TEMPLATE, KIMI_VL_PREPROCESSOR, "KimiVLProcessor", {}),
     "internvl": (INTERNVL_VISION_TOKENS, internvl_config, INTERNVL_TEMPLATE, {}, "InternVLProcessor", {}),
+    "kimi_k3": (KIMI_K3_VISION_TOKENS, kimi_k3_config, KIMI_VL_TEMPLATE.replace("media_start", "media_begin"),
+                {"media_proc_cfg": {"patch_size": 14, "merge_kernel_size": [2, 2], "in_patch_limit": 256}},
+                "KimiK3Processor", {}),
     "kimi_k25": (KIMI_VL_VISION_TOKENS, kimi_k25_config, KIMI_VL_TEMPLATE,
                  {**KIMI_VL_PREPROCESSOR, "image_processor_type": "KimiK25ImageProcessor",
                   "processor_class": "KimiK25Processor"}, "KimiK25Processor", {}),
+    "minimax_m3_vl": (MINIMAX_M3_VL_VISION_TOKENS, minimax_m3_vl_config,
+                      QWEN_VL_TEMPLATE.replace("<|vision_start|><|image_pad|><|vision_end|>", "]<]image[>["),
+                      {"patch_size": 14, "merge_size": 2, "temporal_patch_size": 2, "max_pixels": 112 * 112 * 4},
+                      "MiniMaxM3VLProcessor", {}),
     "glm_ocr": (GLM4V_VISION_TOKENS, glm_ocr_config, GLM4V_TEMPLATE,
                 {**GLM4V_PREPROCESSOR, "processor_class": "GlmOcrProcessor"}, "GlmOcrProcessor",
                 {"extra_special_tokens": {"image_token": "<|image|>"}}),

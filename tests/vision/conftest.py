@@ -33,7 +33,7 @@ VLM_SEEDS = {"qwen2_vl": 0, "qwen2_5_vl": 0, "gemma3": 1, "smolvlm": 0, "idefics
              "internvl": 15, "kimi_k25": 16, "glm_ocr": 17, "mage_vl": 18,
              "cohere_compass": 19, "muse_glimmer": 20,
              "nemotron_h_nano_omni": 21, "mimo_v2": 22,
-             "llmjpvl": 23, "minicpmo": 24, "qwen3_omni_moe": 26}
+             "llmjpvl": 23, "minicpmo": 24, "qwen3_omni_moe": 26, "minimax_m3_vl": 28, "kimi_k3": 29}
 VLM_SEEDS.update({"llava": 30, "llava_next": 31, "granite_vision": 32})
 
 
