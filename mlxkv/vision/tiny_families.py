@@ -1,6 +1,7 @@
 """The tiny vision model of each family: the table tiny_vlm.py reads, and the configs of the
 families mlx-vlm embeds on the whole-prompt path (prompt.py). tiny_configs.py holds the
-image-by-image families' configs and what both share (templates, preprocessors, `_as_family`); tiny_kimi.py the Kimi family's."""
+image-by-image families' configs and what both share (templates, preprocessors, `_as_family`);
+tiny_kimi.py the Kimi family's."""
 
 from __future__ import annotations
 
