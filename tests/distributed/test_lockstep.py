@@ -1,7 +1,8 @@
 """Engines split over two real ranks (MLX ring on loopback), against the single-process run.
 
 A launch costs seconds, so one launched pair runs every split in turn: greedy
-tokens and prefix hits, then (once per split: tensor, pipeline) a batch of 4
+tokens and prefix hits (a hybrid too: qwen3_next's recurrent state crosses
+the pipeline stages), then (once per split: tensor, pipeline) a batch of 4
 in which one client hangs up mid-prefill and one closes its stream, with the
 step-cost guard on and every step's plan, tables and tokens digested and
 agreed (a difference stops both ranks). test_serve.py restarts a set on its
@@ -17,10 +18,13 @@ from ranks import run_ranks
 
 from mlxkv.config import CacheConfig
 from mlxkv.engine.engine import Engine
+from mlxkv.models.tiny import TinyModelSpec, write_tiny_model
 
 HERE = Path(__file__).parent
 pytestmark = pytest.mark.slow
-SPLITS = [("llama", "tensor"), ("qwen3", "tensor"), ("qwen2", "pipeline")]
+SPLITS = [("llama", "tensor"), ("qwen3", "tensor"), ("qwen2", "pipeline"), ("qwen3_next", "pipeline")]
+# 4 layers: each stage holds recurrent layers, and one of them the attention layer.
+HYBRID = TinyModelSpec(family="qwen3_next", num_layers=4)
 BATCHED = [0, 2]  # each split's first job: rank_engine.py runs the batch once per split
 
 
@@ -36,16 +40,23 @@ def _launch(run: Path, disk: Path, jobs: list[str]) -> dict:
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory, model_dirs):
+def dirs(tmp_path_factory, model_dirs):
+    """The shared tiny models and this module's hybrid."""
+    hybrid = write_tiny_model(tmp_path_factory.mktemp("lockstep-models") / "qwen3_next", HYBRID)
+    return {**model_dirs, "qwen3_next": str(hybrid)}
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory, dirs):
     root = tmp_path_factory.mktemp("lockstep")
-    jobs = [f"{model_dirs[family]}={kind}" for family, kind in SPLITS]
+    jobs = [f"{dirs[family]}={kind}" for family, kind in SPLITS]
     return _launch(root, root / "disk", jobs), root
 
 
 @pytest.mark.parametrize("job, family", [(i, family) for i, (family, _) in enumerate(SPLITS)])
-def test_a_split_model_gives_the_one_process_tokens_and_hits(ranks, model_dirs, job, family):
+def test_a_split_model_gives_the_one_process_tokens_and_hits(ranks, dirs, job, family):
     got, _ = ranks
-    engine = Engine.load(model_dirs[family], CacheConfig(**config_fields()))
+    engine = Engine.load(dirs[family], CacheConfig(**config_fields()))
     for name, prompt in (("first", FIRST), ("second", SECOND)):
         oracle = engine.generate(prompt, max_tokens=8)
         assert got[job, name]["tokens"] == oracle.tokens
