@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from mlxkv.cli import build_parser, served_models
+from mlxkv.kv_format import KVFormat
 from mlxkv.server.model_names import ModelNames
 from mlxkv.server.model_specs import NEVER, ModelSpec
 
@@ -53,8 +54,8 @@ def test_the_docs_models_file_and_two_model_claude_code_setup_are_what_serve_tak
     path = tmp_path / "models.toml"
     path.write_text(fenced((DOCS / "server.md").read_text(), "**The file.**", "toml"))
     specs, models = parse("--models", str(path))
-    assert [(s.name, s.pin, s.kv_bits, s.context) for s in specs] == [("coder", True, 8, None),
-                                                                      ("small", False, None, 32768)]
+    assert [(s.name, s.pin, s.kv_format, s.context) for s in specs] == [("coder", True, KVFormat(bits=8), None),
+                                                                        ("small", False, None, 32768)]
     assert (models.max_loaded, models.keep_alive_s) == (2, 600)
     shell = fenced((DOCS / "agents.md").read_text(), "### A big model and a small one", "sh")
     argv = shlex.split(shell.replace("\\\n", " ").splitlines()[0])
