@@ -74,12 +74,19 @@ def _text(content: Any, where: str) -> str | list[dict]:
         if kind not in TEXT_PARTS and kind != "input_image":
             raise ApiError(400, f"{where}.{j}: {kind!r} parts are not supported (text and input_image are)",
                            param="input")
-    texts = [p.get("text") or p.get("refusal") or "" if kind != "input_image" else None
-             for p, kind in zip(content, kinds)]
+    texts = [_part_text(p, f"{where}.{j}") if kind != "input_image" else None
+             for j, (p, kind) in enumerate(zip(content, kinds))]
     if "input_image" in kinds:  # text and images, in order
         return [_image(p, f"{where}.{j}") if text is None
                 else {"type": "text", "text": text} for j, (p, text) in enumerate(zip(content, texts))]
     return "".join(texts)
+
+
+def _part_text(part: dict, where: str) -> str:
+    text = part.get("text") or part.get("refusal") or ""
+    if not isinstance(text, str):
+        raise ApiError(400, f"{where}.text: expected a string, got {type(text).__name__}", param="input")
+    return text
 
 
 def _image(part: dict, where: str) -> dict:

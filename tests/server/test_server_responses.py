@@ -117,6 +117,8 @@ def test_bad_responses_requests_get_openai_errors(server):
               "input.0.content.2: 'input_audio' parts are not supported"),
              ({"input": [{"role": "user", "content": [{"type": "input_image", "file_id": "file-1"}]}]},
               "input.0.content.0: a file_id image is not supported here"),
+             ({"input": [{"role": "user", "content": [{"type": "input_text", "text": 123}]}]},
+              "input.0.content.0.text: expected a string, got int"),
              ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens"),
              ({"input": "word " * 5000}, "the prompt is too long")]
     for body, words in cases:
