@@ -75,8 +75,9 @@ def load_image(part: dict, where: str, max_pixels: int = MAX_IMAGE_PIXELS):
         image.load()
         return image.convert("RGB")
     except Image.DecompressionBombError:  # PIL refuses to open it: its header's size is past PIL's own cap
-        raise MlxkvError(f"{where}: the image has more than {2 * Image.MAX_IMAGE_PIXELS} pixels, "
-                         f"more than the limit of {max_pixels}") from None
+        cap = 2 * Image.MAX_IMAGE_PIXELS
+        limit = f"the limit of {max_pixels}" if max_pixels < cap else "the most Pillow will decode"
+        raise MlxkvError(f"{where}: the image has more than {cap} pixels, more than {limit}") from None
     except (UnidentifiedImageError, OSError, ValueError) as e:
         raise MlxkvError(f"{where}: not an image we can read ({type(e).__name__})") from None
 

@@ -62,6 +62,9 @@ def test_a_png_whose_header_claims_a_huge_size_is_refused_as_too_large():
     png = b"\x89PNG\r\n\x1a\n" + header + chunk(b"IDAT", zlib.compress(b"")) + chunk(b"IEND", b"")
     with pytest.raises(MlxkvError, match=r"m: the image has more than \d+ pixels, more than the limit of 1000"):
         load_image({"type": "image", "image": png}, "m", max_pixels=1000)
+    # A limit past what Pillow decodes is not quoted as the limit the image broke.
+    with pytest.raises(MlxkvError, match=r"m: the image has more than \d+ pixels, more than the most Pillow will"):
+        load_image({"type": "image", "image": png}, "m", max_pixels=10**12)
 
 
 def test_an_image_over_the_pixel_limit_is_refused():
