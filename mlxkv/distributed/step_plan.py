@@ -9,8 +9,9 @@ step (the step-cost guard's), and whether every rank sends its report with
 the next plan (rank_report.py), all in the order rank 0 applied them.
 
 Only the fields that differ from a plain step are written, so the plan of a
-step with nothing new (most decode steps) is zero bytes: the channel's
-fixed-size buffer then carries just its header.
+step with nothing new (most decode steps) is zero bytes, or a few bytes of
+speculation choices when a draft or lookup speculates: the channel's
+fixed-size buffer then carries just its header and them.
 """
 
 from __future__ import annotations
