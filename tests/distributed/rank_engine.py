@@ -1,10 +1,11 @@
 """One rank of tests/distributed/test_lockstep.py: engines split over the set, driven by rank 0.
 
-argv: the disk tier dir, then one MODEL=KIND
-per engine, loaded one after another in this one pair of processes (a start
-costs seconds). Rank 0 prints one JSON record per result; every other rank
-follows each engine until rank 0 closes it, then prints how many steps it
-ran. --distributed-check is on: a step on which the ranks' plans, tables or
+argv: the disk tier dir, the scenario ("first", or "restart": the first prompt
+only, on the tier a first launch left), then one MODEL=KIND per engine, loaded
+one after another in this one pair of processes (a start costs seconds). Rank 0
+prints one JSON record per result; every other rank follows each engine until
+rank 0 closes it. Each rank then prints how many steps it ran and how many
+blocks it read back from its own SSD tier. --distributed-check is on: a step on which the ranks' plans, tables or
 tokens differ stops both with PlanMismatch.
 """
 
@@ -51,21 +52,27 @@ def batch(job, engine):
          reasons=[recs[-1].finish_reason if recs else None for recs in records])
 
 
-disk = sys.argv[1]
+def end(job, engine):
+    emit(job=job, name="end", steps=engine.core.steps,
+         disk_hydrations=engine.stats()["connector"]["disk"]["hydrations"])
+
+
+disk, scenario = sys.argv[1:3]
 batched = set()  # the split kinds whose first engine ran the batch
-for job, spec in enumerate(sys.argv[2:]):
+for job, spec in enumerate(sys.argv[3:]):
     model, kind = spec.rsplit("=", 1)
     engine = Engine.load(model, CacheConfig(disk_tier=disk, **config_fields()), distributed=kind,
                          distributed_check=True, backend="ring")
     core = engine.core
     if not core.channel.cluster.leader:
         core.follow()
-        emit(job=job, name="end", steps=core.steps)
+        end(job, engine)
         continue
     result(job, "first", engine.generate(FIRST, max_tokens=8))
-    result(job, "second", engine.generate(SECOND, max_tokens=8))
-    if kind not in batched:  # the lockstep is the split's, not the family's: once per split is enough
-        batched.add(kind)
-        batch(job, engine)
+    if scenario == "first":
+        result(job, "second", engine.generate(SECOND, max_tokens=8))
+        if kind not in batched:  # the lockstep is the split's, not the family's: once per split is enough
+            batched.add(kind)
+            batch(job, engine)
     engine.close()
-    emit(job=job, name="end", steps=core.steps)
+    end(job, engine)
