@@ -57,3 +57,29 @@ def test_the_same_patches_in_another_grid_are_another_image(family, request):
     assert (wide.pixel_values == square.pixel_values).all()
     assert (wide.tokens == square.tokens) == (family == "kimi_vl")
     assert wide.spans[0].digest != square.spans[0].digest
+
+
+def test_minicpmo_keys_an_upscaled_image_by_all_its_pixels(minicpmo_dir):
+    """MiniCPM-o's image_sizes are the original (w, h), not a crop of padded pixels: its processor scales a
+    28x28 image up to 56x56, so keying the [:28, :28] corner of that left two images differing only in
+    their lower right corner one key, and the second's reply was the first's."""
+    from PIL import ImageDraw
+
+    from mlxkv.config import CacheConfig
+    from mlxkv.engine.engine import Engine
+    from mlxkv.models.loader import load_model
+
+    def picture(corner: bool):
+        image = make_image(28, 28, seed=3)
+        if corner:
+            ImageDraw.Draw(image).rectangle([21, 21, 27, 27], fill=(255, 0, 0))
+        return image
+
+    a, b = _user(picture(False)), _user(picture(True))
+    with Engine(load_model(str(minicpmo_dir)), CacheConfig(block_size=4)) as engine:
+        assert vision_prompt(engine.model, a).pixel_values.shape[-2:] == (56, 56)  # upscaled past the sizes
+        assert vision_prompt(engine.model, a).spans[0].digest != vision_prompt(engine.model, b).spans[0].digest
+        b_cold = engine.chat(b, max_tokens=8, temperature=0).tokens
+    with Engine(load_model(str(minicpmo_dir)), CacheConfig(block_size=4)) as engine:
+        a_reply = engine.chat(a, max_tokens=8, temperature=0).tokens
+        assert engine.chat(b, max_tokens=8, temperature=0).tokens == b_cold != a_reply
