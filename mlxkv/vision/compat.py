@@ -236,7 +236,20 @@ _PROCESSOR_SETTINGS = ("min_pixels", "max_pixels", "size", "patch_size", "merge_
 # The processor's per-image outputs beside pixel_values (a row an image) that change what an image's
 # pixels mean: Kimi-VL's patch grid (the same patches in 2 x 8 or 4 x 4 are different images),
 # LLaVA-OneVision's size (which AnyRes tiles are real). Part of an image's hash.
-_PER_IMAGE_INPUTS = ("image_grid_hws", "grid_thws", "image_sizes")  # grid_thws: Kimi K3's grid
+_PER_IMAGE_INPUTS = ("image_grid_hws", "grid_thws", "image_sizes", "tgt_sizes")  # grid_thws: Kimi K3's grid,
+# tgt_sizes: MiniCPM-o's patch grid of each slice
+
+
+# Families whose `image_sizes` are each image's (h, w) within pixel_values padded to the request's largest
+# image (Pixtral's processor): an image's pixels are then that crop. Elsewhere image_sizes mean something
+# else (MiniCPM-o's: the original image's (w, h), before its processor scales it up or down), so a crop by
+# them would leave pixels out of the image's key and two images would share it.
+_PADDED_IMAGE_SIZES = ("mistral3", "pixtral")
+
+
+def padded_image_sizes(model) -> bool:
+    """True when the family's image_sizes are the (h, w) crop of each image in its padded pixel_values."""
+    return getattr(model.config, "model_type", None) in _PADDED_IMAGE_SIZES
 
 
 def per_image_inputs(inputs: dict, count: int) -> list:

@@ -202,8 +202,9 @@ def vision_prompt(model, messages: list[dict], max_pixels: int = MAX_IMAGE_PIXEL
         tokens = expansion.expanded_tokens(model.vlm.config, tokens, model.image_token_id, inputs, len(images))
     mask = inputs.get("pixel_attention_mask")
     mask = None if mask is None else np.asarray(mask)
-    sizes = inputs.get("image_sizes")  # Pixtral's: its images padded in [N, C, H, W] (LLaVA-OneVision's are 5-D)
-    sizes = None if sizes is None or getattr(pixels, "ndim", 1) != 4 else np.asarray(sizes)
+    # Pixtral's sizes crop its padded images; any other family's image_sizes are a layout in the key.
+    sizes = inputs.get("image_sizes") if compat.padded_image_sizes(model.vlm) else None
+    sizes = None if sizes is None else np.asarray(sizes)
     groups = _even(_images(tokens, model.image_token_id, compat.global_image_token_id(processor),
                            compat.image_end_token_id(processor)), len(images), mask)
     if len(groups) != len(images):

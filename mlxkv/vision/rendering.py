@@ -10,6 +10,9 @@ template takes text alone (its processor adds the image's tokens before it). Cho
 
 from __future__ import annotations
 
+import re
+
+from mlxkv.errors import MlxkvError
 from mlxkv.vision import compat
 from mlxkv.vision.images import is_image_part
 
@@ -23,8 +26,46 @@ TEXT_ONLY = ("molmo",)
 
 
 def render(processor, family: str, messages: list[dict]) -> str:
-    """The prompt text of chat `messages` for `family`'s processor."""
-    return compat.render_chat(processor, template_messages(family, messages))
+    """The prompt text of chat `messages` for `family`'s processor; MlxkvError naming an image part this
+    family's prompt has no place for, or when its image token is not in the text once an image."""
+    _refuse_images_outside_user_messages(family, messages)
+    text = compat.render_chat(processor, template_messages(family, messages))
+    _check_image_tokens(family, text, sum(1 for m in messages if isinstance(m.get("content"), list)
+                                          for p in m["content"] if is_image_part(p)))
+    return text
+
+
+def _writes_image_tokens(family: str) -> bool:
+    """True when mlxkv writes the family's images into string content (its template takes no image parts)."""
+    return family in IMAGE_TOKENS or family in FIRST_IMAGE_ONLY or family in NUMBERED + TEXT_ONLY
+
+
+def _refuse_images_outside_user_messages(family: str, messages: list[dict]) -> None:
+    """Only a user message's images are written where they stand; any other's would be dropped from the text
+    while its processor still embeds the image where it finds a token (MiniCPM-o's: at the prompt's start)."""
+    if not _writes_image_tokens(family):
+        return  # its own template places (or leaves out: a 400 by span count) every image part
+    for i, m in enumerate(messages):
+        if m.get("role") != "user" and isinstance(m.get("content"), list):
+            for j, part in enumerate(m["content"]):
+                if is_image_part(part):
+                    where = part.get("where") or f"messages.{i}.content.{j}"
+                    raise MlxkvError(f"{where}: an image in a message of role {m.get('role')!r}; "
+                                     f"{family} takes images in user messages only")
+
+
+def _check_image_tokens(family: str, text: str, images: int) -> None:
+    """The processor puts images at their tokens in the text: a token also in a system prompt, a tool's output
+    or the user's own text would take an image's place, so each image's token must be there once."""
+    if family in IMAGE_TOKENS:
+        found = text.count(IMAGE_TOKENS[family].strip())
+    elif family in NUMBERED:
+        found = len(re.findall(r"<\|image_\d+\|>", text))
+    else:
+        return  # its template writes the tokens (span count), one a message, or none (Molmo)
+    if found != images:
+        raise MlxkvError(f"messages: {family}'s image token is in the prompt {found} times for {images} images "
+                         f"(is it in a message's text?)")
 
 
 def template_messages(family: str, messages: list[dict]) -> list[dict]:

@@ -57,3 +57,19 @@ def test_the_same_patches_in_another_grid_are_another_image(family, request):
     assert (wide.pixel_values == square.pixel_values).all()
     assert (wide.tokens == square.tokens) == (family == "kimi_vl")
     assert wide.spans[0].digest != square.spans[0].digest
+
+
+
+def test_minicpmo_keys_an_upscaled_image_by_all_its_pixels(minicpmo_dir):
+    """MiniCPM-o's image_sizes are the original (w, h), not a crop of padded pixels: its processor scales a
+    28x28 image up to 56x56, so keying the [:28, :28] corner of that gave two images differing only in
+    their lower right corner one key (test_vision_engine.py's different image at the same place: the second
+    image's reply was the first's)."""
+    from PIL import ImageDraw
+
+    model = VisionModel(*compat.load(str(minicpmo_dir)))
+    a, b = make_image(28, 28, seed=3), make_image(28, 28, seed=3)
+    ImageDraw.Draw(b).rectangle([21, 21, 27, 27], fill=(255, 0, 0))
+    a, b = vision_prompt(model, _user(a)), vision_prompt(model, _user(b))
+    assert a.pixel_values.shape[-2:] == (56, 56)  # upscaled past its image_sizes
+    assert a.spans[0].digest != b.spans[0].digest
