@@ -52,6 +52,8 @@ class ModelSlot:
     load_s: float | None = None  # how long its last load took
     replies: int = 0
     cached_tokens: dict = field(default_factory=dict)  # prompt tokens reused, by tier, over every load
+    image_tokens: int = 0  # image tokens in its prompts, over every load
+    cached_image_tokens: int = 0  # of them, served by a prefix hit
 
     @property
     def name(self) -> str:
@@ -172,6 +174,8 @@ class ModelRegistry:
         slot.replies += 1
         for tier, n in stats.cached_tokens.items():
             slot.cached_tokens[tier] = slot.cached_tokens.get(tier, 0) + n
+        slot.image_tokens += stats.image_tokens
+        slot.cached_image_tokens += stats.cached_image_tokens
 
     def unloading(self, slot: ModelSlot) -> None:
         slot.state = UNLOADING

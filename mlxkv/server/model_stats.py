@@ -20,6 +20,8 @@ def model_stats(registry: ModelRegistry, slot: ModelSlot) -> dict:
         "bytes": slot.footprint,
         "replies": slot.replies,
         "cached_tokens": dict(slot.cached_tokens),
+        "image_tokens": slot.image_tokens,
+        "cached_image_tokens": slot.cached_image_tokens,
         "loads": slot.loads,
         "unloads": slot.unloads,
         "last_load_s": slot.load_s,
@@ -29,13 +31,16 @@ def model_stats(registry: ModelRegistry, slot: ModelSlot) -> dict:
 
 
 def model_lines(rows: dict[str, dict]) -> list[str]:
-    """Per model, labelled model="NAME": loaded, loads, unloads, bytes, replies, cached tokens, idle seconds."""
+    """Per model, labelled model="NAME": loaded, loads, unloads, bytes, replies, cached tokens, image tokens,
+    idle seconds."""
     names = sorted(rows)
     lines = _metric("mlxkv_model_loaded", "gauge", "1 while the model is loaded",
                     [f'{{model="{n}"}} {int(rows[n]["loaded"])}' for n in names])
     for key, kind, help_text in (("loads", "counter", "times the model was loaded"),
                                  ("unloads", "counter", "times the model was unloaded"),
                                  ("replies", "counter", "replies the model finished"),
+                                 ("image_tokens", "counter", "image tokens in the model's prompts"),
+                                 ("cached_image_tokens", "counter", "image tokens a prefix hit served"),
                                  ("bytes", "gauge", "bytes of weights and pool budget, as last loaded")):
         name = f"mlxkv_model_{key}" + ("_total" if kind == "counter" else "")
         lines += _metric(name, kind, help_text, [f'{{model="{n}"}} {rows[n][key]}' for n in names])

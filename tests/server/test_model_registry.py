@@ -9,6 +9,8 @@ from mlxkv.errors import MlxkvError
 from mlxkv.kv_format import KVFormat
 from mlxkv.server.model_names import ModelNames
 from mlxkv.server.model_registry import LOADED, LoadLimits, ModelRegistry
+from mlxkv.engine.records import RequestStats
+from mlxkv.server.model_stats import model_lines, model_stats
 from mlxkv.server.model_specs import NEVER, ModelSpec, alias_flag, duration, model_flag, size
 from mlxkv.server.models_file import read_models_file
 
@@ -73,6 +75,23 @@ def test_least_recently_used_idle_model_goes_first_under_max_loaded():
     reg.release(a)  # a is now the more recent
     assert reg.plan(reg.slot("c")) == [b]
     assert registry(ModelSpec("a", "a"), max_loaded=2).plan(reg.slot("a")) == []
+
+
+def test_each_models_replies_add_up_their_cached_and_image_tokens_in_stats_and_metrics():
+    reg = registry(ModelSpec("vl", "vl"), ModelSpec("text", "text"))
+    vl, text = load(reg, "vl"), load(reg, "text")
+    vl.backend.stats = text.backend.stats = dict
+    reg.reply_done(vl, RequestStats(300, {"pool": 64}, 1, 1, image_tokens=256, cached_image_tokens=0))
+    reg.reply_done(vl, RequestStats(340, {"pool": 320}, 1, 1, image_tokens=256, cached_image_tokens=256))
+    reg.reply_done(text, RequestStats(50, {"pool": 16}, 1, 1))
+    rows = {name: model_stats(reg, slot) for name, slot in reg.slots.items()}
+    assert (rows["vl"]["image_tokens"], rows["vl"]["cached_image_tokens"]) == (512, 256)
+    assert (rows["text"]["image_tokens"], rows["text"]["cached_image_tokens"]) == (0, 0)
+    assert rows["vl"]["cached_tokens"] == {"pool": 384} and rows["vl"]["replies"] == 2
+    lines = model_lines(rows)
+    assert 'mlxkv_model_image_tokens_total{model="vl"} 512' in lines
+    assert 'mlxkv_model_cached_image_tokens_total{model="vl"} 256' in lines
+    assert 'mlxkv_model_cached_image_tokens_total{model="text"} 0' in lines
 
 
 def test_pinned_models_and_models_with_open_requests_are_never_chosen():
