@@ -28,20 +28,26 @@ def expands(config) -> bool:
     return getattr(config, "model_type", None) in EXPANDED
 
 
-def expanded_tokens(config, tokens: list[int], image_token: int, inputs: dict, images: int) -> list[int]:
-    """`tokens` with each image's run of placeholders as long as the features its merge inserts."""
-    return _llava_next(config, tokens, image_token, inputs, images)
+def check_image_count(config, parts: list[tuple[str, dict]]) -> None:
+    """mlx-vlm 0.7.10's LLaVA-NeXT (and Granite Vision) embeds the first image's tiles alone: a second
+    image's placeholders would take the first image's blocks, or vanish with the text before them, so
+    an expanding family takes one image a request. The error names the second image's part."""
+    if expands(config) and len(parts) > 1:
+        raise MlxkvError(f"{parts[1][0]}: {config.model_type} takes one image a request (mlx-vlm 0.7.10 embeds "
+                         f"the first image's tiles alone: the others would be read as the first); got {len(parts)}")
 
 
-def _llava_next(config, tokens: list[int], image_token: int, inputs: dict, images: int) -> list[int]:
-    """mlx-vlm 0.7.10's LLaVA-NeXT (and Granite Vision, its merge copied) runs its tower over the first image's tiles only ([T, P, D]: the base
-    view and the best pinpoint's crops), appends T blocks of P copies of its image_newline, and puts block
-    i in place of placeholder i: min(N, 2T) blocks for a run of N placeholders, P features each (P: the
-    tower's patches a tile: CLIP's CLS too, unless the "default" strategy drops it). A second image's placeholders
-    would take the first image's blocks, or vanish with the text before them: one image a request."""
-    if images > 1:
-        raise MlxkvError(f"messages: {config.model_type} takes one image a request (mlx-vlm 0.7.10 embeds the "
-                         f"first image's tiles alone: the others would be read as the first); got {images}")
+def expanded_tokens(config, tokens: list[int], image_token: int, inputs: dict) -> list[int]:
+    """`tokens` with each image's run of placeholders as long as the features its merge inserts
+    (one image: check_image_count ran first)."""
+    return _llava_next(config, tokens, image_token, inputs)
+
+
+def _llava_next(config, tokens: list[int], image_token: int, inputs: dict) -> list[int]:
+    """mlx-vlm 0.7.10's LLaVA-NeXT (and Granite Vision, its merge copied) runs its tower over the first image's
+    tiles only ([T, P, D]: the base view and the best pinpoint's crops), appends T blocks of P copies of its
+    image_newline, and puts block i in place of placeholder i: min(N, 2T) blocks for a run of N placeholders,
+    P features each (P: the tower's patches a tile: CLIP's CLS too, unless the "default" strategy drops it)."""
     vision = config.vision_config
     patches = (vision.image_size // vision.patch_size) ** 2
     if vision.model_type == "clip_vision_model":

@@ -190,6 +190,7 @@ def vision_prompt(model, messages: list[dict], max_pixels: int = MAX_IMAGE_PIXEL
     parts = image_parts(messages)
     if len(parts) > max_images:
         raise MlxkvError(f"{parts[max_images][0]}: more than {max_images} images in one request")
+    expansion.check_image_count(model.vlm.config, parts)
     images = [load_image(part, where, max_pixels) for where, part in parts]
     processor = model.processor
     text = rendering.render(processor, model.vlm.config.model_type, messages)
@@ -199,7 +200,7 @@ def vision_prompt(model, messages: list[dict], max_pixels: int = MAX_IMAGE_PIXEL
     grid = None if grid is None else np.asarray(grid)
     tokens = processor_tokens = np.asarray(inputs["input_ids"])[0].tolist()
     if expansion.expands(model.vlm.config):
-        tokens = expansion.expanded_tokens(model.vlm.config, tokens, model.image_token_id, inputs, len(images))
+        tokens = expansion.expanded_tokens(model.vlm.config, tokens, model.image_token_id, inputs)
     mask = inputs.get("pixel_attention_mask")
     mask = None if mask is None else np.asarray(mask)
     # Pixtral's sizes crop its padded images; any other family's image_sizes are a layout in the key.

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from mlxkv.errors import MlxkvError
-from mlxkv.vision.expansion import expanded_tokens, expands
+from mlxkv.vision.expansion import check_image_count, expanded_tokens, expands
 
 IMG = 9
 
@@ -30,13 +30,16 @@ def _inputs(tiles: int) -> dict:
 ])
 def test_a_run_of_placeholders_becomes_the_features_its_merge_inserts(run, tiles, tower, strategy, features):
     tokens = [1, 2] + [IMG] * run + [3]
-    out = expanded_tokens(_config(tower, strategy), tokens, IMG, _inputs(tiles), images=1)
+    out = expanded_tokens(_config(tower, strategy), tokens, IMG, _inputs(tiles))
     assert out == [1, 2] + [IMG] * features + [3]
 
 
-def test_a_second_image_is_refused_as_mlx_vlm_embeds_the_first_alone():
-    with pytest.raises(MlxkvError, match="llava_next takes one image a request"):
-        expanded_tokens(_config(), [IMG] * 4 + [1] + [IMG] * 4, IMG, _inputs(5), images=2)
+def test_a_second_image_is_refused_naming_its_part_as_mlx_vlm_embeds_the_first_alone():
+    parts = [("messages.1.content.0", {}), ("messages.3.content.1", {})]
+    with pytest.raises(MlxkvError, match=r"^messages\.3\.content\.1: llava_next takes one image a request"):
+        check_image_count(_config(), parts)
+    check_image_count(_config(), parts[:1])
+    check_image_count(SimpleNamespace(model_type="llava_onevision"), parts)
 
 
 def test_only_the_inserting_families_expand():
