@@ -70,5 +70,9 @@ def test_a_tier_of_no_page_layers_keeps_checkpoints(tmp_path):
         assert disk.flush(timeout=30)
     with open_disk(tmp_path, num_layers=0, page=None) as disk:
         assert [r.boundary for r in disk.checkpoint_refs()] == [4]
+        cancelled = disk.begin_checkpoint_load(checkpoint.key)
+        cancelled.run()  # staged on the loader thread, then its request went away: never taken
+        assert cancelled.staged and disk.stats()["disk"]["hydrations"] == 0
         loaded = disk.load_checkpoint(checkpoint.key)
+        assert disk.stats()["disk"]["hydrations"] == 1
     assert loaded is not None and loaded.states[0][0].tolist() == [[1.0, 1.0, 1.0]]

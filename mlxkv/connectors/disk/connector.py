@@ -260,7 +260,7 @@ class DiskKVCacheConnector:
     def begin_checkpoint_load(self, key: BlockHash) -> CheckpointLoad:
         """A checkpoint load (cache/connector.py): read and verified on the loader thread,
         made MLX on the engine thread."""
-        return CheckpointLoad(key, self.tier_name, lambda: self._stage_checkpoint(key), state_file.mlx_states)
+        return CheckpointLoad(key, self.tier_name, lambda: self._stage_checkpoint(key), self._take_checkpoint)
 
     def _stage_checkpoint(self, key: BlockHash) -> state_file.StagedStates | None:
         """Any thread, as the block reader's `stage`: the file read and verified into numpy."""
@@ -277,8 +277,13 @@ class DiskKVCacheConnector:
             self.reader.discard_corrupt(name, str(e))
             return None
         self.reader.touch(name)
-        self.index.count(hydrations=1)
         return states
+
+    def _take_checkpoint(self, states: state_file.StagedStates):
+        """The engine thread took a staged checkpoint: only then is it a hydration (a load staged for a
+        request that was cancelled meanwhile is not), as the block loads count at take."""
+        self.index.count(hydrations=1)
+        return state_file.mlx_states(states)
 
     def cache_checkpoint(self, checkpoint) -> None:
         self._store_checkpoint(checkpoint, spill=False)
