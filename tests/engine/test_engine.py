@@ -136,6 +136,27 @@ def test_every_decode_step_evaluates_its_pool_writes(model_dirs, monkeypatch):
         assert all(any(a is p for a in arrays) for p in pool.keys + pool.values)
 
 
+def test_a_decode_step_queues_the_next_step_before_its_one_host_read(engine, monkeypatch):
+    """Decode speed rests on the pipeline (loop.py's `step`): each step queues the next
+    forward, then reads the token in flight, and syncs nowhere else. An extra eval, item()
+    or tolist() on the step path, or the read moved before the queue, serializes the steps
+    and shows up in no output, only in the decode rate (docs/benchmarks.md, issue 48)."""
+    events = []
+    real_eval, real_async = mx.eval, mx.async_eval
+    real_item, real_tolist = mx.array.item, mx.array.tolist
+    monkeypatch.setattr(mx, "eval", lambda *a: (events.append("eval"), real_eval(*a))[1])
+    monkeypatch.setattr(mx, "async_eval", lambda *a: (events.append("queue"), real_async(*a))[1])
+    monkeypatch.setattr(mx.array, "item", lambda self: (events.append("read"), real_item(self))[1])
+    monkeypatch.setattr(mx.array, "tolist", lambda self: (events.append("read"), real_tolist(self))[1])
+    stream = engine.stream(tokens(10, start=21), max_tokens=12)
+    next(stream)  # the prefill and the pipeline's first step are behind this
+    events.clear()
+    rest = list(stream)
+    assert len(rest) == 11
+    assert events.count("read") == 11 and set(events) == {"queue", "read"}
+    assert events[:20] == ["queue", "read"] * 10
+
+
 def test_stats_describe_the_pool(engine):
     s = engine.stats()
     assert s["block_size"] == 8 and s["pool"]["size_blocks"] == 32
