@@ -9,18 +9,30 @@ import pytest
 import real_parts
 
 
+def outcome(name: str) -> tuple[str, str]:
+    """What `require` did, caught here whichever it was: a skip escaping a `pytest.raises(fail)`
+    would skip this test rather than fail it."""
+    try:
+        real_parts.require(name)
+    except pytest.skip.Exception as e:
+        return "skip", str(e)
+    except pytest.fail.Exception as e:
+        return "fail", str(e)
+    return "returned", ""
+
+
 def test_a_missing_part_skips_on_a_developer_machine(monkeypatch):
     monkeypatch.delenv("CI", raising=False)
     monkeypatch.setattr(real_parts.shutil, "which", lambda name: None)
-    with pytest.raises(pytest.skip.Exception, match="apt-get install -y tmux"):
-        real_parts.require("tmux")
+    kind, message = outcome("tmux")
+    assert kind == "skip" and "apt-get install -y tmux" in message
 
 
 def test_a_missing_part_fails_under_ci(monkeypatch):
     monkeypatch.setenv("CI", "true")
     monkeypatch.setattr(real_parts.shutil, "which", lambda name: None)
-    with pytest.raises(pytest.fail.Exception, match="npm install -g @openai/codex"):
-        real_parts.require("codex")
+    kind, message = outcome("codex")
+    assert kind == "fail" and "npm install -g @openai/codex" in message
 
 
 def test_a_present_part_is_its_path(monkeypatch):
