@@ -83,6 +83,8 @@ def test_the_engine_host_knows_nothing_of_http():
 
 
 FORBIDDEN_INSIDE_THE_CORE = ("mlxkv.engine.loop", "mlxkv.engine.model_runner", "mlxkv.cache.coordinator")
+# EngineCore's parts, reached as attributes rather than imports (`core.coordinator.recurrent`).
+CORE_PARTS = ("coordinator", "runner", "kv_pool")
 
 
 def _imported_modules(path: Path) -> set[str]:
@@ -98,15 +100,25 @@ def _imported_modules(path: Path) -> set[str]:
     return names
 
 
+def _reached_parts(path: Path) -> set[str]:
+    import ast
+
+    return {node.attr for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.Attribute) and node.attr in CORE_PARTS}
+
+
 def test_the_engines_callers_use_only_the_cores_surface():
     """host/, server/, speculative/ and the chat app reach the batch loop, the model runner and
-    the cache coordinator only through EngineCore (engine/core.py), never by importing them."""
+    the cache coordinator only through EngineCore (engine/core.py), never by importing them
+    or by reading the core's parts."""
     files = [p for d in ("mlxkv/host", "mlxkv/server", "mlxkv/speculative", "tui") for p in (ROOT / d).rglob("*.py")]
     assert len(files) > 20
     reaching = {str(p.relative_to(ROOT)): sorted(m for m in _imported_modules(p)
                                                  if m.startswith(FORBIDDEN_INSIDE_THE_CORE))
                 for p in files}
     assert {path: names for path, names in reaching.items() if names} == {}
+    parts = {str(p.relative_to(ROOT)): sorted(_reached_parts(p)) for p in files}
+    assert {path: names for path, names in parts.items() if names} == {}
 
 
 def test_config_imports_nothing_above_it():

@@ -146,6 +146,11 @@ class EngineCore:
         return self.coordinator.pool
 
     @property
+    def hybrid(self) -> bool:
+        """The model has recurrent layers (their state is checkpointed, not paged)."""
+        return self.coordinator.recurrent is not None
+
+    @property
     def checkpoints(self):
         """A hybrid model's checkpoint store (None for other models)."""
         recurrent = self.coordinator.recurrent

@@ -118,7 +118,7 @@ def _model_info(name: str, engine) -> ModelInfo:
     return ModelInfo(name, core.tokenizer, core.limits, core.loaded.max_context, log_path,
                      block_size, ", ".join(tiers), vision, _footprint(core),
                      model_kind(getattr(core.loaded, "config", {}) or {}),
-                     hybrid=core.coordinator.recurrent is not None)
+                     hybrid=core.hybrid)
 
 
 class RecordReader:
