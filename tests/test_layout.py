@@ -173,3 +173,61 @@ def test_a_request_is_the_one_writer_of_its_stats_and_issued():
                     if isinstance(t, ast.Attribute) and t.attr in owned:
                         writers.setdefault(str(path.relative_to(ROOT)), set()).add(t.attr)
     assert set(writers) == {"mlxkv/engine/request.py"}, writers
+
+
+# docs/design.md's layers, lowest first; a package imports only its own layer and those below,
+# but for the imports the doc lists as running up.
+LAYERS = (
+    {"errors", "system", "kv_format", "remote_url", "config"},
+    {"cache"},
+    {"connectors"},
+    {"chat", "structured", "models"},
+    {"attention"},
+    {"vision", "speculative"},
+    {"engine"},
+    {"distributed", "host"},
+    {"server"},
+    {"cli", "cli_flags", "generate_command", "benchmarks"},
+)
+RUNNING_UP = {("models", "vision"), ("models", "engine"), ("engine", "distributed"), ("distributed", "server")}
+
+
+def _package_imports() -> set[tuple[str, str]]:
+    """(importer, imported) between mlxkv's top-level packages and modules."""
+    edges = set()
+    for path in (ROOT / "mlxkv").rglob("*.py"):
+        parts = path.relative_to(ROOT / "mlxkv").parts
+        source = parts[0] if len(parts) > 1 else parts[0].removesuffix(".py")
+        for module in _imported_modules(path):
+            names = module.split(".")
+            if names[0] == "mlxkv" and len(names) > 1 and names[1] != source and names[1] != "__init__":
+                edges.add((source, names[1]))
+    return edges
+
+
+def test_imports_point_down_the_layers_design_md_lists():
+    layer = {name: i for i, names in enumerate(LAYERS) for name in names}
+    edges = {(a, b) for a, b in _package_imports() if a in layer and b in layer}
+    assert {(a, b) for a, b in edges if layer[b] > layer[a]} == RUNNING_UP
+    assert len(edges) > 40 and set(layer) >= {a for a, _ in _package_imports() if a != "__init__"}
+    design = (ROOT / "docs" / "design.md").read_text()
+    for a, b in RUNNING_UP:
+        assert f"`{a}` -> `{b}`" in design
+
+
+def test_design_md_names_every_package_and_module():
+    """The package table has a row for every package of mlxkv/, naming each of its modules
+    (or a pattern such as `gguf*.py` that covers it)."""
+    import fnmatch
+    import re
+
+    design = (ROOT / "docs" / "design.md").read_text()
+    rows = {m.group(1): line for line in design.splitlines() if (m := re.match(r"\| `mlxkv/(\w+)/` \|", line))}
+    packages = [p for p in (ROOT / "mlxkv").iterdir() if p.is_dir() and (p / "__init__.py").exists()]
+    assert len(packages) > 10 and sorted(p.name for p in packages if p.name not in rows) == []
+    for package in packages:
+        named = re.findall(r"`([\w*/.]+)`", rows[package.name])
+        unnamed = [f.name for f in package.glob("*.py") if f.name != "__init__.py"
+                   and not any(fnmatch.fnmatch(f.name, n) or n == f.stem for n in named)]
+        subpackages = [d.name for d in package.iterdir() if (d / "__init__.py").exists() and f"{d.name}/" not in named]
+        assert (package.name, unnamed, subpackages) == (package.name, [], [])
