@@ -184,6 +184,9 @@ def _kernel_lines(report: dict) -> list[str]:
     lines += ["", "## Speed gate (attention=auto)", ""]
     if not gate:
         return lines + [f"Not run: {report['machine']['attention']['why']}."]
+    source = report["machine"]["attention"].get("gate_source")
+    if source:  # timed now, or read back from the store (gate_store.py): a stored choice was not re-timed
+        lines += [f"Choices {source}.", ""]
     lines += ["| queries | batch | context | kernels ms | reference ms | kernels / reference | decodes on |",
               "|---|---|---|---|---|---|---|"]
     for b in gate:

@@ -30,13 +30,24 @@ def test_the_mac_report_shows_kernel_rows_and_the_speed_gate():
     rows = [{"context": 1024, "batch": b, "queries": 1, "path": "kernel", "dtype": "float16", "paged_ms": ms, "sdpa_ms": 0.1,
              "ratio": ms / 0.1, "goal": GOAL} for b, ms in ((1, 0.105), (8, 0.125))]
     machine = {"chip": "Apple M3", "memory_gib": 16, "os": "macOS", "macos": "15.1", "mlx": "0.32", "mlx_lm": "0.32",
-               "mlxkv": "0.1", "attention": {"path": "kernel", "check": None, "gate": gate, "why": "passed"}}
+               "mlxkv": "0.1", "attention": {"path": "kernel", "check": None, "gate": gate, "why": "passed",
+                                             "gate_source": "stored in /c/gate.json (timed 2026-12-07)"}}
     text = markdown({"date": "today", "machine": machine,
                      "suites": {"kernels": rows, "tiers": [], "engine": [], "memory": []}})
     assert "| 1024 | 8 | 1 | kernel | 0.125 | 0.100 | 1.250x | <= 1.1 |" in text
     assert "Worst kernel/SDPA ratio 1.250x: the goal (<= 1.1x) is NOT met." in text
     assert "| 1 | 1 | 512 | 0.200 | 0.100 | 2.000x | reference |" in text
     assert "| 4 | 8 | 512 | 0.300 | 0.600 | 0.500x | kernel |" in text
+    assert "Choices stored in /c/gate.json (timed 2026-12-07)." in text
     machine["attention"] = {"path": "reference", "check": None, "gate": None, "why": "no Metal GPU"}
     assert "Not run: no Metal GPU." in markdown({"date": "today", "machine": machine,
                                                   "suites": {"kernels": [], "tiers": [], "engine": [], "memory": []}})
+
+
+def test_the_mac_report_runs_the_kernel_sizes_the_issue_asks_for():
+    """Issue 47: kernel against SDPA at 512, 4k, 16k and 32k tokens, batch 1 and 8, 1 and 4 queries."""
+    from mlxkv.benchmarks.report import ReportSizes
+
+    sizes = ReportSizes()
+    assert sizes.kernel_contexts == (512, 4096, 16384, 32768)
+    assert (sizes.kernel_batches, sizes.kernel_queries) == ((1, 8), (1, 4))
