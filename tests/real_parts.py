@@ -15,6 +15,7 @@ import pytest
 INSTALL = {
     "redis-server": "apt-get install -y redis-server",
     "clang++-19": "apt-get install -y clang-19",
+    "valgrind": "apt-get install -y valgrind",
     "tmux": "apt-get install -y tmux",
     "claude": "npm install -g @anthropic-ai/claude-code@2.1.328",
     "codex": "npm install -g @openai/codex@0.169.0",
