@@ -38,6 +38,7 @@ import urllib.request
 from dataclasses import dataclass, field
 
 from mlxkv.benchmarks.rows import format_rows, row  # noqa: F401  (format_rows: the suite's printer)
+from mlxkv.errors import MlxkvError
 
 WALL_GOAL = 1 / 1.5
 RESTART_GOAL = 0.10
@@ -68,6 +69,16 @@ def _words(n: int, seed: int) -> str:
     return " ".join(vocab[(seed * 7 + i * 13 + i * i) % len(vocab)] for i in range(n))
 
 
+def _openai():
+    """The official client, which these benches drive both servers with: a dev dependency, not mlxkv's own."""
+    try:
+        import openai
+    except ImportError:
+        raise MlxkvError("`mlxkv bench serve` and `bench agents` drive the servers with the official openai "
+                         "client: pip install openai") from None
+    return openai
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -78,8 +89,7 @@ class _Process:
     """A server in its own process, answering on a free loopback port."""
 
     def __init__(self, argv: list[str], port: int, model: str):
-        import openai
-
+        openai = _openai()
         self.port = port
         self.model = model  # mlx_lm.server loads any other name it is asked for
         self.log = tempfile.TemporaryFile()

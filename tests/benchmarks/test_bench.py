@@ -260,3 +260,12 @@ def test_speculative_benchmark_rows(llama_dir, monkeypatch):
     assert [r["name"] for r in rows] == names + [n.replace(")", ", float32 copy)") for n in names]
     assert all(r["tokens_identical"] for r in rows)
     assert rows[4]["acceptance"] == 1.0 and rows[9]["acceptance"] == 1.0  # a model drafting for itself is always right
+
+
+def test_the_serve_benches_without_the_openai_client_say_how_to_install_it(monkeypatch):
+    """openai is a dev dependency: a plain install running `mlxkv bench serve` gets one line, not an ImportError."""
+    from mlxkv.benchmarks import serve
+
+    monkeypatch.setitem(__import__("sys").modules, "openai", None)  # what `import openai` meets when it is missing
+    with pytest.raises(MlxkvError, match="pip install openai"):
+        serve._Process(["true"], 1, "m")

@@ -33,6 +33,10 @@ import mlxkv.metal, mlxkv.tui
 from importlib import resources
 assert resources.files("mlxkv.metal").joinpath("paged_decode.metal").is_file()
 assert resources.files("mlxkv.tui").joinpath("chat.tcss").is_file()
+# The deps come from the dev venv: no module may import a dev-only package where it is imported
+# (sentencepiece left out: transformers imports it whenever it is installed).
+dev_only = {"pytest", "hypothesis", "xdist", "openai", "anthropic", "gguf", "jsonschema"}
+assert not dev_only & set(sys.modules), sorted(dev_only & set(sys.modules))
 print(len(names))
 """
 
