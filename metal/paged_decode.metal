@@ -178,7 +178,8 @@
     MLXKV_UNROLL
     for (int g = 0; g < G; g++) {
       if (g >= group) {
-        break;  // G rounds the group up: the padded heads do no work (uniform over the threadgroup)
+        continue;  // G rounds the group up: the padded heads do no work (uniform over the threadgroup;
+                   // continue, not break: a loop of constant count unrolls in full)
       }
       float s[TPI];
       float m_new = m[g];
