@@ -22,23 +22,25 @@
 // simdgroup of the first partition starts its running maximum and sum from
 // it, so it is counted once however many partitions there are.
 //
-// A quantized pool (built with MLXKV_QUANTIZED; see common.metal) passes
-// packed K and V with their scales and biases; each lane dequantizes its
-// slice of a row as it reads it, so nothing is dequantized twice or stored.
+// A quantized pool (built with MLXKV_QUANTIZED; see common.metal) holds a
+// record per row. The simdgroups then take the tokens of a span of STEP in
+// step: the threadgroup copies the span's visible K and V records to
+// threadgroup memory (whole segments, common.metal), and each lane
+// dequantizes its slice of a row from there, so nothing is dequantized
+// twice or stored as float.
 //
 // Template: T (dtype), D (head dim), G (query heads per kv head, rounded
 // up; the real count is params[2]), BS (block size), NSG (simdgroups);
-// quantized: BITS. params: n_heads, n_kv_heads, group, table_width,
-// part_tokens, n_parts, has_sinks; quantized: the quantization group.
+// quantized: BITS, QG (quantization group). params: n_heads, n_kv_heads,
+// group, table_width, part_tokens, n_parts, has_sinks.
 
   constexpr int THREADS = NSG * 32;
   constexpr int E = (D + 31) / 32;  // head-dim elements per lane
   // Elements per vector load: a lane's slice, or 16 bytes of it when it is
   // longer (float, D 256), so that each load of the simdgroup is contiguous.
-  // A quantized slice is at most 8 bytes: one load.
+  // A quantized lane's slice is contiguous (it reads threadgroup memory).
 #if defined(MLXKV_QUANTIZED)
   constexpr int W = E;
-  const int q_group = params[7];
 #else
   constexpr int W = E * int(sizeof(T)) <= 16 ? E : 16 / int(sizeof(T));
 #endif
@@ -111,6 +113,27 @@
   // 256, where each of them holds 2E values per lane.
   constexpr int TPI = E <= 4 ? 4 : 2;
   constexpr int STEP = NSG * TPI;
+#if defined(MLXKV_QUANTIZED)
+  // Spans of STEP tokens from a multiple of STEP, all simdgroups in step; SPAN rows of a
+  // span lie in one block (STEP is 16 or 32, BS too).
+  constexpr int RW = mlxkv_record_words<T, D, BITS, QG>();
+  constexpr int SPAN = STEP < BS ? STEP : BS;
+  threadgroup uint32_t records[2 * STEP * RW];  // the span's K records, then its V records
+  for (int p0 = first - first % STEP; p0 < last; p0 += STEP) {
+    MLXKV_UNROLL
+    for (int b = 0; b < STEP / SPAN; b++) {
+      const int b0 = p0 + b * SPAN;
+      const int r0 = max(first, b0) - b0;
+      const int r1 = min(last, b0 + SPAN) - b0;
+      if (r0 < r1) {  // uniform over the threadgroup
+        const size_t at = ((size_t(table[b0 / BS]) * n_kv_heads + kv_head) * BS + b0 % BS) * RW;
+        mlxkv_copy_records<RW>(records + (b0 - p0) * RW, records + (STEP + b0 - p0) * RW, k_pool + at,
+                               v_pool + at, r0, r1, tid, THREADS);
+      }
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);  // the span is in
+    const int t0 = p0 + sg * TPI;
+#else
   // The group's block id is loaded an iteration ahead, so the K/V loads never wait on it.
   int t0 = first - first % TPI + sg * TPI;
   int block = t0 < last ? table[t0 / BS] : 0;
@@ -120,6 +143,7 @@
     // group, 32-bit offsets from there (a block of a kv head is BS * D elements).
     const size_t row = (size_t(block) * n_kv_heads + kv_head) * BS + t0 % BS;
     block = next_block;
+#endif
     bool seen[TPI];  // within [first, last): uniform over the simdgroup
     float k[TPI][E];
     float v[TPI][E];
@@ -128,8 +152,9 @@
       seen[j] = t0 + j >= first && t0 + j < last;
 #if defined(MLXKV_QUANTIZED)
       if (seen[j]) {
-        mlxkv_dequantize<T, D, E, BITS>(k[j], k_pool, k_scales, k_biases, row + j, lane * E, q_group);
-        mlxkv_dequantize<T, D, E, BITS>(v[j], v_pool, v_scales, v_biases, row + j, lane * E, q_group);
+        const threadgroup uint32_t* rec = records + (t0 + j - p0) * RW;
+        mlxkv_dequantize<T, D, E, BITS, QG>(k[j], rec, lane * E);
+        mlxkv_dequantize<T, D, E, BITS, QG>(v[j], rec + STEP * RW, lane * E);
       } else {  // 0, not garbage: p = 0 times a NaN would still be NaN
         MLXKV_UNROLL
         for (int e = 0; e < E; e++) {
@@ -153,7 +178,8 @@
     MLXKV_UNROLL
     for (int g = 0; g < G; g++) {
       if (g >= group) {
-        break;  // G rounds the group up: the padded heads do no work (uniform over the threadgroup)
+        continue;  // G rounds the group up: the padded heads do no work (uniform over the threadgroup;
+                   // continue, not break: a loop of constant count unrolls in full)
       }
       float s[TPI];
       float m_new = m[g];
@@ -194,6 +220,9 @@
         o[g][e] = acc;
       }
     }
+#if defined(MLXKV_QUANTIZED)
+    threadgroup_barrier(mem_flags::mem_threadgroup);  // the span is free
+#endif
   }
 
   // Merge the simdgroups: each rescales its own sums to the threadgroup's maximum (one exp2

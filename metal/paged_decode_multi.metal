@@ -11,7 +11,8 @@
 //   1. Tiles of TILE positions, aligned to TILE so that a tile lies in one
 //      block: the threadgroup copies the tile's visible K and V rows into
 //      threadgroup memory as float, 16 contiguous bytes a thread (a
-//      quantized pool's dequantized on the way).
+//      quantized pool's records as they are, in tiles of 16: common.metal;
+//      each lane dequantizes its slice as it reads it).
 //   2. The simdgroups compute from there. They form row sets of RS query
 //      rows each, held in registers with lanes splitting the head dim as in
 //      paged_decode.metal, and streams that take the tile's positions in
@@ -24,21 +25,22 @@
 //
 // Template: T (dtype), D (head dim), RS (query rows per simdgroup: the
 // smallest of 1, 2, 4, 8 covering group x L rows over NSG simdgroups),
-// BS (block size), NSG (simdgroups); quantized: BITS.
+// BS (block size), NSG (simdgroups); quantized: BITS, QG (quantization group).
 // params: n_heads, n_kv_heads, group, table_width, part_tokens, n_parts,
-//         has_sinks, q_len, window (0: none), chunk (0: none), quantization group.
+//         has_sinks, q_len, window (0: none), chunk (0: none).
 // Chunked attention (Llama 4): a query sees only its own chunk of `chunk`
 // positions. window_starts is then the first query's chunk start, and a
 // step may cross into the next chunk: each query's bound counts from there.
 // A group's rows are (head, query) pairs in the order of out [B, Hq, L, D].
 
-  constexpr int TILE = 8;
   constexpr int THREADS = NSG * 32;
   constexpr int E = (D + 31) / 32;  // head-dim elements per lane
 #if defined(MLXKV_QUANTIZED)
+  constexpr int TILE = 16;  // kernels.QUANT_TILE: a tile's records start a segment
   constexpr int W = E;
-  constexpr int CHUNK = 128 / BITS;  // elements of 16 bytes of packed words
+  constexpr int RW = mlxkv_record_words<T, D, BITS, QG>();
 #else
+  constexpr int TILE = 8;  // kernels.TILE
   constexpr int W = E * int(sizeof(T)) <= 16 ? E : 16 / int(sizeof(T));
   constexpr int CHUNK = 16 / int(sizeof(T));
 #endif
@@ -111,28 +113,34 @@
     l[i] = sink_here ? 1.0f : 0.0f;
   }
 
+#if defined(MLXKV_QUANTIZED)
+  threadgroup uint32_t records[2 * TILE * RW];  // a tile's K records, then its V records
+  threadgroup float stage[NSG * D];  // the merge's
+#else
   threadgroup float stage[2 * TILE * D];  // a tile's K rows, then its V rows
   threadgroup float* k_tile = stage;
   threadgroup float* v_tile = stage + TILE * D;
+#endif
   for (int p0 = base; p0 < last; p0 += TILE) {
     const int t0 = max(p0, first);
     const int n_rows = min(p0 + TILE, last) - t0;  // visible rows, from slot t0 - p0
+#if defined(MLXKV_QUANTIZED)
+    const size_t at = ((size_t(table[p0 / BS]) * n_kv_heads + kv_head) * BS + p0 % BS) * RW;
+    mlxkv_copy_records<RW>(records, records + TILE * RW, k_pool + at, v_pool + at, t0 - p0, t0 - p0 + n_rows, tid,
+                           THREADS);
+#else
     const size_t prow = (size_t(table[t0 / BS]) * n_kv_heads + kv_head) * BS + t0 % BS;
     const int chunks = n_rows * (D / CHUNK);
     for (int c = tid; c < 2 * chunks; c += THREADS) {
       const bool is_v = c >= chunks;
       const int x = (is_v ? c - chunks : c) * CHUNK;  // element x of the rows from t0
       threadgroup float* dst = (is_v ? v_tile : k_tile) + (t0 - p0) * D + x;
-#if defined(MLXKV_QUANTIZED)
-      mlxkv_dequantize_chunk<T, D, BITS>(dst, is_v ? v_pool : k_pool, is_v ? v_scales : k_scales,
-                                         is_v ? v_biases : k_biases, prow + x / D, x % D, params[10]);
-#else
       const device T* src = (is_v ? v_pool : k_pool) + prow * D + x;
       for (int w = 0; w < CHUNK; w++) {
         dst[w] = float(src[w]);
       }
-#endif
     }
+#endif
     threadgroup_barrier(mem_flags::mem_threadgroup);  // the tile is in
     if (stream < streams) {
       // TPI of the stream's positions at a time (t, t + streams, ...), one rescale each.
@@ -144,12 +152,26 @@
         for (int j = 0; j < TPI; j++) {
           pos[j] = t + j * streams;
           const bool in_tile = pos[j] < t0 + n_rows;
+#if defined(MLXKV_QUANTIZED)
+          if (in_tile) {  // uniform over the simdgroup
+            const threadgroup uint32_t* rec = records + (pos[j] - p0) * RW;
+            mlxkv_dequantize<T, D, E, BITS, QG>(k[j], rec, lane * E);
+            mlxkv_dequantize<T, D, E, BITS, QG>(v[j], rec + TILE * RW, lane * E);
+          } else {
+            MLXKV_UNROLL
+            for (int e = 0; e < E; e++) {
+              k[j][e] = 0.0f;
+              v[j][e] = 0.0f;
+            }
+          }
+#else
           const int slot = (pos[j] - p0) * D;
           MLXKV_UNROLL
           for (int e = 0; e < E; e++) {
             k[j][e] = in_tile && (FULL || dims[e] < D) ? k_tile[slot + dims[e]] : 0.0f;
             v[j][e] = in_tile && (FULL || dims[e] < D) ? v_tile[slot + dims[e]] : 0.0f;
           }
+#endif
         }
         MLXKV_UNROLL
         for (int i = 0; i < RS; i++) {

@@ -1,4 +1,4 @@
-"""How a pool stores K and V: in the model's dtype, or quantized as `mx.quantize` lays it out.
+"""How a pool stores K and V: in the model's dtype, or quantized (mx.quantize's values, one record a vector).
 
 A value type every layer shares: the flag parser makes one (cli_flags.py),
 the engine config holds it (config.py), the pool, the tiers and the
@@ -58,18 +58,43 @@ class KVFormat:
                              f"{self.group_size}{hint}")
 
     # -- pool pages -------------------------------------------------------
+    # A quantized page layer is one `uint32` array `[..., record_words]`: each
+    # vector's record, its packed words, then its scales, then its biases (in
+    # the model's dtype), so a kernel reads a row's words, scales and biases as
+    # one contiguous span. Outside the pool the record is the same bytes.
 
-    def zeros(self, shape: tuple[int, ...], dtype):
-        """A page layer of `shape` (`[..., dim]`) holding zeros: an array, or (packed, scales, biases)."""
+    def record_words(self, dim: int, dtype) -> int:
+        """32-bit words of a quantized vector's record (its scales and biases, a pair per group
+        of at least 2 bytes each, fill whole words)."""
+        return self.vector_bytes(dim, dtype) // 4
+
+    def zeros(self, shape: tuple[int, ...], dtype) -> mx.array:
+        """A page layer of `shape` (`[..., dim]`) holding zeros: values, or quantized records."""
         if not self.quantized:
             return mx.zeros(shape, dtype)
         *lead, dim = shape
-        return (mx.zeros((*lead, dim * self.bits // 32), mx.uint32),
-                mx.zeros((*lead, dim // self.group_size), dtype), mx.zeros((*lead, dim // self.group_size), dtype))
+        return mx.zeros((*lead, self.record_words(dim, dtype)), mx.uint32)
 
     def quantize(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
-        """Each vector along the last axis alone: (packed, scales, biases)."""
+        """Each vector along the last axis alone: mx.quantize's (packed, scales, biases)."""
         return tuple(mx.quantize(x, group_size=self.group_size, bits=self.bits))
+
+    def record(self, parts) -> mx.array:
+        """(packed, scales, biases) as each vector's `uint32` record."""
+        packed, scales, biases = parts
+        return mx.concatenate([packed, mx.concatenate([scales, biases], axis=-1).view(mx.uint32)], axis=-1)
+
+    def page(self, x: mx.array) -> mx.array:
+        """Vectors `[..., dim]` as a page layer holds them: as given, or quantized records."""
+        return self.record(self.quantize(x)) if self.quantized else x
+
+    def parts(self, records: mx.array, dim: int, dtype) -> tuple[mx.array, mx.array, mx.array]:
+        """Records back as mx.quantize's (packed, scales, biases) of vectors of `dim`: views
+        of `records` (strided slices; a gather or matmul reading them copies nothing more)."""
+        words, groups = dim * self.bits // 32, dim // self.group_size
+        side = records.view(dtype)  # before slicing: a view of a whole contiguous array is free
+        at = words * 4 // dtype.size
+        return records[..., :words], side[..., at : at + groups], side[..., at + groups : at + 2 * groups]
 
     def dequantize(self, parts, dtype) -> mx.array:
         packed, scales, biases = parts
@@ -77,16 +102,13 @@ class KVFormat:
 
     # -- pages outside the pool --------------------------------------------
 
-    def to_bytes(self, parts) -> mx.array:
-        """(packed, scales, biases) as one `uint8` array: each vector's bytes in that order."""
-        return mx.concatenate([p.view(mx.uint8) for p in parts], axis=-1)
+    def to_bytes(self, records: mx.array) -> mx.array:
+        """Records as one `uint8` array: each vector's packed words, scales and biases."""
+        return records.view(mx.uint8)
 
-    def from_bytes(self, data: mx.array, dim: int, dtype) -> tuple[mx.array, mx.array, mx.array]:
-        """The inverse of `to_bytes` for vectors of `dim` with scales in `dtype`."""
-        words = dim * self.bits // 8
-        side = (dim // self.group_size) * dtype.size
-        cuts = ((0, words, mx.uint32), (words, words + side, dtype), (words + side, words + 2 * side, dtype))
-        return tuple(mx.contiguous(data[..., a:b]).view(t) for a, b, t in cuts)
+    def from_bytes(self, data: mx.array) -> mx.array:
+        """The inverse of `to_bytes`."""
+        return data.view(mx.uint32)
 
 
 FULL = KVFormat()

@@ -148,7 +148,8 @@ def paged_attention(queries, keys, values, cache: PagedKVCache, scale: float, ma
 
 def _kernel_attention(queries, cache: PagedKVCache, scale: float, sinks=None):
     """Attention of each row's last L (up to MAX_QUERIES) tokens on the kernels, or None where
-    they do not serve the shape. A page layer may be quantized: (packed, scales, biases).
+    they do not serve the shape. A page layer may be quantized: records whose scales are in the
+    pool's dtype, which the kernels read as the queries' (so the two must agree).
 
     The kernels let query j of L see its row's tokens up to position
     context - L + j, within the window or its own chunk: what the reference path's mask keeps
@@ -156,6 +157,8 @@ def _kernel_attention(queries, cache: PagedKVCache, scale: float, sinks=None):
     """
     k_pool = cache.pool.keys[cache.layer]
     v_pool = cache.pool.values[cache.layer]
+    if cache.pool.kv.quantized and queries.dtype != cache.pool.layout.dtype:
+        return None
     if not kernels.serves(queries.dtype, *queries.shape[1:], k_pool, v_pool):
         return None
     t = cache.tables

@@ -17,10 +17,10 @@ Instantiations: one per (dtype, head dim, GQA group size, block size) for
 one query, the group size rounded up to 1, 2, 4 or 8; for several, the
 group size gives way to the query rows each simdgroup holds
 (`rows_per_simdgroup`). The block size is a template constant so that a
-token's block and slot are a shift and a mask. A quantized pool (K and V as
-`mx.quantize` lays them out: packed words, scales, biases) has its own
-kernels of each kind, with the bits as one more template constant and the
-quantization group a runtime value. Context lengths, partitioning, the real
+token's block and slot are a shift and a mask. A quantized pool (one
+`uint32` record per K or V row: `mx.quantize`'s packed words, then scales,
+then biases; kv_format.py) has its own kernels of each kind, with the bits
+and the quantization group as two more template constants. Context lengths, partitioning, the real
 group size and query count, a sliding window and attention sinks are
 runtime values: they only set where the token loop starts, what each query
 sees and what the softmax starts from, and each instantiation is one more
@@ -34,6 +34,7 @@ never with an MLX op per call.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from dataclasses import dataclass
 from importlib import resources
@@ -44,6 +45,7 @@ import mlx.core as mx
 from mlxkv.attention import gpu_size
 from mlxkv.attention.gpu_size import GPUSize
 from mlxkv.errors import MlxkvError
+from mlxkv.kv_format import KVFormat
 
 DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 HEAD_DIMS = (64, 80, 96, 128, 256)
@@ -54,6 +56,8 @@ ROWS_PER_SIMDGROUP = (1, 2, 4, 8)  # multi-query kernel: query rows in a simdgro
 QUANT_BITS = (8, 4)
 QUANT_GROUPS = (64, 32)
 TILE = 8  # positions the multi-query kernel copies to threadgroup memory at once
+# A quantized pool's: 16 rows of records start a 64-byte segment whatever their width (metal/common.metal).
+QUANT_TILE = 16
 SIMDGROUPS = 8
 THREADS = 32 * SIMDGROUPS  # per decode threadgroup
 REDUCE_THREADS = 64
@@ -65,7 +69,6 @@ MIN_PART_TOKENS = 128
 MIN_ELEMENTS = 8  # MLX passes smaller inputs in the constant address space
 
 _POOLS = ["k_pool", "v_pool"]
-_QUANTIZED_POOLS = ["k_pool", "k_scales", "k_biases", "v_pool", "v_scales", "v_biases"]
 _INDEX = ["block_tables", "context_lens", "window_starts", "sinks", "scale", "params"]
 _DECODE_OUTPUTS = ["out", "partials"]
 
@@ -83,7 +86,7 @@ def make_kernel(name: str, body: str | None = None, header: str | None = None, q
     if name == "paged_reduce":
         inputs, outputs = ["partials", "params"], ["out"]
     else:
-        inputs, outputs = ["queries"] + (_QUANTIZED_POOLS if quantized else _POOLS) + _INDEX, _DECODE_OUTPUTS
+        inputs, outputs = ["queries"] + _POOLS + _INDEX, _DECODE_OUTPUTS
     return mx.fast.metal_kernel(
         name=f"mlxkv_{name}" + ("_quantized" if quantized else ""),
         input_names=inputs,
@@ -163,21 +166,18 @@ def supports(dtype, head_dim: int, v_head_dim: int, block_size: int, group: int,
     )
 
 
-def quantized_format(pages, head_dim: int) -> tuple[int, int] | None:
-    """(bits, quantization group) of a quantized page layer (packed, scales, biases), as
-    `mx.quantize` lays it out along `head_dim`; None for a full-precision pool."""
-    if not isinstance(pages, (tuple, list)):
+def quantized_format(page, head_dim: int, dtype) -> tuple[int, int] | None:
+    """(bits, quantization group) of a quantized page layer (`uint32` records of vectors of
+    `head_dim` with scales in `dtype`, kv_format.py), from its records' width (each format's
+    differs for a dtype); None for a full-precision pool."""
+    if page.dtype != mx.uint32:
         return None
-    packed, scales, biases = pages
-    bits = packed.shape[-1] * 32 // head_dim
-    group = head_dim // scales.shape[-1]
-    if (packed.dtype != mx.uint32 or bits * head_dim != packed.shape[-1] * 32 or group * scales.shape[-1] != head_dim
-            or biases.shape != scales.shape or bits not in QUANT_BITS or group not in QUANT_GROUPS):
-        raise MlxkvError(f"a quantized pool must be mx.quantize's packed uint32, scales and biases at "
-                         f"{' or '.join(map(str, QUANT_BITS))} bits, groups of "
-                         f"{' or '.join(map(str, QUANT_GROUPS))}; got packed {packed.dtype} {packed.shape}, "
-                         f"scales {scales.shape} for head dim {head_dim}")
-    return bits, group
+    for bits, group in itertools.product(QUANT_BITS, QUANT_GROUPS):
+        if head_dim % group == 0 and KVFormat(bits, group).record_words(head_dim, dtype) == page.shape[-1]:
+            return bits, group
+    raise MlxkvError(f"a quantized pool must hold records of mx.quantize's packed words, scales and biases at "
+                     f"{' or '.join(map(str, QUANT_BITS))} bits, groups of {' or '.join(map(str, QUANT_GROUPS))}; "
+                     f"got {page.shape[-1]} words a row for head dim {head_dim}, scales in {dtype}")
 
 
 def partition_size(batch: int, n_kv_heads: int, max_span: int, gpu: GPUSize | None = None) -> int:
@@ -251,8 +251,7 @@ def decode_launch(queries, k_pool, v_pool, block_tables, context_lens, scale: fl
 
     queries [B, Hq, D] (one token per row: mlxkv_paged_decode) or [B, Hq, L, D] (L of 2 to
     MAX_QUERIES, the last L tokens of each row's context: mlxkv_paged_decode_multi); pools
-    [blocks, Hkv, block_size, D], or quantized (packed, scales, biases) as `mx.quantize` lays
-    them out; block_tables [B, nb] int32 (rows padded with any valid id); context_lens: B
+    [blocks, Hkv, block_size, D], or a quantized pool's records of them (kv_format.py); block_tables [B, nb] int32 (rows padded with any valid id); context_lens: B
     ints; partition: tokens per partition, 0 for a single pass; window_starts: B ints, each
     row's first visible token (None: all from 0); window: a sliding window's size (several
     queries: each sees its own last `window`); chunk: chunked attention's chunk size (several
@@ -265,10 +264,11 @@ def decode_launch(queries, k_pool, v_pool, block_tables, context_lens, scale: fl
     fmt, n_kv_heads, block_size = _served(queries.dtype, n_heads, n_queries, D, k_pool, v_pool)
     group = n_heads // n_kv_heads
     window_starts = list(window_starts) if window_starts is not None else [0] * B
-    aligned = [s - s % TILE for s in window_starts] if multi else window_starts
+    tile = _tile(fmt)
+    aligned = [s - s % tile for s in window_starts] if multi else window_starts
     max_span = max(n - s for n, s in zip(context_lens, aligned))
     if multi:
-        partition = -(-partition // TILE) * TILE  # whole tiles: none is read by two partitions
+        partition = -(-partition // tile) * tile  # whole tiles: none is read by two partitions
     n_parts = 1 if partition == 0 else math.ceil(max_span / partition)
     part_tokens = partition if n_parts > 1 else max(max_span, 1)
     has_sinks = sinks is not None
@@ -276,18 +276,17 @@ def decode_launch(queries, k_pool, v_pool, block_tables, context_lens, scale: fl
     sinks = _sinks_f32(memo, sinks, n_heads)
     params = [n_heads, n_kv_heads, group, block_tables.shape[1], part_tokens, n_parts, int(has_sinks)]
     params += [n_queries, window or 0, chunk or 0] if multi else []
-    params += [fmt[1]] if fmt else []
     rows = n_heads * n_queries
     partials_shape = (B, rows, n_parts, D + 2) if n_parts > 1 else (1,)
     name = "paged_decode_multi" if multi else "paged_decode"
     template = (("T", queries.dtype), ("D", D),
                 ("RS", rows_per_simdgroup(group, n_queries)) if multi else ("G", group_size_for(group)),
-                ("BS", block_size), ("NSG", SIMDGROUPS)) + ((("BITS", fmt[0]),) if fmt else ())
+                ("BS", block_size), ("NSG", SIMDGROUPS)) + ((("BITS", fmt[0]), ("QG", fmt[1])) if fmt else ())
     return Launch(
         kernel=decode_kernel or kernel(name, quantized=fmt is not None),
         inputs=(
             queries,
-            *(tuple(k_pool) + tuple(v_pool) if fmt else (k_pool, v_pool)),
+            k_pool, v_pool,
             block_tables.astype(mx.int32),
             _index_array(memo, list(context_lens)),
             _index_array(memo, window_starts),
@@ -305,20 +304,27 @@ def decode_launch(queries, k_pool, v_pool, block_tables, context_lens, scale: fl
 
 def serves(dtype, n_heads: int, n_queries: int, head_dim: int, k_pool, v_pool) -> bool:
     """Whether a kernel serves these queries over these page layers: a supported shape, K and
-    V in one format, a quantized pool's scales in the queries' dtype."""
-    fmt = quantized_format(k_pool, head_dim)
-    pages = k_pool[0] if fmt else k_pool
+    V in one format (a quantized pool's records: read with scales in the queries' dtype; the
+    caller knows the pool's, dispatch.py)."""
+    fmt = quantized_format(k_pool, head_dim, dtype)
+    if quantized_format(v_pool, head_dim, dtype) != fmt:
+        return False
     v_dim = head_dim if fmt else v_pool.shape[3]
-    dtypes = {k_pool[1].dtype, v_pool[1].dtype} if fmt else {k_pool.dtype, v_pool.dtype}
-    n_kv_heads = pages.shape[1]
-    return (n_heads % n_kv_heads == 0 and quantized_format(v_pool, head_dim) == fmt and dtypes == {dtype}
-            and supports(dtype, head_dim, v_dim, pages.shape[2], n_heads // n_kv_heads, n_queries, *(fmt or ())))
+    dtypes = {dtype} if fmt else {k_pool.dtype, v_pool.dtype}
+    n_kv_heads = k_pool.shape[1]
+    return (n_heads % n_kv_heads == 0 and dtypes == {dtype}
+            and supports(dtype, head_dim, v_dim, k_pool.shape[2], n_heads // n_kv_heads, n_queries, *(fmt or ())))
+
+
+def _tile(fmt) -> int:
+    """Positions the multi-query kernel copies at once, for a pool of format `fmt`."""
+    return QUANT_TILE if fmt else TILE
 
 
 def _served(dtype, n_heads: int, n_queries: int, D: int, k_pool, v_pool) -> tuple:
     """(pool format, kv heads, block size) of pools a kernel `serves`, or MlxkvError."""
-    fmt = quantized_format(k_pool, D)
-    _, n_kv_heads, block_size, _ = (k_pool[0] if fmt else k_pool).shape
+    fmt = quantized_format(k_pool, D, dtype)
+    _, n_kv_heads, block_size, _ = k_pool.shape
     if not serves(dtype, n_heads, n_queries, D, k_pool, v_pool):
         raise MlxkvError(f"no paged-attention kernel for {dtype}, head dim {D}, block size {block_size}, "
                          f"{n_heads} over {n_kv_heads} kv heads, {n_queries} queries per row"
@@ -361,8 +367,8 @@ def paged_decode(queries, k_pool, v_pool, block_tables, context_lens, scale: flo
     over the pool, each query seeing the row's tokens up to its own (a decode step at L = 1,
     a speculative verify step above).
 
-    k_pool/v_pool: a page layer [blocks, Hkv, block_size, D], or a quantized one as
-    `mx.quantize(x, group_size, bits)` lays it out: (packed, scales, biases).
+    k_pool/v_pool: a page layer [blocks, Hkv, block_size, D], or a quantized one's records
+    [blocks, Hkv, block_size, words] (kv_format.py), read with scales in the queries' dtype.
     partition: tokens per partition, 0 for one pass, None to choose (`partition_size`).
     kernels: replacements for the shipped kernel objects, by name ("paged_decode",
     "paged_decode_multi", "paged_reduce"). window: a sliding window's size in tokens, the
@@ -377,12 +383,12 @@ def paged_decode(queries, k_pool, v_pool, block_tables, context_lens, scale: flo
     B, n_heads, n_queries, D = queries.shape
     starts = window_starts(context_lens, window, n_queries, chunk, table_starts)
     if n_queries > 1:
-        name, spans = "paged_decode_multi", [n - s + s % TILE for n, s in zip(context_lens, starts)]
+        tile = _tile(quantized_format(k_pool, D, queries.dtype))
+        name, spans = "paged_decode_multi", [n - s + s % tile for n, s in zip(context_lens, starts)]
     else:
         name, spans, queries = "paged_decode", [n - s for n, s in zip(context_lens, starts)], queries.reshape(B, n_heads, D)
     if partition is None:
-        n_kv_heads = (k_pool[0] if isinstance(k_pool, (tuple, list)) else k_pool).shape[1]
-        partition = partition_size(B, n_kv_heads, max(spans))
+        partition = partition_size(B, k_pool.shape[1], max(spans))
     first = decode_launch(queries, k_pool, v_pool, block_tables, context_lens, scale, partition,
                           kernels.get(name), starts, sinks, window, chunk, memo)
     out, partials = run(first)

@@ -1,8 +1,9 @@
 """Paged attention in float64: what the Metal kernels are checked against.
 
 From the same (already rounded) inputs the kernels get: queries, the page
-layers (full precision, or quantized as `mx.quantize` lays them out, whose
-dequantized values `scale * q + bias` are computed exactly here), block
+layers (full precision, or a quantized pool's records of `mx.quantize`'s
+values, whose dequantized values `scale * q + bias` are computed exactly
+here), block
 tables and context lengths. Query j of L in a row sits at position
 n - L + j and sees the row's tokens up to its own, with a sliding window
 only its last `window`, with chunked attention only those of its own chunk; a sink is one more logit per head, with no value.
@@ -18,19 +19,21 @@ import mlx.core as mx
 import numpy as np
 
 from mlxkv.attention import kernels
+from mlxkv.kv_format import KVFormat
 
 
 def f64(x: mx.array) -> np.ndarray:
     return np.array(x.astype(mx.float32), np.float64)
 
 
-def dequantized(pages, head_dim: int) -> np.ndarray:
-    """A page layer's values in float64: as stored, or a quantized one's scale * q + bias."""
-    fmt = kernels.quantized_format(pages, head_dim)
+def dequantized(pages, head_dim: int, dtype) -> np.ndarray:
+    """A page layer's values in float64: as stored, or a quantized one's scale * q + bias
+    (its records' scales in `dtype`)."""
+    fmt = kernels.quantized_format(pages, head_dim, dtype)
     if fmt is None:
         return f64(pages)
     bits, group = fmt
-    packed, scales, biases = pages
+    packed, scales, biases = KVFormat(bits, group).parts(pages, head_dim, dtype)
     words = np.array(packed).astype(np.int64)
     shifts = bits * np.arange(32 // bits)
     q = ((words[..., None] >> shifts) & ((1 << bits) - 1)).reshape(*words.shape[:-1], head_dim)
@@ -47,7 +50,7 @@ def attention(queries, k_pool, v_pool, tables, context_lens, scale: float, windo
     """
     q = f64(queries)
     B, H, L, D = q.shape
-    k, v = dequantized(k_pool, D), dequantized(v_pool, D)
+    k, v = dequantized(k_pool, D, queries.dtype), dequantized(v_pool, D, queries.dtype)
     sink = None if sinks is None else f64(sinks)
     n_kv = k.shape[1]
     out, slack = np.zeros((B, H, L, D)), np.zeros((B, H, L))

@@ -168,7 +168,7 @@ def _case(dtype, head_dim: int, block_size: int, n_heads: int, n_kv_heads: int, 
 
     def pool():
         pages = normal(n_blocks, n_kv_heads, block_size, head_dim)
-        return kv.quantize(pages) if kv.quantized else pages
+        return kv.page(pages)
 
     return {
         "queries": normal(len(_CONTEXT), n_heads, kernels.MAX_QUERIES, head_dim),

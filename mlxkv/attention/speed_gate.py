@@ -213,7 +213,7 @@ class DecodeCase:
 
         def random_pages():
             x = mx.random.normal(blocks, dtype=shape.dtype)
-            return self.kv.quantize(x) if self.kv.quantized else x
+            return self.kv.page(x)
 
         keys, values = [random_pages() for _ in range(layers)], [random_pages() for _ in range(layers)]
         self.pool = KVPool(layout, n_blocks, pages=(keys, values))

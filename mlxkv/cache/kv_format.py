@@ -1,17 +1,19 @@
 """How a pool stores K and V: in the model's dtype, or quantized as `mx.quantize` lays it out.
 
-A quantized page layer is three arrays, MLX's affine quantization along
-the head dim: packed `uint32` words `[blocks, heads, block, dim * bits / 32]`,
-then scales and biases `[blocks, heads, block, dim / group]` in the
-model's dtype: the layout the Metal kernels read (attention/kernels.py)
-and mlx-lm's `QuantizedKVCache` holds. Each token's vector is quantized
-alone, in groups along its own head dim, so a block's bytes never depend
-on what else was in the batch or the step.
+A quantized page layer is one `uint32` array `[blocks, heads, block,
+record_words]`: per token vector, MLX's affine quantization along the head
+dim as one record, its packed words (`dim * bits / 32`), then its scales,
+then its biases (`dim / group` each, in the model's dtype). A kernel reads
+a row's words, scales and biases as one contiguous span (attention/kernels.py);
+the reference path gathers `KVFormat.parts`' views of the record, which are
+`mx.quantize`'s three arrays as mlx-lm's `QuantizedKVCache` holds them. Each
+token's vector is quantized alone, in groups along its own head dim, so a
+block's bytes never depend on what else was in the batch or the step.
 
-Outside the pool (the tiers, cache/block_kv.py) a quantized page is one
-`uint8` array whose last axis is each vector's bytes: its packed words,
-then its scales, then its biases. The tiers then move, count and check
-bytes whatever the format, and store the pool's blocks as they are.
+Outside the pool (the tiers, cache/block_kv.py) a quantized page is the
+same records as `uint8`: each vector's packed words, then its scales, then
+its biases. The tiers then move, count and check bytes whatever the format,
+and store the pool's blocks as they are.
 """
 
 from __future__ import annotations

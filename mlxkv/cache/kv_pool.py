@@ -3,8 +3,9 @@
 Each pool is `[num_blocks, n_kv_heads, block_size, head_dim]` in the model's
 activation dtype, so one (block, head) tile is contiguous: the gather path,
 the Metal kernels and the spill tiers all read whole tiles. A quantized
-pool (cache/kv_format.py) holds each as `mx.quantize`'s three arrays of
-that layout (packed words, scales, biases), written a token vector at a time.
+pool (cache/kv_format.py) holds one `uint32` record per token vector in
+place of its values (packed words, then scales, then biases), written a
+token vector at a time, so a row's words, scales and biases are one span.
 
 Writes use MLX indexed assignment on the only live reference to the pool
 array, so MLX donates the buffer and scatters in place. A second reference
@@ -19,7 +20,7 @@ from dataclasses import dataclass, replace
 import mlx.core as mx
 
 from mlxkv.cache.block_kv import BlockKV, KVRun
-from mlxkv.cache.kv_format import FULL, KVFormat, page_map, parts_of
+from mlxkv.cache.kv_format import FULL, KVFormat
 from mlxkv.cache.layer_groups import GroupLayout
 from mlxkv.cache.page_format import EMPTY, KEYS, OWN
 from mlxkv.errors import MlxkvError
@@ -118,7 +119,7 @@ class PageView:
 
 
 class KVPool:
-    """Every page layer's K and V: an array each, or a quantized pool's (packed, scales, biases)."""
+    """Every page layer's K and V: an array each (a quantized pool's: of records)."""
 
     def __init__(self, layout: KVLayout, num_blocks: int, pages: tuple[list, list] | None = None):
         """Zeros, allocated now; or `pages`, every layer's K and V made elsewhere (the speed
@@ -147,10 +148,8 @@ class KVPool:
             return
         for layer in range(self.layout.num_layers):
             for pools, shape in ((self.keys, self._k_shape(extra)), (self.values, self._v_shape(extra))):
-                zeros = parts_of(self.kv.zeros(shape, self.layout.dtype))
-                grown = [mx.concatenate([old, new]) for old, new in zip(parts_of(pools[layer]), zeros)]
-                pools[layer] = tuple(grown) if self.kv.quantized else grown[0]
-                mx.eval(grown)
+                pools[layer] = mx.concatenate([pools[layer], self.kv.zeros(shape, self.layout.dtype)])
+                mx.eval(pools[layer])
         self.num_blocks = num_blocks
 
     def shrink(self, moves: list[tuple[int, int]], num_blocks: int) -> None:
@@ -160,41 +159,41 @@ class KVPool:
         dst = mx.array([new for _, new in moves], dtype=mx.int32) if moves else None
         for layer in range(self.layout.num_layers):
             for pools in (self.keys, self.values):
-                for pool in parts_of(pools[layer]):
-                    if moves:
-                        pool[dst] = pool[src]
-                # a copy: the old buffer can go
-                pools[layer] = page_map(lambda pool: mx.array(pool[:num_blocks]), pools[layer])
-                mx.eval(parts_of(pools[layer]))
+                if moves:
+                    pools[layer][dst] = pools[layer][src]
+                pools[layer] = mx.array(pools[layer][:num_blocks])  # a copy: the old buffer can go
+                mx.eval(pools[layer])
         self.num_blocks = num_blocks
         mx.clear_cache()  # give the freed buffers back to the system, not MLX's cache
 
     @property
     def arrays(self) -> list[mx.array]:
         """Every layer's K and V pool arrays: what to evaluate so queued writes land."""
-        return [a for page in (*self.keys, *self.values) for a in parts_of(page)]
+        return [*self.keys, *self.values]
 
     @property
     def nbytes(self) -> int:
         return self.num_blocks * self.layout.bytes_per_block
 
     def layer_nbytes(self, layer: int) -> int:
-        return sum(a.nbytes for a in parts_of(self.keys[layer]) + parts_of(self.values[layer]))
+        return self.keys[layer].nbytes + self.values[layer].nbytes
 
     def write(self, layer: int, block_ids: mx.array, offsets: mx.array, keys: mx.array, values: mx.array,
               view: PageView | None = None):
         """Scatter new K/V `[B, H, L, D]` to slots given as `[B, L]` block ids and in-block offsets.
 
-        Returns the new K and V as stored: as given, or a quantized pool's
-        (packed, scales, biases) of each token's vector.
+        Returns the new K and V as stored: as given, or mx.quantize's (packed,
+        scales, biases) of each token's vector, which the pool keeps as records.
         """
         blk = block_ids[..., None]
         off = offsets[..., None]
         # Index arrays broadcast to [B, L, H]; the values must be laid out the same.
         if self.kv.quantized:  # uniform pages only: with_kv_format refuses page views
-            stored = self.kv.quantize(keys), self.kv.quantize(values)
-            for pool, new in zip(self.keys[layer] + self.values[layer], stored[0] + stored[1]):
-                pool[blk, self._heads, off] = new.transpose(0, 2, 1, 3)
+            # Scales in the pool's dtype: the record's width depends on it.
+            dtype = self.layout.dtype
+            stored = self.kv.quantize(keys.astype(dtype)), self.kv.quantize(values.astype(dtype))
+            self.keys[layer][blk, self._heads, off] = self.kv.record(stored[0]).transpose(0, 2, 1, 3)
+            self.values[layer][blk, self._heads, off] = self.kv.record(stored[1]).transpose(0, 2, 1, 3)
             return stored
         if view is None:
             self.keys[layer][blk, self._heads, off] = keys.transpose(0, 2, 1, 3)
@@ -233,9 +232,12 @@ class KVPool:
         return keys, _gather_units(self.values[layer], block_tables, length, view.v_head, v_heads, view.v_split)
 
     def gather_quantized(self, layer: int, block_tables: mx.array, length: int | None = None):
-        """A quantized pool's K and V parts `[B, H, T, ...]` for block tables `[B, nb]`, as `gather`."""
-        return tuple(tuple(self._gather_one(p, block_tables, length) for p in pages)
-                     for pages in (self.keys[layer], self.values[layer]))
+        """A quantized pool's K and V as mx.quantize's parts `[B, H, T, ...]` for block tables
+        `[B, nb]`, as `gather`: each part gathered from its view of the records (the copy a
+        gather makes anyway), so no step copies the records whole first."""
+        dims, dtype = (self.layout.head_dim, self.layout.v_head_dim), self.layout.dtype
+        return tuple(tuple(self._gather_one(p, block_tables, length) for p in self.kv.parts(page, dim, dtype))
+                     for page, dim in zip((self.keys[layer], self.values[layer]), dims))
 
     def dequantized(self, stored):
         """Quantized K and V parts as arrays in the model's dtype."""
@@ -267,7 +269,7 @@ class KVPool:
         return run.blocks(groups)
 
     def _page_copy(self, page, idx: mx.array) -> mx.array:
-        return self.kv.to_bytes([p[idx] for p in page]) if self.kv.quantized else page[idx]
+        return self.kv.to_bytes(page[idx]) if self.kv.quantized else page[idx]
 
     def write_blocks(self, block_ids: list[int], blocks: list[BlockKV]) -> None:
         """Fill whole blocks (hydrate) with K/V read back from a tier.
@@ -282,17 +284,13 @@ class KVPool:
             for layer in range(self.layout.num_layers):
                 # One indexing op per side: a slice of a slice was measured to
                 # make MLX's CPU slice update copy at half the speed.
-                self._fill(self.keys[layer], dst, n, run.keys[layer, src : src + n], self.layout.head_dim)
-                self._fill(self.values[layer], dst, n, run.values[layer, src : src + n], self.layout.v_head_dim)
+                self.keys[layer][dst : dst + n] = self._stored(run.keys[layer, src : src + n])
+                self.values[layer][dst : dst + n] = self._stored(run.values[layer, src : src + n])
         mx.eval(self.arrays)
 
-    def _fill(self, page, dst: int, n: int, stored: mx.array, dim: int) -> None:
-        dtype = self.layout.dtype
-        if not self.kv.quantized:
-            page[dst : dst + n] = stored.astype(dtype)
-            return
-        for pool, part in zip(page, self.kv.from_bytes(stored, dim, dtype)):
-            pool[dst : dst + n] = part
+    def _stored(self, page: mx.array) -> mx.array:
+        """A tier's page as the pool holds it: a quantized one's bytes are its records."""
+        return self.kv.from_bytes(page) if self.kv.quantized else page.astype(self.layout.dtype)
 
 
 def _heads(first: int, x: mx.array, split: int) -> mx.array:

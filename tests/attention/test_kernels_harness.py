@@ -239,3 +239,31 @@ def test_token_groups_that_straddle_a_partition_or_window_bound(harness, old, ne
     (bad,) = harness.run(kernels.reduce_launch(partials, mx.float32))
     with pytest.raises(AssertionError):
         assert_close(bad, expected, mx.float32)
+
+
+def _unroll_failures(harness, launch, tmp_path) -> list[str]:
+    """clang's -Wpass-failed warnings for the launch's kernel at the harness's -O1: a loop that
+    asks to be unrolled in full (MLXKV_UNROLL) and was left rolled."""
+    import subprocess
+
+    from msl import harness as msl_harness
+
+    path = tmp_path / "kernel.cpp"
+    path.write_text(harness.translation_unit(launch))
+    done = subprocess.run([msl_harness.CLANG, *msl_harness._FLAGS, f"-I{msl_harness.HERE}", "-c", str(path),
+                           "-o", str(tmp_path / "kernel.o")], capture_output=True, text=True, check=True)
+    return [line for line in done.stderr.splitlines() if "Wpass-failed" in line]
+
+
+@pytest.mark.slow  # two compiles
+@pytest.mark.parametrize("quantized", [False, True])
+def test_every_loop_asked_to_unroll_unrolls(harness, tmp_path, quantized):
+    # A loop that leaves early (a break) has no constant trip count, and clang leaves it rolled:
+    # its arrays then live in memory rather than registers.
+    case = make_case(mx.float16, 128, 4, context_lens=(20,), kv_bits=4 if quantized else None)
+    assert _unroll_failures(harness, decode(case), tmp_path) == []
+    body = kernels.kernel_source("paged_decode")
+    assert body.count("continue;  // G rounds") == 1
+    broken = kernels.make_kernel("paged_decode", body=body.replace("continue;  // G rounds", "break;  // G rounds"),
+                                 quantized=quantized)
+    assert _unroll_failures(harness, decode(case, decode_kernel=broken), tmp_path)

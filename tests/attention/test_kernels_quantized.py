@@ -1,8 +1,8 @@
-"""Quantized pools (K and V as mx.quantize lays them out: packed words, scales, biases) on
+"""Quantized pools (a record per K or V row: mx.quantize's packed words, scales, biases) on
 the decode kernels, one query per row and several.
 
-The pools here are built with mx.quantize directly, in the layout the quantized KVPool
-holds (cache/kv_format.py). Checked against the float64 oracle of the dequantized values, and against the
+The pools here are built with mx.quantize, in the layout the quantized KVPool holds
+(cache/kv_format.py). Checked against the float64 oracle of the dequantized values, and against the
 full-precision kernels run on the same values dequantized; planted bugs in the
 dequantization must fail, and the sanitizers see an out-of-range block and no race.
 """
@@ -53,22 +53,42 @@ def test_a_verify_step_on_a_quantized_pool_runs_on_the_kernels_through_paged_att
     case = make_case(mx.bfloat16, 64, 2, context_lens=(40, 9), queries=3, kv_bits=4, kv_group_size=32, seed=4)
     pool = KVPool(KVLayout(1, 2, 64, 64, 16, mx.bfloat16, kv=KVFormat(4, 32)), 1)
     assert all(a.shape[1:] == b.shape[1:] and a.dtype == b.dtype  # the pool's own layout is the kernels'
-               for a, b in zip(pool.keys[0] + pool.values[0], case.k_pool + case.v_pool))
+               for a, b in zip((pool.keys[0], pool.values[0]), (case.k_pool, case.v_pool)))
     pool.keys[0], pool.values[0] = case.k_pool, case.v_pool
     cache = PagedKVCache(pool, 0, case.batch("kernel"))
     out = attention.paged_attention(case.queries, None, None, cache, case.scale, cache.make_mask(3))
     assert_close(out, oracle(case), mx.bfloat16)
 
 
+def test_queries_of_another_dtype_than_the_pools_stay_on_the_reference_path(monkeypatch):
+    # The kernels read a record's scales in the queries' dtype; a float32 pool's 8-bit records
+    # in groups of 64 are as wide as float16's in groups of 32, so they would be misread.
+    case = make_case(mx.float32, 64, 2, context_lens=(40, 9), queries=1, kv_bits=8, kv_group_size=64, seed=5)
+    pool = KVPool(KVLayout(1, 2, 64, 64, 16, mx.float32, kv=KVFormat(8, 64)), 1)
+    pool.keys[0], pool.values[0] = case.k_pool, case.v_pool
+    assert kernels.quantized_format(case.k_pool, 64, mx.float16) == (8, 32)  # what the kernels would take
+
+    def no_kernel(*args, **kwargs):
+        raise AssertionError("the kernels were asked to read a pool of another dtype")
+
+    monkeypatch.setattr(kernels, "paged_decode", no_kernel)
+    batch = case.batch("kernel")
+    keys, values = (x.astype(mx.float16) for x in pool.gather(0, batch.block_tables))
+    cache = PagedKVCache(pool, 0, batch)
+    out = attention.paged_attention(case.queries.astype(mx.float16), keys, values, cache, case.scale,
+                                    cache.make_mask(1))
+    assert_close(out, oracle(case), mx.float16)
+
+
 def test_a_pool_the_kernels_cannot_read_is_a_clear_error():
     case = make_case(mx.float16, 64, 2, context_lens=(20,), kv_bits=8, kv_group_size=64)
-    two_bit = tuple(mx.quantize(mx.zeros((4, 2, 16, 64), mx.float16), group_size=64, bits=2))
-    with pytest.raises(MlxkvError, match="quantized pool must be mx.quantize's packed uint32, scales and biases "
-                                         "at 8 or 4 bits"):
+    two_bit = mx.zeros((4, 2, 16, 64 * 2 // 32 + 1), mx.uint32)  # 2 bits in groups of 64: 5 words a row
+    with pytest.raises(MlxkvError, match="quantized pool must hold records of mx.quantize's packed words, scales "
+                                         "and biases at 8 or 4 bits.*got 5 words a row for head dim 64"):
         run_kernels(dataclasses.replace(case, k_pool=two_bit, v_pool=two_bit))
-    other_dtype = tuple(x.astype(mx.float32) if x.dtype == mx.float16 else x for x in case.k_pool)
+    four_bit = make_case(mx.float16, 64, 2, context_lens=(20,), kv_bits=4, kv_group_size=64).v_pool
     with pytest.raises(MlxkvError, match="no paged-attention kernel for mlx.core.float16, head dim 64"):
-        run_kernels(dataclasses.replace(case, k_pool=other_dtype, v_pool=other_dtype))
+        run_kernels(dataclasses.replace(case, v_pool=four_bit))  # K at 8 bits, V at 4
     with pytest.raises(MlxkvError, match="no paged-attention kernel"):  # K quantized, V not
         run_kernels(dataclasses.replace(case, v_pool=dequantized_pool(case.v_pool, 64, mx.float16)))
 
@@ -95,20 +115,22 @@ def harness_output(case, decode_kernel=None):
     # the elements of a word taken in the wrong order
     (1, 128, 4, "return float((word >> ((k * BITS) % 32)) & ((1u << BITS) - 1u));",
      "return float((word >> (32 - BITS - (k * BITS) % 32)) & ((1u << BITS) - 1u));"),
-    (3, 128, 4, "out[k] = s * float((w[k * BITS / 32] >> ((k * BITS) % 32)) & ((1u << BITS) - 1u)) + b;",
-     "out[k] = s * float((w[k * BITS / 32] >> (32 - BITS - (k * BITS) % 32)) & ((1u << BITS) - 1u)) + b;"),
+    (3, 128, 4, "return float((word >> ((k * BITS) % 32)) & ((1u << BITS) - 1u));",
+     "return float((word >> (32 - BITS - (k * BITS) % 32)) & ((1u << BITS) - 1u));"),
     # the bias left out
     (1, 64, 8, "out[e] = s * mlxkv_quant<BITS>(w, e) + b;", "out[e] = s * mlxkv_quant<BITS>(w, e);"),
-    # one word of a chunk read for all of it
-    (3, 64, 8, "out[k] = s * float((w[k * BITS / 32] >> ((k * BITS) % 32)) & ((1u << BITS) - 1u)) + b;",
-     "out[k] = s * float((w[0] >> ((k * BITS) % 32)) & ((1u << BITS) - 1u)) + b;"),
+    # a lane's 64 bits: the first word read for both
+    (3, 256, 8, "return uint2(rec[bit0 / 32], rec[bit0 / 32 + 1]);", "return uint2(rec[bit0 / 32], rec[bit0 / 32]);"),
     # the groups of 64 taken for 32
-    (1, 128, 8, "const float s = float(scales[groups + d0 / group]);", "const float s = float(scales[groups + d0 / 64]);"),
-    (3, 128, 8, "const size_t at = row * (D / group) + d / group;", "const size_t at = row * (D / group) + d / 64;"),
+    (1, 128, 8, "const float s = float(scales[d0 / QG]);", "const float s = float(scales[d0 / 64]);"),
+    (3, 128, 8, "const float b = float(biases[d0 / QG]);", "const float b = float(biases[d0 / 64]);"),
+    # the scales read a word early in the record (where its last packed word is)
+    (1, 64, 4, "(const threadgroup T*)(rec + D * BITS / 32);", "(const threadgroup T*)(rec + D * BITS / 32 - 1);"),
+    (3, 64, 8, "(const threadgroup T*)(rec + D * BITS / 32);", "(const threadgroup T*)(rec + D * BITS / 32 - 1);"),
     # head dim 96: a lane's 12 bits read without their half-byte shift
     (1, 96, 4, "return uint2(x >> (bit0 % 8), 0u);", "return uint2(x, 0u);"),
-], ids=["nibble-order", "multi-nibble-order", "no-bias", "multi-first-word-only", "group-64-for-32",
-        "multi-group-64-for-32", "d96-no-shift"])
+], ids=["nibble-order", "multi-nibble-order", "no-bias", "multi-64-bits-first-word-only", "group-64-for-32",
+        "multi-group-64-for-32", "scales-a-word-early", "multi-scales-a-word-early", "d96-no-shift"])
 def test_planted_dequantization_bugs_fail_the_comparison(queries, head_dim, bits, old, new):
     case = make_case(mx.float32, head_dim, 2, n_kv_heads=1, context_lens=(40, 9), queries=queries, seed=8,
                      kv_bits=bits, kv_group_size=32)
@@ -125,7 +147,7 @@ def test_out_of_range_block_id_is_caught_by_address_sanitizer(queries):
     case = make_case(mx.float32, 64, 1, n_kv_heads=1, context_lens=(40,), spare_blocks=0, queries=queries,
                      kv_bits=4, kv_group_size=32)
     shared_harness().run(launch_of(case), sanitizer="address")  # clean as shipped
-    case.tables[0][1] = case.k_pool[0].shape[0]  # one past the last block
+    case.tables[0][1] = case.k_pool.shape[0]  # one past the last block
     with pytest.raises(HarnessError, match="AddressSanitizer: heap-buffer-overflow"):
         shared_harness().run(launch_of(case), sanitizer="address")
 

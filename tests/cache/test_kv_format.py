@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from mlxkv.attention.paged_cache import PagedBatch
+from mlxkv.cache.block_kv import BlockKV
 from mlxkv.cache.kv_format import FULL, KVFormat
 from mlxkv.cache.kv_pool import KVLayout, KVPool, with_kv_format
 from mlxkv.cache.layer_groups import GroupLayout, KVGroup
@@ -88,14 +89,43 @@ def test_grow_and_shrink_keep_a_quantized_pool_whole():
     assert all(mx.array_equal(a, b) for a, b in zip(before, after))
 
 
-def test_bytes_round_trip_for_every_dtype():
-    for dtype in (mx.float16, mx.bfloat16, mx.float32):
-        for kv in (KVFormat(8, 64), KVFormat(4, 32)):
-            parts = kv.quantize(mx.random.normal((3, 2, 4, 128)).astype(dtype))
-            data = kv.to_bytes(parts)
-            assert data.shape[-1] == kv.vector_bytes(128, dtype)
-            back = kv.from_bytes(data, 128, dtype)
+def _main_bytes(parts) -> mx.array:
+    """A quantized page's bytes as the tiers stored them when the pool held three arrays (main
+    at 9f29a50): each vector's packed words, then its scales, then its biases."""
+    return mx.concatenate([p.view(mx.uint8) for p in parts], axis=-1)
+
+
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16, mx.float32])
+def test_records_round_trip_and_are_the_tiers_old_bytes(dtype):
+    for kv in (KVFormat(8, 64), KVFormat(4, 32), KVFormat(4, 64)):
+        for dim in (64, 96, 128):
+            if dim % kv.group_size:
+                continue
+            parts = kv.quantize(mx.random.normal((3, 2, 4, dim)).astype(dtype))
+            records = kv.record(parts)
+            assert records.dtype == mx.uint32 and records.shape[-1] == kv.record_words(dim, dtype)
+            back = kv.parts(records, dim, dtype)
             assert all(mx.array_equal(a, b) and a.dtype == b.dtype for a, b in zip(parts, back))
+            data = kv.to_bytes(records)
+            assert data.shape[-1] == kv.vector_bytes(dim, dtype)
+            assert mx.array_equal(data, _main_bytes(parts))  # the same bytes on disk and remote
+            assert mx.array_equal(kv.from_bytes(data), records)
+
+
+@pytest.mark.parametrize("dtype", [mx.float16, mx.float32])
+def test_a_block_main_spilled_hydrates_into_the_record_pool(dtype):
+    # Old SSD files and remote values stay valid: bytes written with main's three-array format
+    # read back into a pool of records as the same values (no format tag change needed).
+    kv, lay = KVFormat(4, 32), layout(KVFormat(4, 32), dtype)
+    pool = KVPool(lay, 4)
+    x = [mx.random.normal((1, 2, 4, 64)).astype(dtype) for _ in range(4)]  # K, V of 2 layers
+    old = [_main_bytes(kv.quantize(a)) for a in x]
+    block = BlockKV(mx.concatenate(old[0:2]), mx.concatenate(old[2:4]))  # [layers, heads, block, bytes]
+    pool.write_blocks([2], [block])
+    for layer in range(2):
+        for have, want in zip(pool.gather_quantized(layer, mx.array([[2]])), (x[layer], x[2 + layer])):
+            assert mx.array_equal(kv.dequantize(have, dtype), kv.dequantize(kv.quantize(want), dtype))
+    assert mx.array_equal(pool.read_blocks([2])[0].keys, block.keys)  # and spills them back as they were
 
 
 def test_layouts_a_quantized_pool_cannot_hold_are_refused():
@@ -124,5 +154,5 @@ def test_a_write_does_not_copy_a_quantized_pool():
         new = mx.random.normal((1, 8, 1, 128)).astype(mx.float16)
         pool.write(0, batch.groups[0].write_blocks, batch.write_offsets, new, new)
         mx.eval(pool.arrays)
-    assert mx.get_peak_memory() - base < pool.keys[0][0].nbytes / 16
-    assert np.array(pool.keys[0][1][7, :, 0]).any()
+    assert mx.get_peak_memory() - base < pool.keys[0].nbytes / 16
+    assert np.array(pool.keys[0][7, :, 0]).any()

@@ -99,8 +99,8 @@ def _simdgroup_loads(access: np.ndarray) -> np.ndarray:
 
 CONTEXTS = (1000, 333)  # two rows, both ending mid-block; many tokens per simdgroup
 N_KV_HEADS = 2
-# decode_launch's inputs: each pass's buffers, full precision or quantized (packed, scales, biases).
-PASSES = {False: (("k", (1,)), ("v", (2,))), True: (("k", (1, 2, 3)), ("v", (4, 5, 6)))}
+# decode_launch's inputs: each pass's buffer (a quantized pool's: its records).
+PASSES = (("k", 1), ("v", 2))
 
 
 def _launch(inst, contexts=CONTEXTS, decode_kernel=None):
@@ -122,30 +122,21 @@ def build(harness, inst) -> None:
 
 
 def _minimum_row_bytes(case, inst) -> int:
-    """Bytes of one K (or V) row: the least a pass reads per visible token and kv head."""
-    if not case.quantized:
-        return inst.head_dim * case.dtype.size
-    packed, scales, biases = case.k_pool
-    return packed.shape[-1] * 4 + (scales.shape[-1] + biases.shape[-1]) * scales.dtype.size
+    """Bytes of one K (or V) row: the least a pass reads per visible token and kv head (a
+    quantized row's record: its packed words, scales and biases)."""
+    return case.k_pool.shape[-1] * case.k_pool.dtype.size
 
 
 def instantiation_rows(harness, inst, contexts=CONTEXTS, decode_kernel=None) -> list[dict]:
     """Rows {instantiation, head_dim, pass, coalescing, bytes_ratio, ...} for the K and V
     passes of one decode instantiation (`decode_kernel`: a replacement kernel object).
-    A quantized pass reads three buffers: its coalescing counts them all, and
-    `packed_coalescing` the packed words alone."""
+    A quantized pass reads its records: words, scales and biases all count."""
     case, launch = _launch(inst, contexts, decode_kernel)
-    buffers = tuple(b for _, pass_buffers in PASSES[case.quantized] for b in pass_buffers)
-    _, records = harness.trace(launch, buffers)
-    # One address space per pass: each buffer's offsets moved past the others'.
-    records["offset"] += records["buffer"].astype(np.uint64) << np.uint64(36)
+    _, records = harness.trace(launch, tuple(b for _, b in PASSES))
     minimum = sum(contexts) * N_KV_HEADS * _minimum_row_bytes(case, inst)
     rows = []
-    for pass_, pass_buffers in PASSES[case.quantized]:
-        found = efficiency(records[np.isin(records["buffer"], pass_buffers)], minimum)
-        if case.quantized:
-            packed = records[records["buffer"] == pass_buffers[0]]
-            found["packed_coalescing"] = efficiency(packed, minimum)["coalescing"]
+    for pass_, buffer in PASSES:
+        found = efficiency(records[records["buffer"] == buffer], minimum)
         rows.append({"instantiation": inst.id, "head_dim": inst.head_dim, "pass": pass_, **found,
                      "dtype": str(inst.dtype).removeprefix("mlx.core."), "rows": inst.rows,
                      "block_size": inst.block_size, "multi": inst.multi, "bits": inst.bits,

@@ -25,7 +25,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 OPS_CONTEXTS = (200, 67)  # two rows over partial blocks: many tokens per simdgroup, a few seconds under valgrind
-_COUNTED = re.compile(r"custom_kernel_mlxkv|mlxkv_dequantize|mlxkv_quant|mlxkv_packed_bits|\bexp2?f?\b|__exp")
+_COUNTED = re.compile(r"custom_kernel_mlxkv|mlxkv_copy_records|mlxkv_dequantize|mlxkv_quant|mlxkv_packed_bits|\bexp2?f?\b|__exp")
 
 
 def valgrind_available() -> bool:

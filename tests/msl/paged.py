@@ -1,7 +1,7 @@
 """Paged-attention test cases, the numpy oracle and the reference path.
 
 A case is a pool with random K/V (full precision, or quantized with
-`mx.quantize` as a quantized pool holds them), block tables that scatter
+`mx.quantize` into the records a quantized pool holds, cache/kv_format.py), block tables that scatter
 each sequence over shuffled blocks, and one decode query per sequence, or
 the last few tokens of each (a speculative verify step). Three answers are
 compared: the kernel's (through the harness, or the GPU on Metal), the
@@ -22,6 +22,7 @@ import numpy as np
 
 from mlxkv.attention import dispatch as attention, kernels, oracle as oracle64
 from mlxkv.cache.kv_pool import KVLayout, KVPool
+from mlxkv.kv_format import KVFormat
 from mlxkv.attention.paged_cache import GroupTables, PagedBatch, PagedKVCache
 
 # Relative tolerances of the acceptance criteria. The absolute floor is the
@@ -33,8 +34,8 @@ RTOL = {mx.float32: 1e-5, mx.float16: 2e-3, mx.bfloat16: 1e-2}
 @dataclass
 class Case:
     queries: mx.array  # [B, Hq, L, D]: the last L tokens of each row
-    k_pool: mx.array | tuple  # [blocks, Hkv, block_size, D], or mx.quantize's (packed, scales, biases) of it
-    v_pool: mx.array | tuple
+    k_pool: mx.array  # [blocks, Hkv, block_size, D], or a quantized pool's uint32 records of it
+    v_pool: mx.array
     tables: list[list[int]]  # block ids per sequence
     context_lens: list[int]
     scale: float
@@ -53,11 +54,11 @@ class Case:
 
     @property
     def quantized(self) -> bool:
-        return isinstance(self.k_pool, tuple)
+        return self.k_pool.dtype == mx.uint32
 
     @property
     def block_size(self) -> int:
-        return (self.k_pool[0] if self.quantized else self.k_pool).shape[2]
+        return self.k_pool.shape[2]
 
     @property
     def dtype(self):
@@ -98,7 +99,7 @@ def make_case(dtype=mx.float32, head_dim: int = 64, group: int = 2, n_kv_heads: 
 
     def pool():
         pages = normal(n_blocks, n_kv_heads, block_size, head_dim)
-        return tuple(mx.quantize(pages, group_size=kv_group_size, bits=kv_bits)) if kv_bits else pages
+        return KVFormat(kv_bits, kv_group_size).page(pages) if kv_bits else pages
 
     return Case(
         queries=normal(B, H, queries, head_dim),
@@ -128,10 +129,11 @@ def oracle(case: Case) -> np.ndarray:
 
 def dequantized_pool(pages, head_dim: int, dtype):
     """A quantized page layer as mx.dequantize gives it back, in the activation dtype."""
-    if not isinstance(pages, tuple):
+    fmt = kernels.quantized_format(pages, head_dim, dtype)
+    if fmt is None:
         return pages
-    bits, group = kernels.quantized_format(pages, head_dim)
-    return mx.dequantize(*pages, group_size=group, bits=bits).astype(dtype)
+    kv = KVFormat(*fmt)
+    return kv.dequantize(kv.parts(pages, head_dim, dtype), dtype)
 
 
 def reference(case: Case) -> mx.array:
