@@ -20,7 +20,7 @@ from mlxkv.attention import dispatch as attention, kernels
 from mlxkv.attention.paged_cache import GroupTables, PagedBatch, PagedKVCache
 from mlxkv.cache.kv_format import KVFormat
 from mlxkv.cache.kv_pool import KVLayout, KVPool
-from msl.harness import SKIP_REASON, clang_available, shared_harness
+from msl.harness import SKIP_REASON, HarnessError, clang_available, shared_harness
 from msl.paged import assert_close, check_case, launch_of, make_case, oracle
 
 slow = pytest.mark.slow
@@ -125,3 +125,23 @@ def test_the_per_query_chunk_bound_is_needed():
 def test_a_layer_both_chunked_and_windowed_is_an_error():
     with pytest.raises(Exception, match="chunked or windowed"):
         kernels.window_starts([40], 8, 1, CHUNK)
+
+
+@needs_clang
+@slow  # two sanitizer builds
+@pytest.mark.parametrize("bits", [None, 4])
+def test_chunk_boundaries_run_clean_under_the_sanitizers(bits):
+    """A verify step across a chunk's end reads only its rows' blocks (AddressSanitizer) and shares
+    threadgroup memory without races (ThreadSanitizer), plain and quantized; a step started one
+    chunk too early, which reads before the row's block table, is caught."""
+    case = make_case(mx.float16, 64, 2, n_kv_heads=1, context_lens=(34,), queries=4, seed=3, chunk=CHUNK,
+                     kv_bits=bits, spare_blocks=0)
+    for sanitizer in ("address", "thread"):
+        shared_harness().run(launch_of(case), sanitizer=sanitizer)  # clean as shipped
+    if bits is None:
+        body = kernels.kernel_source("paged_decode_multi")
+        old = "const int start = window_starts[seq];"
+        assert body.count(old) == 1
+        early = kernels.make_kernel("paged_decode_multi", body=body.replace(old, old[:-1] + " - chunk;"))
+        with pytest.raises(HarnessError, match="AddressSanitizer"):
+            shared_harness().run(launch_of(case, decode_kernel=early), sanitizer="address")
