@@ -8,6 +8,8 @@ sits at the bottom of the package, beside config.py and errors.py.
 
 from __future__ import annotations
 
+import functools
+import itertools
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -112,3 +114,15 @@ class KVFormat:
 
 
 FULL = KVFormat()
+
+
+@functools.lru_cache(maxsize=None)
+def record_format(width: int, dim: int, dtype, bits=BITS, group_sizes=GROUP_SIZES) -> KVFormat | None:
+    """The format among `bits` x `group_sizes` whose records of `dim`-vectors with scales in `dtype`
+    are `width` words wide, or None. Formats differ for one dtype, not across dtypes (fp32 scales at
+    8 bits in groups of 64 are as wide as fp16's in groups of 32), so `dtype` must be the pool's.
+    Cached: the kernels ask for every layer of every decode step."""
+    for b, g in itertools.product(bits, group_sizes):
+        if dim % g == 0 and KVFormat(b, g).record_words(dim, dtype) == width:
+            return KVFormat(b, g)
+    return None

@@ -34,7 +34,6 @@ never with an MLX op per call.
 from __future__ import annotations
 
 import functools
-import itertools
 import math
 from dataclasses import dataclass
 from importlib import resources
@@ -45,7 +44,7 @@ import mlx.core as mx
 from mlxkv.attention import gpu_size
 from mlxkv.attention.gpu_size import GPUSize
 from mlxkv.errors import MlxkvError
-from mlxkv.kv_format import KVFormat
+from mlxkv.kv_format import record_format
 
 DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 HEAD_DIMS = (64, 80, 96, 128, 256)
@@ -167,17 +166,17 @@ def supports(dtype, head_dim: int, v_head_dim: int, block_size: int, group: int,
 
 
 def quantized_format(page, head_dim: int, dtype) -> tuple[int, int] | None:
-    """(bits, quantization group) of a quantized page layer (`uint32` records of vectors of
-    `head_dim` with scales in `dtype`, kv_format.py), from its records' width (each format's
-    differs for a dtype); None for a full-precision pool."""
+    """(bits, quantization group) of a quantized page layer (`uint32` records of vectors of `head_dim`
+    with scales in `dtype`, which must be the pool's: dispatch.py checks it), from its records' width;
+    None for a full-precision pool."""
     if page.dtype != mx.uint32:
         return None
-    for bits, group in itertools.product(QUANT_BITS, QUANT_GROUPS):
-        if head_dim % group == 0 and KVFormat(bits, group).record_words(head_dim, dtype) == page.shape[-1]:
-            return bits, group
-    raise MlxkvError(f"a quantized pool must hold records of mx.quantize's packed words, scales and biases at "
-                     f"{' or '.join(map(str, QUANT_BITS))} bits, groups of {' or '.join(map(str, QUANT_GROUPS))}; "
-                     f"got {page.shape[-1]} words a row for head dim {head_dim}, scales in {dtype}")
+    kv = record_format(page.shape[-1], head_dim, dtype, QUANT_BITS, QUANT_GROUPS)
+    if kv is None:
+        raise MlxkvError(f"a quantized pool must hold records of mx.quantize's packed words, scales and biases at "
+                         f"{' or '.join(map(str, QUANT_BITS))} bits, groups of {' or '.join(map(str, QUANT_GROUPS))}; "
+                         f"got {page.shape[-1]} words a row for head dim {head_dim}, scales in {dtype}")
+    return kv.bits, kv.group_size
 
 
 def partition_size(batch: int, n_kv_heads: int, max_span: int, gpu: GPUSize | None = None) -> int:
@@ -251,8 +250,9 @@ def decode_launch(queries, k_pool, v_pool, block_tables, context_lens, scale: fl
 
     queries [B, Hq, D] (one token per row: mlxkv_paged_decode) or [B, Hq, L, D] (L of 2 to
     MAX_QUERIES, the last L tokens of each row's context: mlxkv_paged_decode_multi); pools
-    [blocks, Hkv, block_size, D], or a quantized pool's records of them (kv_format.py); block_tables [B, nb] int32 (rows padded with any valid id); context_lens: B
-    ints; partition: tokens per partition, 0 for a single pass; window_starts: B ints, each
+    [blocks, Hkv, block_size, D], or a quantized pool's records of them (kv_format.py);
+    block_tables [B, nb] int32 (rows padded with any valid id); context_lens: B ints;
+    partition: tokens per partition, 0 for a single pass; window_starts: B ints, each
     row's first visible token (None: all from 0); window: a sliding window's size (several
     queries: each sees its own last `window`); chunk: chunked attention's chunk size (several
     queries: each sees from its own chunk's start, counted from window_starts, the first query's
@@ -305,9 +305,12 @@ def decode_launch(queries, k_pool, v_pool, block_tables, context_lens, scale: fl
 def serves(dtype, n_heads: int, n_queries: int, head_dim: int, k_pool, v_pool) -> bool:
     """Whether a kernel serves these queries over these page layers: a supported shape, K and
     V in one format (a quantized pool's records: read with scales in the queries' dtype; the
-    caller knows the pool's, dispatch.py)."""
-    fmt = quantized_format(k_pool, head_dim, dtype)
-    if quantized_format(v_pool, head_dim, dtype) != fmt:
+    caller knows the pool's, dispatch.py); False, not an error, for records of no format."""
+    try:
+        fmt = quantized_format(k_pool, head_dim, dtype)
+        if quantized_format(v_pool, head_dim, dtype) != fmt:
+            return False
+    except MlxkvError:
         return False
     v_dim = head_dim if fmt else v_pool.shape[3]
     dtypes = {dtype} if fmt else {k_pool.dtype, v_pool.dtype}

@@ -3,10 +3,10 @@
 From the same (already rounded) inputs the kernels get: queries, the page
 layers (full precision, or a quantized pool's records of `mx.quantize`'s
 values, whose dequantized values `scale * q + bias` are computed exactly
-here), block
-tables and context lengths. Query j of L in a row sits at position
-n - L + j and sees the row's tokens up to its own, with a sliding window
-only its last `window`, with chunked attention only those of its own chunk; a sink is one more logit per head, with no value.
+here), block tables and context lengths. Query j of L in a row sits at
+position n - L + j and sees the row's tokens up to its own, with a sliding
+window only its last `window`, with chunked attention only those of its own
+chunk; a sink is one more logit per head, with no value.
 
 Besides the outputs it gives each output row's accumulation slack, in
 units of the fp32 roundoff, which `self_check.tolerance` turns into what

@@ -138,10 +138,10 @@ def test_chunk_boundaries_run_clean_under_the_sanitizers(bits):
                      kv_bits=bits, spare_blocks=0)
     for sanitizer in ("address", "thread"):
         shared_harness().run(launch_of(case), sanitizer=sanitizer)  # clean as shipped
-    if bits is None:
-        body = kernels.kernel_source("paged_decode_multi")
-        old = "const int start = window_starts[seq];"
-        assert body.count(old) == 1
-        early = kernels.make_kernel("paged_decode_multi", body=body.replace(old, old[:-1] + " - chunk;"))
-        with pytest.raises(HarnessError, match="AddressSanitizer"):
-            shared_harness().run(launch_of(case, decode_kernel=early), sanitizer="address")
+    body = kernels.kernel_source("paged_decode_multi")
+    old = "const int start = window_starts[seq];"
+    assert body.count(old) == 1
+    early = kernels.make_kernel("paged_decode_multi", body=body.replace(old, old[:-1] + " - chunk;"),
+                                quantized=bits is not None)
+    with pytest.raises(HarnessError, match="AddressSanitizer"):
+        shared_harness().run(launch_of(case, decode_kernel=early), sanitizer="address")

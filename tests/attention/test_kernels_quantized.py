@@ -60,6 +60,18 @@ def test_a_verify_step_on_a_quantized_pool_runs_on_the_kernels_through_paged_att
     assert_close(out, oracle(case), mx.bfloat16)
 
 
+def test_records_of_no_format_are_not_served_rather_than_an_error():
+    """`serves` answers whether a kernel can read the pools: records of a width no format has (scales
+    in another dtype than the queries', a stray uint32 array) are a no, which sends the layer to the
+    reference path, not an exception in the middle of a step; paged_decode itself still refuses them."""
+    odd = mx.zeros((4, 2, 16, 23), mx.uint32)  # 23 words a row: no bits and group at head dim 64
+    assert not kernels.serves(mx.float16, 4, 1, 64, odd, odd)
+    with pytest.raises(MlxkvError, match="23 words a row"):
+        kernels.quantized_format(odd, 64, mx.float16)
+    fp32 = KVFormat(4, 64).record_words(64, mx.float32)  # as wide as float16 scales in groups of 32
+    assert kernels.quantized_format(mx.zeros((1, 1, 16, fp32), mx.uint32), 64, mx.float16) == (4, 32)
+
+
 def test_queries_of_another_dtype_than_the_pools_stay_on_the_reference_path(monkeypatch):
     # The kernels read a record's scales in the queries' dtype; a float32 pool's 8-bit records
     # in groups of 64 are as wide as float16's in groups of 32, so they would be misread.
