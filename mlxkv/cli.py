@@ -13,7 +13,7 @@ import os
 import sys
 import warnings
 
-from mlxkv.cli_flags import (REMOTE_TIER_ENV, add_cache_flags, add_models_flags, cache_config, number,
+from mlxkv.cli_flags import (REMOTE_TIER_ENV, add_cache_flags, add_models_flags, cache_config, kv_format, number,
                              persistent_cache_config)
 from mlxkv.errors import MlxkvError, MlxkvWarning, warning_text
 
@@ -251,14 +251,13 @@ def cmd_bench(args) -> int:
 
 def cmd_doctor(args) -> int:
     from mlxkv.attention.doctor import attention_lines, attention_report, kv_lines, kv_report
-    from mlxkv.cache.kv_format import KVFormat
     from mlxkv.connectors.doctor import tier_lines, tier_report
     from mlxkv.system.blas import blas_report, format_doctor
     from mlxkv.system.paths import default_disk_tier_dir
 
     tiers = tier_report(getattr(args, "disk_tier", None) or str(default_disk_tier_dir()),
                         getattr(args, "remote_tier", None))
-    kv = KVFormat(getattr(args, "kv_bits", None), getattr(args, "kv_group_size", 64))
+    kv = kv_format(args)
     report = {**blas_report(), "attention": attention_report(kv=kv), "kv": kv_report(kv), "tiers": tiers}
     if getattr(args, "json", False):
         print(json.dumps(report, indent=2))

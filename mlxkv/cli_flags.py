@@ -46,8 +46,9 @@ def add_cache_flags(p: argparse.ArgumentParser, model_help: str | None = None, *
     p.add_argument("--no-prefix-cache", action="store_true", help="do not share blocks between prompts")
     p.add_argument("--kv-bits", type=int, default=None, choices=[8, 4],
                    help="store K/V quantized in the pool and its tiers (default: the model's dtype)")
-    p.add_argument("--kv-group-size", type=int, default=defaults.DEFAULT_KV_GROUP_SIZE, choices=[64, 32],
-                   help="values per scale and bias of a quantized pool")
+    p.add_argument("--kv-group-size", type=int, default=None, choices=[64, 32],
+                   help=f"values per scale and bias of a quantized pool (with --kv-bits; default "
+                        f"{defaults.DEFAULT_KV_GROUP_SIZE})")
     p.add_argument("--memory-tier-mb", type=number(int, 0), default=defaults.DEFAULT_MEMORY_TIER_BYTES >> 20, help="unified-memory tier budget (0 turns it off)")
     p.add_argument("--memory-tier-bits", type=int, default=None, choices=[4, 8], help="quantize memory-tier blocks")
     p.add_argument("--disk-tier", default=None, metavar="DIR", help="SSD tier directory (persists across runs)")
@@ -84,8 +85,11 @@ def kv_format(args):
     from mlxkv.errors import MlxkvError
     from mlxkv.kv_format import KVFormat
 
+    bits, group = getattr(args, "kv_bits", None), getattr(args, "kv_group_size", None)
+    if bits is None and group is not None:  # else a full-precision pool, the flag silently ignored
+        raise MlxkvError(f"--kv-group-size {group} sets a quantized pool's groups: add --kv-bits 8 or 4")
     try:
-        return KVFormat(args.kv_bits, args.kv_group_size)
+        return KVFormat(bits, defaults.DEFAULT_KV_GROUP_SIZE if group is None else group)
     except MlxkvError as e:  # argparse's choices make this unreachable from the command line
         raise argparse.ArgumentTypeError(str(e)) from None
 

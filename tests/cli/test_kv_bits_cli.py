@@ -27,6 +27,9 @@ def test_generate_json_rows_say_the_kv_format(tmp_path):
     (["generate", "--model", "tiny", "--prompt", "hi", "--kv-bits", "8", "--memory-tier-bits", "8"],
      "mlxkv: error: --memory-tier-bits quantizes a full-precision pool's blocks; a pool of --kv-bits holds them "
      "quantized already, and the memory tier keeps them as they are"),
+    (["generate", "--model", "tiny", "--prompt", "hi", "--kv-group-size", "32"],
+     "mlxkv: error: --kv-group-size 32 sets a quantized pool's groups: add --kv-bits 8 or 4"),
+    (["doctor", "--kv-group-size", "32"], "--kv-group-size 32 sets a quantized pool's groups: add --kv-bits 8 or 4"),
     (["generate", "--kv-bits", "3"], "error: argument --kv-bits: invalid choice: 3 (choose from 8, 4)"),
     (["serve", "--kv-group-size", "16"], "error: argument --kv-group-size: invalid choice: 16 (choose from 64, 32)"),
     (["chat", "--kv-bits", "2"], "error: argument --kv-bits: invalid choice: 2 (choose from 8, 4)"),
