@@ -14,9 +14,10 @@ and read B times. Cascade attention splits each row's context in two:
    split-softmax (flash-decoding) merge, so the result is the softmax over
    the whole context.
 
-Computed in float32 and cast back to the query dtype. Over a quantized
-pool both parts stay quantized (the prefix's copy is the pool's own
-parts) and the products are quantized matmuls, as in quantized.py. The
+Computed in float32 and cast back to the query dtype. Quantized parts
+give quantized matmuls, as in quantized.py, but the engine gives a
+quantized pool's batch no cascade (model_runner.py): the merge rounds a
+row otherwise than its solo step, and 8 bits make that a grid step. The
 Metal kernels read the pool per row and do not use this.
 """
 

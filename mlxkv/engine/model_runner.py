@@ -84,7 +84,7 @@ class ModelRunner:
         return self._mirrors[key]
 
     def _prefix_for(self, seqs: list[Sequence], tables: list, num_new: int, path: str) -> SharedPrefix | None:
-        """The shared prefix for cascade attention, or None.
+        """The shared prefix for cascade attention, or None (always over a quantized pool).
 
         A batched decode step (B >= 2, one token each) updates the copy or
         drops it; other forwards (prefill chunks, a lone sequence on its
@@ -93,7 +93,11 @@ class ModelRunner:
         """
         if len(seqs) < 2 or num_new != 1:
             return None
-        cascade = path == "reference" and self._routed and self.group_layout.is_plain
+        # Not over a quantized pool: cascade's split softmax rounds a row otherwise than the one
+        # softmax of its solo step, and 8 bits turn such last bits into a grid step of the next
+        # layer's K/V (on the demo model, from the first batched step: issue 48 item 8).
+        cascade = (path == "reference" and self._routed and self.group_layout.is_plain
+                   and not self.kv_pool.kv.quantized)
         limit = min(s.num_computed for s in seqs)
         blocks = shared_blocks([t[0] for t in tables], limit, self.kv_pool.layout.block_size) if cascade else []
         if not blocks:

@@ -97,3 +97,26 @@ def test_a_model_that_changes_its_fetched_keys_is_attended_as_it_asks():
     out = dispatch.paged_attention(q, changed, values, cache, 0.125, None)
     assert cache.quantized_pages(changed) is None
     assert mx.allclose(out, mx.fast.scaled_dot_product_attention(q, changed, values, scale=0.125, mask=None)).item()
+
+
+def _decode(pool, tables, contexts, queries, new, mirror=None):
+    """One decode step of the rows `tables`, their new K/V `new [2, B, H, 1, D]` written first."""
+    batch = PagedBatch.build(tables, [n - 1 for n in contexts], 1, BLOCK, mirror=mirror)
+    cache = PagedKVCache(pool, 0, batch)
+    keys, values = cache.update_and_fetch(new[0], new[1])
+    return dispatch.paged_attention(queries, keys, values, cache, 0.125, cache.make_mask(1))
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_row_of_a_batched_step_equals_its_solo_step_bit_for_bit(bits):
+    """A batch's row (its context padded to the longest, masked) attends as its solo step does
+    (its mirror, unpadded, unmasked), to the last bit: 8 bits would turn any last-bit difference
+    into another grid step of the next layer's K/V (issue 48, item 8; docs/quantized-kv.md)."""
+    contexts = [40, 17, 33]
+    pool, tables = filled_pool(KVFormat(bits, 32), contexts)
+    q = mx.random.normal((3, 4, 1, 64), key=mx.random.key(2))
+    new = mx.random.normal((2, 3, 2, 1, 64), key=mx.random.key(3))
+    batched = _decode(pool, tables, contexts, q, new)
+    for b, n in enumerate(contexts):
+        alone = _decode(pool, [tables[b]], [n], q[b : b + 1], new[:, b : b + 1], mirror=KVMirror(1))
+        assert mx.array_equal(batched[b : b + 1], alone).item(), f"row {b}"

@@ -11,6 +11,8 @@ from mlx_lm.generate import stream_generate
 from mlx_lm.models.cache import QuantizedKVCache
 
 from family_support import model_with_oracle, prompt_of
+from mlxkv.attention import dispatch
+from mlxkv.attention.cascade import cascade_decode
 from mlxkv.config import CacheConfig
 from mlxkv.engine.engine import Engine
 from mlxkv.errors import MlxkvError
@@ -51,14 +53,23 @@ def test_greedy_output_equals_mlx_lms_quantized_cache(llama, bits):
 
 
 @pytest.mark.parametrize("bits", [8, 4])
-def test_a_concurrent_batch_equals_its_solo_runs_and_hits_equal_cold_runs(llama, bits):
+def test_a_concurrent_batch_equals_its_solo_runs_and_hits_equal_cold_runs(llama, bits, monkeypatch):
     _, loaded, _ = llama
     solo = [engine_for(loaded, bits).generate(p, max_tokens=12).tokens for p in PROMPTS]
     engine = engine_for(loaded, bits)
     assert [r.tokens for r in engine.generate_batch(PROMPTS, max_tokens=12)] == solo
-    again = engine.generate_batch(PROMPTS, max_tokens=12)  # on prefix hits now, rows sharing a prefix: cascade
+    again = engine.generate_batch(PROMPTS, max_tokens=12)  # on prefix hits now
     assert [r.tokens for r in again] == solo
     assert all(r.stats.cached_tokens["pool"] >= BLOCK for r in again[1:])
+    # Rows that all share a prefix take no cascade attention: its split softmax rounds a row
+    # otherwise than its solo steps, and the demo model's 8-bit batch parted from its solo runs
+    # over it (test_quantized_batch_demo.py, issue 48 item 8).
+    cascades = []
+    monkeypatch.setattr(dispatch, "cascade_decode", lambda *a: cascades.append(1) or cascade_decode(*a))
+    sharing = [1, 3, 4]
+    assert [r.tokens for r in engine.generate_batch([PROMPTS[i] for i in sharing], max_tokens=12)] == \
+        [solo[i] for i in sharing]
+    assert not cascades and engine.runner.prefix_nbytes == 0
 
 
 @pytest.mark.parametrize("bits", [8, 4])
