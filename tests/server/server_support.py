@@ -97,7 +97,7 @@ class ScriptedThread:
         core = SimpleNamespace(tokenizer=tokenizer, limits=limits, block_pool=pool,
                                loaded=SimpleNamespace(max_context=4096), kv_layout=SimpleNamespace(block_size=16),
                                config=EngineConfig(tiers=TierConfig(memory_tier_bytes=0)), fingerprint=bytes(32),
-                               coordinator=SimpleNamespace(recurrent=None))
+                               hybrid=False)
         self.engine = SimpleNamespace(core=core, tokenizer=tokenizer, limits=limits, stats=lambda: {"scripted": True})
         self.published = {"scripted": True, "pool": pool.usage()}
         self.submitted: list[tuple[list[int], dict]] = []
