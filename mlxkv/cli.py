@@ -136,7 +136,7 @@ def _add_doctor(sub) -> None:
     p.add_argument("--remote-tier", default=os.environ.get(REMOTE_TIER_ENV), metavar="URL",
                    help=f"a remote tier's server to check (default: ${REMOTE_TIER_ENV})")
     p.add_argument("--kv-bits", type=int, default=None, choices=[8, 4], help="check a quantized pool's kernels")
-    p.add_argument("--kv-group-size", type=int, default=64, choices=[64, 32])
+    p.add_argument("--kv-group-size", type=int, default=None, choices=[64, 32], help="with --kv-bits (default 64)")
     p.set_defaults(func=cmd_doctor)
 
 
