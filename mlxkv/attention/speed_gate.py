@@ -238,8 +238,7 @@ class DecodeCase:
         return (k, v) if length is None else (mx.contiguous(k[:, :, :length]), mx.contiguous(v[:, :, :length]))
 
     def inputs(self, contiguous: bool = False) -> tuple[mx.array, ...]:
-        pools = [part for layer in range(self.layers) for pages in (self.pool.keys[layer], self.pool.values[layer])
-                 for part in parts_of(pages)]
+        pools = [page for layer in range(self.layers) for page in (self.pool.keys[layer], self.pool.values[layer])]
         gathered = [part for kv in self.contiguous_kv for x in kv for part in parts_of(x)] if contiguous else []
         return (*pools, self.queries, *gathered)
 
